@@ -1,0 +1,3 @@
+"""trainperf: trustworthy training-throughput benchmarks for face recognition and ResNet50."""
+
+__version__ = "0.1.0"

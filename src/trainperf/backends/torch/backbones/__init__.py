@@ -1,0 +1,50 @@
+"""Backbones registered by name; every family has a tiny variant for tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    name: str
+    task: str
+    """``face`` builders map images to embeddings; ``classification`` builders to logits."""
+    build: Callable[..., nn.Module]
+
+
+_REGISTRY: dict[str, BackboneSpec] = {}
+
+
+def register(name: str, task: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in _REGISTRY:
+            raise RuntimeError(f"backbone {name!r} registered twice")
+        _REGISTRY[name] = BackboneSpec(name, task, fn)
+        return fn
+
+    return wrap
+
+
+def backbone_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_spec(name: str) -> BackboneSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown backbone {name!r}; known: {', '.join(backbone_names())}") from None
+
+
+def build_backbone(name: str, **kwargs) -> nn.Module:
+    """Build a registered backbone. Face backbones take embedding_size, input_size, output_block,
+    dropout; classification backbones take num_classes."""
+    return get_spec(name).build(**kwargs)
+
+
+# Importing the families registers them.
+from . import iresnet, mobilefacenet, resnet_v1b  # noqa: E402,F401

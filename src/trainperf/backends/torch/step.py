@@ -1,0 +1,144 @@
+"""The training step that trainperf measures: backbone, head, loss, backward, clip, SGD.
+
+This module owns precision and the optimizers. It does no timing, no logging and never reads a
+value back to the host (.item()), so the loop that times it decides every sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ...config import Workload
+from .backbones import build_backbone, get_spec
+from .dist import DistContext
+from .heads import MarginSoftmaxHead, SampledRowsSGD
+
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sum_allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+class FaceModel(nn.Module):
+    """Backbone and head as one module so that ``dp`` mode can wrap both in one DDP."""
+
+    def __init__(self, backbone: nn.Module, head: MarginSoftmaxHead) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(images), labels)
+
+
+def build_head(workload: Workload, ctx: DistContext) -> MarginSoftmaxHead:
+    gen = torch.Generator()
+    gen.manual_seed(workload.seed * 1000 + 7919 * (ctx.rank + 1))
+    return MarginSoftmaxHead(
+        workload.num_classes, workload.embedding_size, workload.resolved_margins, workload.scale,
+        ctx, mode=workload.fc, sample_ratio=workload.sample_ratio, update=workload.pfc_update,
+        generator=gen,
+    )
+
+
+class TrainStep:
+    """Call with (images, labels); returns the detached loss tensor of that step."""
+
+    def __init__(self, workload: Workload, ctx: DistContext) -> None:
+        spec = get_spec(workload.backbone)
+        if spec.task != workload.task:
+            raise ValueError(f"backbone {workload.backbone!r} is a {spec.task} backbone, "
+                             f"but the workload is {workload.task}")
+        self.workload = workload
+        self.ctx = ctx
+        self.step_index = 0
+        device = ctx.device
+        # Same seed on every rank: identical initial backbones (DDP would broadcast anyway).
+        torch.manual_seed(workload.seed)
+        backbone = build_backbone(
+            workload.backbone, embedding_size=workload.embedding_size,
+            num_classes=workload.num_classes, input_size=workload.input_size,
+            output_block=workload.output_block, dropout=workload.dropout,
+        ).to(device)
+        if workload.channels_last:
+            backbone = backbone.to(memory_format=torch.channels_last)
+        self.backbone = backbone
+        self.head: MarginSoftmaxHead | None = None
+        if workload.task == "face":
+            self.head = build_head(workload, ctx).to(device)
+        self.model = self._wrap(backbone)
+
+        main_params = [p for p in backbone.parameters() if p.requires_grad]
+        if self.head is not None and isinstance(self.head.weight, nn.Parameter):
+            main_params.append(self.head.weight)
+        self.optimizers: list[torch.optim.Optimizer] = [torch.optim.SGD(
+            main_params, lr=workload.lr, momentum=workload.momentum,
+            weight_decay=workload.weight_decay)]
+        if self.head is not None and self.head.sparse:
+            self.optimizers.append(SampledRowsSGD(self.head, workload.lr, workload.momentum,
+                                                  workload.weight_decay))
+        self.clip_params = [p for p in backbone.parameters() if p.requires_grad]
+        self.amp_dtype = AMP_DTYPES[workload.precision]
+        self.scaler = torch.amp.GradScaler(device.type) if workload.precision == "fp16" else None
+
+    def _wrap(self, backbone: nn.Module) -> nn.Module:
+        ctx, head = self.ctx, self.head
+        model: nn.Module = backbone if head is None else FaceModel(backbone, head)
+        if not ctx.distributed:
+            return model
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        if head is None or self.workload.fc == "dp":
+            return DDP(model, device_ids=ids, process_group=ctx.group)
+        # mp / pfc: the head is sharded and stays out of DDP. Its loss is the mean over the global
+        # batch and identical on every rank, so each rank's backbone gradient is one partial of
+        # the true gradient: they must be summed, not averaged as DDP does by default.
+        wrapped = DDP(backbone, device_ids=ids, process_group=ctx.group)
+        wrapped.register_comm_hook(ctx.group, _sum_allreduce_hook)
+        return FaceModel(wrapped, head)
+
+    @property
+    def pfc_update(self) -> str | None:
+        return None if self.head is None else self.head.update
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype)
+
+    def forward_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            if self.head is None:
+                return F.cross_entropy(self.model(images).float(), labels)
+            return self.model(images, labels)
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        lr = self.workload.lr_at(self.step_index)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+            for group in opt.param_groups:
+                group["lr"] = lr
+        loss = self.forward_loss(images, labels)
+        scaler = self.scaler
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if self.workload.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(self.optimizers[0])
+            # foreach norm and clamp stay on the device: no sync.
+            nn.utils.clip_grad_norm_(self.clip_params, self.workload.clip_grad_norm)
+        for opt in self.optimizers:
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+        if scaler is not None:
+            scaler.update()
+        self.step_index += 1
+        return loss.detach()

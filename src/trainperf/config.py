@@ -1,0 +1,252 @@
+"""Typed configuration: what is trained (Workload), where (Topology) and how it is timed (Measure).
+
+Every class checks itself once, on construction, and raises ValueError with a message a user can
+act on. Nothing here imports a framework: the runner plans with these objects and hands them to
+workers as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+FC_MODES = ("dp", "mp", "pfc")
+PRECISIONS = ("fp32", "fp16", "bf16")
+LOSSES = ("arcface", "cosface", "softmax", "combined")
+TASKS = ("face", "classification")
+PFC_UPDATES = ("sparse", "dense")
+DEVICE_KINDS = ("auto", "cuda", "cpu")
+
+# (m1, m2, m3) of the combined margin cos(m1 * theta + m2) - m3.
+MARGINS = {
+    "arcface": (1.0, 0.5, 0.0),
+    "cosface": (1.0, 0.0, 0.4),
+    "softmax": (1.0, 0.0, 0.0),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything that changes the work done by one training step."""
+
+    backbone: str
+    """Registered backbone name, e.g. ``iresnet100`` or ``mobilefacenet_y1``."""
+    num_classes: int
+    """Number of identities (face) or categories (classification)."""
+    batch_size: int
+    """Samples per device per step."""
+    task: str = "face"
+    """``face``: embedding + margin-softmax head; ``classification``: the backbone ends in logits."""
+    embedding_size: int = 512
+    """Width of the face embedding fed to the classification head."""
+    output_block: str = "E"
+    """IResNet output block: ``E`` (BN, dropout, FC, BN) or ``FC`` (FC, BN); others ignore it."""
+    input_size: int = 112
+    """Square input side in pixels."""
+    loss: str = "arcface"
+    """``arcface``, ``cosface``, ``softmax`` or ``combined`` (then ``margins`` is required)."""
+    margins: tuple[float, float, float] | None = None
+    """(m1, m2, m3) of cos(m1*theta + m2) - m3; defaults from ``loss``."""
+    scale: float = 64.0
+    """Logit scale s of the margin softmax."""
+    fc: str = "dp"
+    """``dp`` replicated class matrix, ``mp`` sharded classes, ``pfc`` sharded and sampled."""
+    sample_ratio: float = 1.0
+    """Fraction of each rank's class shard that ``pfc`` samples per step."""
+    pfc_update: str = "sparse"
+    """``sparse``: update only sampled rows (per-row momentum); ``dense``: whole-matrix SGD as
+    insightface's arcface_torch does."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` (autocast) or ``fp16`` (autocast with dynamic loss scaling)."""
+    lr: float = 0.1
+    """Base learning rate."""
+    lr_steps: tuple[int, ...] = ()
+    """Steps at which the learning rate changes."""
+    lr_scales: tuple[float, ...] = ()
+    """Multiplier of the base rate from each ``lr_steps`` entry on."""
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    clip_grad_norm: float | None = 5.0
+    """Max L2 norm of the backbone gradient (InsightFace clips at 5); None disables."""
+    dropout: float = 0.0
+    """Dropout in the ``E`` output block (InsightFace trains R100 with 0)."""
+    seed: int = 0
+    """Seed of weights and synthetic data (rank r uses seed + r for its data)."""
+    channels_last: bool = False
+    """Use channels-last memory format for the backbone (GPU speed option)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.embedding_size < 1:
+            raise ValueError(f"embedding_size must be >= 1, got {self.embedding_size}")
+        if self.fc not in FC_MODES:
+            raise ValueError(f"--fc must be one of {', '.join(FC_MODES)}, got {self.fc!r}")
+        if self.task == "classification" and self.fc != "dp":
+            raise ValueError("classification workloads support only --fc dp")
+        if not (0.0 < self.sample_ratio <= 1.0):
+            raise ValueError(f"--sample-ratio must be in (0, 1], got {self.sample_ratio}")
+        if self.sample_ratio < 1.0 and self.fc != "pfc":
+            raise ValueError("--sample-ratio below 1 needs --fc pfc")
+        if self.pfc_update not in PFC_UPDATES:
+            raise ValueError(f"pfc_update must be one of {PFC_UPDATES}, got {self.pfc_update!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.loss == "combined" and self.margins is None:
+            raise ValueError("loss 'combined' needs margins=(m1, m2, m3)")
+        m1, m2, m3 = self.resolved_margins
+        if m1 <= 0 or not (0 <= m2 < math.pi) or m3 < 0:
+            raise ValueError(f"margins need m1 > 0, 0 <= m2 < pi, m3 >= 0; got {(m1, m2, m3)}")
+        if self.scale <= 0:
+            raise ValueError(f"scale must be > 0, got {self.scale}")
+        if len(self.lr_steps) != len(self.lr_scales):
+            raise ValueError("lr_steps and lr_scales must have the same length")
+        if list(self.lr_steps) != sorted(self.lr_steps):
+            raise ValueError("lr_steps must be increasing")
+        if self.input_size < 16:
+            raise ValueError(f"input_size must be >= 16, got {self.input_size}")
+
+    @property
+    def resolved_margins(self) -> tuple[float, float, float]:
+        if self.margins is not None:
+            return tuple(float(m) for m in self.margins)  # type: ignore[return-value]
+        return MARGINS.get(self.loss, MARGINS["softmax"])
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for a 0-based optimizer step (piecewise constant, as InsightFace)."""
+        rate = self.lr
+        for boundary, factor in zip(self.lr_steps, self.lr_scales):
+            if step >= boundary:
+                rate = self.lr * factor
+        return rate
+
+    def replace(self, **changes: Any) -> "Workload":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["margins"] = list(self.resolved_margins)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Workload":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown workload fields: {sorted(unknown)}")
+        d = dict(d)
+        for key in ("margins", "lr_steps", "lr_scales"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a run executes: nodes, processes per node and the rendezvous point."""
+
+    devices_per_node: int = 1
+    """Processes per node: one per GPU, or CPU processes on gloo."""
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    device: str = "auto"
+    """``auto`` picks cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1:
+            raise ValueError(f"--devices must be >= 1, got {self.devices_per_node}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not (0 <= self.node_rank < self.nnodes):
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not (0 < self.master_port < 65536):
+            raise ValueError(f"--master-port must be a TCP port, got {self.master_port}")
+        if self.device not in DEVICE_KINDS:
+            raise ValueError(f"--device must be one of {', '.join(DEVICE_KINDS)}, got {self.device!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.devices_per_node
+
+    @property
+    def case_name(self) -> str:
+        """DLPerf's case label: ``1n8g`` is one node with eight devices."""
+        return f"{self.nnodes}n{self.devices_per_node}g"
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How runs are timed (DLPerf: 5 runs of 120 iterations, the first 20 skipped)."""
+
+    runs: int = 5
+    iters: int = 120
+    warmup: int = 20
+    timeout_s: float = 1800.0
+    """Wall-clock limit of one run; past it every process of the run is killed."""
+    memory_limit_bytes: int | None = None
+    """Per-process address-space cap for CPU runs (None: no cap)."""
+
+    def __post_init__(self) -> None:
+        if self.runs < 1:
+            raise ValueError(f"--runs must be >= 1, got {self.runs}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.iters <= self.warmup:
+            raise ValueError(
+                f"--iters ({self.iters}) must exceed --warmup ({self.warmup}) to leave steps to time"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+
+    @property
+    def window_steps(self) -> int:
+        return self.iters - self.warmup
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """Parse ``1,2,4`` into [1, 2, 4]; ValueError names the flag on bad input."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{what} takes comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{what} needs at least one value")
+    return values
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``8GiB``, ``512MiB``, ``2GB`` or a plain byte count."""
+    units = {
+        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1, "": 1,
+    }
+    s = text.strip().lower()
+    number = s.rstrip("kmgtib")
+    unit = s[len(number):]
+    if unit not in units:
+        raise ValueError(f"unknown size unit in {text!r} (use B, KiB, MiB, GiB, KB, MB, GB)")
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"cannot read a size from {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"size must be > 0, got {text!r}")
+    return int(value * units[unit])
+
+
+__all__ = [
+    "Workload", "Topology", "Measure", "FC_MODES", "PRECISIONS", "MARGINS",
+    "parse_int_list", "parse_bytes",
+]
