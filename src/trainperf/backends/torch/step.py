@@ -22,7 +22,8 @@ from .heads import MarginSoftmaxHead, SampledRowsSGD
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _sum_allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
+# No annotations: DDP checks them by identity and this module's are strings (future import).
+def _sum_allreduce_hook(group, bucket):
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
