@@ -1,0 +1,33 @@
+"""What the torch worker knows about its framework and devices (merged into the run's env)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def framework_env(device: torch.device) -> dict:
+    env: dict = {
+        "framework": "pytorch",
+        "framework_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": None,
+        "nccl_version": None,
+        "device_type": device.type,
+        "device_names": [],
+        "device_count": 0,
+        "torch_num_threads": torch.get_num_threads(),
+        "tf32_matmul": None,
+        "tf32_cudnn": None,
+    }
+    if device.type == "cuda":
+        env["cudnn_version"] = torch.backends.cudnn.version()
+        try:
+            env["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (AttributeError, RuntimeError):
+            pass
+        count = torch.cuda.device_count()
+        env["device_count"] = count
+        env["device_names"] = [torch.cuda.get_device_name(i) for i in range(count)]
+        env["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+        env["tf32_cudnn"] = torch.backends.cudnn.allow_tf32
+    return env

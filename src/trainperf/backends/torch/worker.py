@@ -1,0 +1,168 @@
+"""Entry point of one measured run, started on every rank by torch.distributed.run.
+
+Rank 0 appends JSON lines to the events file: ``start``, ``step``, ``end``. Any rank that fails
+appends an ``error`` line (kind ``oom`` or ``exception``). The runner alone decides a run's
+status from these lines and the exit code.
+
+For tests, TRAINPERF_FAULT=KIND@STEP[:WORLD] injects a failure at a step (KIND: raise, oom,
+hang), only in runs of that world size when WORLD is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from ...config import Measure, Workload
+from .data import synthetic_batch
+from .dist import DistContext, all_reduce_, init_from_env
+from .env import framework_env
+from .flops import backbone_profile, train_flops_per_sample
+from .step import TrainStep
+from .timing import timed_loop
+
+
+class EventWriter:
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+
+    def emit(self, kind: str, **fields) -> None:
+        line = json.dumps({"event": kind, "rank": self.rank, "t": time.time(), **fields})
+        # O_APPEND and one write per line: lines from several ranks never interleave.
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "can't allocate memory" in text or (
+        "defaultcpuallocator" in text)
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    if device.type == "cuda":
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    # ru_maxrss is in KiB on Linux.
+    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def max_over_ranks(values: dict[str, int], ctx: DistContext) -> dict[str, int]:
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=ctx.device)
+    all_reduce_(t, ctx, dist.ReduceOp.MAX)
+    return dict(zip(values, (int(v) for v in t.tolist())))
+
+
+def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> int:
+    """Classes each sample's logits are computed over, summed over shards."""
+    head = step.head
+    if head is None or not head.sampling:
+        return workload.num_classes
+    return head.num_sample * ctx.world_size
+
+
+def parse_fault(world_size: int) -> tuple[str, int] | None:
+    spec = os.environ.get("TRAINPERF_FAULT")
+    if not spec:
+        return None
+    kind_step, _, world = spec.partition(":")
+    kind, _, at = kind_step.partition("@")
+    if world and int(world) != world_size:
+        return None
+    return kind, int(at or 0)
+
+
+def inject(fault: tuple[str, int] | None, index: int, rank: int) -> None:
+    if fault is None or index != fault[1] or rank != 0:
+        return
+    kind = fault[0]
+    if kind == "raise":
+        raise RuntimeError("injected failure (TRAINPERF_FAULT)")
+    if kind == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by TRAINPERF_FAULT)")
+    if kind == "hang":
+        time.sleep(10**6)
+
+
+def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
+    workload = Workload.from_dict(spec["workload"])
+    measure = Measure(**spec["measure"])
+    step = TrainStep(workload, ctx)
+    images, labels = synthetic_batch(workload, ctx)
+    global_batch = workload.batch_size * ctx.world_size
+    params, fwd_flops = backbone_profile(
+        workload.backbone, workload.input_size, embedding_size=workload.embedding_size,
+        num_classes=workload.num_classes, output_block=workload.output_block)
+    flops = train_flops_per_sample(fwd_flops, workload.embedding_size if workload.task == "face"
+                                   else 0, classes_computed(workload, step, ctx))
+    if ctx.rank == 0:
+        events.emit("start", workload=workload.to_dict(), env=framework_env(ctx.device),
+                    world_size=ctx.world_size, global_batch=global_batch,
+                    backbone_params=params, train_flops_per_sample=flops,
+                    pfc_update=step.pfc_update, device=str(ctx.device))
+    fault = parse_fault(ctx.world_size)
+
+    def one_step() -> torch.Tensor:
+        inject(fault, step.step_index, ctx.rank)
+        return step(images, labels)
+
+    def on_steps(done: list[tuple[int, float]]) -> None:
+        if ctx.rank == 0:
+            for index, seconds in done:
+                events.emit("step", index=index, seconds=seconds, samples=global_batch,
+                            warmup=index < measure.warmup)
+
+    barrier = (lambda: dist.barrier(group=ctx.group)) if ctx.distributed else (lambda: None)
+    window_s, losses = timed_loop(one_step, measure.iters, measure.warmup, ctx.device,
+                                  on_steps, barrier)
+    loss_values = torch.stack(losses).float().tolist()  # one read-back, after the window
+    memory = max_over_ranks(peak_memory(ctx.device), ctx)
+    if ctx.rank == 0:
+        samples = measure.window_steps * global_batch
+        events.emit("end", samples_per_s=samples / window_s, window_s=window_s,
+                    window_samples=samples, loss_first=loss_values[0], loss_last=loss_values[-1],
+                    nonfinite_losses=sum(1 for v in loss_values if v != v or abs(v) == float("inf")),
+                    **memory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True, help="JSON file: workload, measure, device")
+    parser.add_argument("--events", required=True, help="JSON-lines file to append events to")
+    args = parser.parse_args(argv)
+    with open(args.spec, encoding="utf-8") as f:
+        spec = json.load(f)
+    rank = int(os.environ.get("RANK", "0"))
+    events = EventWriter(args.events, rank)
+    threads = spec.get("threads")
+    if threads:
+        torch.set_num_threads(threads)
+    ctx = None
+    try:
+        ctx = init_from_env(spec.get("device", "auto"))
+        run(spec, events, ctx)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
+        kind = "oom" if is_oom(exc) else "exception"
+        tail = traceback.format_exc().strip().splitlines()[-12:]
+        events.emit("error", kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000],
+                    traceback=tail)
+        return 3 if kind == "oom" else 1
+    finally:
+        if ctx is not None and ctx.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

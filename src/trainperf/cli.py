@@ -1,0 +1,219 @@
+"""Command line: argument parsing only; the work is in the modules it calls."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import results
+from .config import Measure, Topology, parse_bytes, parse_int_list
+from .recipes import RECIPES, get_recipe
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", default="1", help="processes per node; a list sweeps cases "
+                   "(default 1)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--batch-size", help="per device; a list sweeps cases (default: recipe's)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--fc", choices=["dp", "mp", "pfc"])
+    p.add_argument("--sample-ratio", type=float)
+    p.add_argument("--pfc-update", choices=["sparse", "dense"],
+                   help="pfc: update sampled rows only (default) or the whole matrix "
+                        "(arcface_torch)")
+    p.add_argument("--num-classes", type=int)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--iters", type=int, default=120)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
+    p.add_argument("--memory-limit", help="per-process memory cap for CPU runs, e.g. 8GiB")
+    p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
+    p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainperf", description=(
+        "Measure training throughput of face recognition and ResNet50 workloads."))
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the recipes")
+    run = sub.add_parser("run", help="run a benchmark matrix")
+    run.add_argument("recipe")
+    run.add_argument("--resume", metavar="DIR", help="finish the partial matrix in DIR")
+    _add_run_options(run)
+    rep = sub.add_parser("report", help="tables and plots of one or more result folders")
+    rep.add_argument("dirs", nargs="+")
+    rep.add_argument("--out", help="folder for report.md and plots (default: the first DIR)")
+    exp = sub.add_parser("export", help="write results in another tool's shape")
+    exp.add_argument("dir")
+    exp.add_argument("--format", required=True, choices=["dlperf"])
+    exp.add_argument("--out", help="file to write (default: stdout)")
+    bench = sub.add_parser("bench", help="the default suite, sized to this machine")
+    bench.add_argument("--out", default="bench-results")
+    return parser
+
+
+def cmd_list() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    tbl = Table(title="trainperf recipes")
+    for col in ("recipe", "backbone", "classes", "batch", "description"):
+        tbl.add_column(col)
+    for r in RECIPES.values():
+        w = r.workload
+        tbl.add_row(r.name, w.backbone, str(w.num_classes), str(w.batch_size), r.description)
+    Console().print(tbl)
+    return EXIT_OK
+
+
+def plan_from_args(args: argparse.Namespace):
+    from .runner import Plan, plan_cases
+
+    recipe = get_recipe(args.recipe)
+    changes = {k: v for k, v in (("precision", args.precision), ("fc", args.fc),
+                                 ("sample_ratio", args.sample_ratio),
+                                 ("pfc_update", args.pfc_update),
+                                 ("num_classes", args.num_classes)) if v is not None}
+    if args.fc == "pfc" and args.sample_ratio is None:
+        changes["sample_ratio"] = 0.1  # DLPerf's and the Partial FC paper's ratio
+    if args.channels_last:
+        changes["channels_last"] = True
+    workload = recipe.workload.replace(**changes)
+    batches = (parse_int_list(args.batch_size, "--batch-size") if args.batch_size
+               else [workload.batch_size])
+    workload = workload.replace(batch_size=batches[0])  # checks the batch value
+    for b in batches:
+        workload.replace(batch_size=b)
+    measure = Measure(runs=args.runs, iters=args.iters, warmup=args.warmup,
+                      timeout_s=args.timeout,
+                      memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
+                      else None)
+    base = Topology(1, args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                    args.device)
+    devices = parse_int_list(args.devices, "--devices")
+    cases = plan_cases(devices, batches, base)
+    out = Path(args.resume or args.out or
+               f"results/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Plan(recipe.name, workload, measure, cases, out)
+
+
+def write_report(dirs: list[str], out: Path) -> Path:
+    from .report import render_report
+    from .report.markdown import unique_labels
+    from .report.plots import plot_scaling
+
+    docs = [results.load(d) for d in dirs]
+    plots = plot_scaling(docs, unique_labels(docs), out)
+    extra = [] if plots else ["(No plots: install the `plot` extra, matplotlib, to get them.)"]
+    text = render_report(docs, plots, extra)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.md"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .progress import make_progress
+    from .runner import Runner
+
+    plan = plan_from_args(args)
+    progress = make_progress()
+    try:
+        doc = Runner(plan, progress).run(resume=bool(args.resume))
+    finally:
+        close = getattr(progress, "close", None)
+        if close:
+            close()
+    path = write_report([str(plan.out_dir)], plan.out_dir)
+    print(path.read_text(encoding="utf-8"))
+    print(f"results: {plan.out_dir / 'results.json'}")
+    all_ok = all(r["status"] == "ok" for c in doc["cases"] for r in c["runs"])
+    return EXIT_OK if all_ok else EXIT_RUN_FAILED
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    path = write_report(args.dirs, Path(args.out or args.dirs[0]))
+    print(path.read_text(encoding="utf-8"))
+    print(f"report: {path}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    text = json.dumps(results.export_dlperf(results.load(args.dir)), indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def bench_arguments(gpus: int, out: str) -> list[str]:
+    """The default suite: a real recipe on GPUs, a small multi-process one on CPU."""
+    if gpus:
+        devices = "1" if gpus == 1 else f"1,{gpus}"
+        return ["run", "r100-arcface-emore", "--devices", devices, "--runs", "5",
+                "--device", "cuda", "--out", out]
+    return ["run", "tiny-arcface", "--devices", "1,2", "--fc", "mp", "--runs", "3",
+            "--iters", "40", "--warmup", "10", "--device", "cpu", "--timeout", "600",
+            "--out", out]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    argv = bench_arguments(gpu_count(), str(out))
+    print("trainperf " + " ".join(argv), file=sys.stderr)
+    return main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            return cmd_list()
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "report":
+            return cmd_report(args)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+    except ValueError as exc:
+        print(f"trainperf: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("trainperf: interrupted; finished runs are in events.jsonl and results.json "
+              "(finish with --resume DIR)", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

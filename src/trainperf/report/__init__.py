@@ -1,0 +1,3 @@
+"""Reports of results documents: markdown tables and PNG plots."""
+
+from .markdown import render_report  # noqa: F401

@@ -1,0 +1,204 @@
+"""The results format ``trainperf.results/v1``: the one contract between runner, report, ingest
+and outside readers. Also the DLPerf export."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import stats
+from .devices import peak_flops
+
+SCHEMA = "trainperf.results/v1"
+RUN_STATUSES = ("ok", "oom", "failed", "timeout")
+
+
+@dataclass(frozen=True)
+class CaseKey:
+    nodes: int
+    devices_per_node: int
+    batch_size_per_device: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.nodes}n{self.devices_per_node}g"
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def run_record(run: int, events: list[dict], status: str, error: str | None = None,
+               exit_code: int | None = None) -> dict[str, Any]:
+    """One run's record from the worker events of that run."""
+    start = next((e for e in events if e["event"] == "start"), {})
+    end = next((e for e in events if e["event"] == "end"), None)
+    steps = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["index"])
+    record: dict[str, Any] = {
+        "run": run,
+        "status": status,
+        "samples_per_s": end["samples_per_s"] if end and status == "ok" else None,
+        "window_s": end["window_s"] if end else None,
+        "step_times_s": [e["seconds"] for e in steps if not e.get("warmup")],
+        "warmup_step_times_s": [e["seconds"] for e in steps if e.get("warmup")],
+        "samples_per_step": start.get("global_batch"),
+        "peak_memory_bytes": end.get("peak_memory_bytes") if end else None,
+        "peak_reserved_bytes": end.get("peak_reserved_bytes") if end else None,
+        "loss_first": end.get("loss_first") if end else None,
+        "loss_last": end.get("loss_last") if end else None,
+        "error": error,
+        "exit_code": exit_code,
+        "flags": stats.loss_flags(end.get("loss_last"), end.get("nonfinite_losses", 0))
+        if end else [],
+    }
+    if status not in RUN_STATUSES:
+        raise AssertionError(f"unknown run status {status!r}")
+    return record
+
+
+def case_record(key: CaseKey, precision: str, runs: list[dict], start_event: dict | None
+                ) -> dict[str, Any]:
+    st = stats.case_stats(
+        r["samples_per_s"] if r["status"] == "ok" and not r["flags"] else None for r in runs)
+    peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
+    start = start_event or {}
+    flops = start.get("train_flops_per_sample")
+    env = start.get("env", {})
+    names = env.get("device_names") or []
+    device_peak = peak_flops(names[0] if names else None, precision, env.get("tf32_cudnn"))
+    model_flops = flops * st.median if flops and st.median else None
+    return {
+        "case": key.name,
+        "nodes": key.nodes,
+        "devices_per_node": key.devices_per_node,
+        "world_size": key.world_size,
+        "batch_size_per_device": key.batch_size_per_device,
+        "precision": precision,
+        "pfc_update": start.get("pfc_update"),
+        "runs": runs,
+        "median_samples_per_s": st.median,
+        "average_samples_per_s": st.average,
+        "iqr_samples_per_s": st.iqr,
+        "spread": st.spread,
+        "ok_runs": st.ok_runs,
+        "speedup": None,
+        "scaling_efficiency": None,
+        "train_flops_per_sample": flops,
+        "model_flops_per_s": model_flops,
+        "mfu": model_flops / (device_peak * key.world_size) if model_flops and device_peak else None,
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "flags": st.flags,
+    }
+
+
+def finish_cases(cases: list[dict]) -> None:
+    """Speedup, efficiency and scaling flags across the cases of one document."""
+    triples = []
+    for c in cases:
+        s = stats.CaseStats(c["median_samples_per_s"], c["average_samples_per_s"],
+                            c["iqr_samples_per_s"], c["ok_runs"], len(c["runs"]), flags=[])
+        triples.append((c["world_size"], c["batch_size_per_device"], s))
+    stats.apply_scaling(triples)
+    for c, (_, _, s) in zip(cases, triples):
+        c["speedup"] = s.speedup
+        c["scaling_efficiency"] = s.scaling_efficiency
+        c["flags"] = [f for f in c["flags"] if f not in ("superlinear", "throughput_falls")]
+        c["flags"] += s.flags
+
+
+def document(recipe: str, workload: dict, measure: dict, env: dict, cases: list[dict],
+             source: dict | None = None) -> dict[str, Any]:
+    finish_cases(cases)
+    doc = {"schema": SCHEMA, "recipe": recipe, "workload": workload, "measure": measure,
+           "env": env, "cases": cases}
+    if source:
+        doc["source"] = source
+    return doc
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+REQUIRED_CASE = {"case": str, "nodes": int, "devices_per_node": int, "world_size": int,
+                 "batch_size_per_device": int, "precision": str, "runs": list, "flags": list}
+REQUIRED_RUN = {"run": int, "status": str, "step_times_s": list}
+
+
+def validate(doc: Any) -> None:
+    """Raise ValueError naming the first problem if ``doc`` is not a v1 results document."""
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ValueError(f"not a {SCHEMA} document (schema: "
+                         f"{doc.get('schema') if isinstance(doc, dict) else type(doc).__name__})")
+    for key, typ in (("recipe", str), ("workload", dict), ("measure", dict), ("env", dict),
+                     ("cases", list)):
+        if not isinstance(doc.get(key), typ):
+            raise ValueError(f"results field {key!r} missing or not a {typ.__name__}")
+    for c in doc["cases"]:
+        for key, typ in REQUIRED_CASE.items():
+            if not isinstance(c.get(key), typ):
+                raise ValueError(f"case field {key!r} missing or not a {typ.__name__}")
+        for key in ("median_samples_per_s", "average_samples_per_s", "iqr_samples_per_s",
+                    "speedup", "scaling_efficiency"):
+            if key not in c:
+                raise ValueError(f"case {c['case']} lacks {key!r}")
+        for r in c["runs"]:
+            for key, typ in REQUIRED_RUN.items():
+                if not isinstance(r.get(key), typ):
+                    raise ValueError(f"run field {key!r} missing or not a {typ.__name__}")
+            if r["status"] not in RUN_STATUSES:
+                raise ValueError(f"run status {r['status']!r} is not one of {RUN_STATUSES}")
+            for key in ("samples_per_s", "peak_memory_bytes", "loss_first", "loss_last", "error"):
+                if key not in r:
+                    raise ValueError(f"run {r['run']} of case {c['case']} lacks {key!r}")
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load and validate ``results.json`` from a folder or a file path."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.json"
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"no results.json at {p}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    try:
+        validate(doc)
+    except ValueError as exc:
+        raise ValueError(f"{p}: {exc}") from None
+    return doc
+
+
+def reference_model_name(doc: dict) -> str:
+    return doc.get("workload", {}).get("backbone", doc.get("recipe", "model"))
+
+
+def export_dlperf(doc: dict) -> dict[str, Any]:
+    """DLPerf's JSON shape: {model: {"1n8g": {average_speed, median_speed, speedup, batch}}}."""
+    model = reference_model_name(doc)
+    out: dict[str, dict] = {model: {}}
+    for c in doc["cases"]:
+        if c["median_samples_per_s"] is None:
+            continue
+        entry = {
+            "average_speed": round(c["average_samples_per_s"], 2),
+            "median_speed": round(c["median_samples_per_s"], 2),
+            "speedup": round(c["speedup"], 2) if c["speedup"] is not None else None,
+            "batch_size_per_device": c["batch_size_per_device"],
+        }
+        label = c["case"] if len({x["batch_size_per_device"] for x in doc["cases"]}) == 1 else (
+            f"{c['case']}_b{c['batch_size_per_device']}")
+        out[model][label] = entry
+    return out

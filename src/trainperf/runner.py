@@ -1,0 +1,341 @@
+"""Plans the case matrix, runs each (case, run) as its own launcher subprocess, and records it.
+
+The runner imports no framework. It reads the JSON lines a run's rank 0 writes, copies them into
+the output folder's ``events.jsonl`` as they arrive (so a killed runner loses nothing measured),
+decides each run's status and rewrites ``results.json`` after every run. A crash, an
+out-of-memory and a timeout are results; the matrix goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from . import results
+from .config import Measure, Topology, Workload
+from .env import host_env
+
+WORKER_MODULE = "trainperf.backends.torch.worker"
+POLL_S = 0.2
+KILL_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Case:
+    topology: Topology
+    batch_size: int
+
+    @property
+    def key(self) -> results.CaseKey:
+        return results.CaseKey(self.topology.nnodes, self.topology.devices_per_node,
+                               self.batch_size)
+
+
+@dataclass
+class Plan:
+    recipe: str
+    workload: Workload
+    measure: Measure
+    cases: list[Case]
+    out_dir: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def plan_cases(devices: list[int], batch_sizes: list[int], base: Topology) -> list[Case]:
+    """Every (batch, devices) pair, batches outermost so each batch's 1-device base runs first."""
+    return [Case(Topology(d, base.nnodes, base.node_rank, base.master_addr, base.master_port,
+                          base.device), b)
+            for b in batch_sizes for d in devices]
+
+
+class Progress(Protocol):
+    def run_started(self, label: str, total_steps: int) -> None: ...
+    def steps_done(self, count: int) -> None: ...
+    def run_finished(self, label: str, record: dict) -> None: ...
+
+
+class QuietProgress:
+    """No live display: one line per finished run, for logs and CI."""
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream = stream
+
+    def run_started(self, label: str, total_steps: int) -> None:
+        pass
+
+    def steps_done(self, count: int) -> None:
+        pass
+
+    def run_finished(self, label: str, record: dict) -> None:
+        rate = record.get("samples_per_s")
+        figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
+        print(f"{label}: {record['status']} {figure}", file=self.stream, flush=True)
+
+
+def launch_command(case: Case, spec_path: Path, events_path: Path) -> list[str]:
+    topo = case.topology
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           f"--nproc-per-node={topo.devices_per_node}"]
+    if topo.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={topo.nnodes}", f"--node-rank={topo.node_rank}",
+                f"--master-addr={topo.master_addr}", f"--master-port={topo.master_port}"]
+    return cmd + ["-m", WORKER_MODULE, "--spec", str(spec_path), "--events", str(events_path)]
+
+
+def cpu_threads_per_process(devices_per_node: int) -> int:
+    # Several ranks with several threads each oversubscribe the cores and run slower.
+    return max(1, (os.cpu_count() or 1) // devices_per_node)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Stop a launcher and every process under it (torchrun starts workers in new sessions)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        procs = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=KILL_GRACE_S)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class EventTail:
+    """Reads complete new lines of a JSON-lines file as another process appends them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        data = self.partial + data
+        *lines, self.partial = data.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line torn by a killed writer carries nothing usable
+        return out
+
+
+def log_tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    useful = [ln for ln in text if ln.strip()]
+    return "\n".join(useful[-lines:])
+
+
+def decide_status(events: list[dict], exit_code: int | None, timed_out: bool) -> tuple[str, str | None]:
+    """The run's status and error text, from what it wrote and how it ended."""
+    errors = [e for e in events if e["event"] == "error"]
+    if timed_out:
+        return "timeout", "run exceeded its timeout and was killed"
+    if any(e.get("kind") == "oom" for e in errors):
+        first = next(e for e in errors if e.get("kind") == "oom")
+        return "oom", first.get("message")
+    ended = any(e["event"] == "end" for e in events)
+    if ended and exit_code == 0:
+        return "ok", None
+    if errors:
+        # Prefer the root cause: a peer's failure shows up on the others as a broken connection.
+        rank_errors = sorted(errors, key=lambda e: ("connection" in e.get("message", "").lower(),
+                                                    e.get("rank", 0)))
+        return "failed", rank_errors[0].get("message")
+    return "failed", None
+
+
+class Runner:
+    def __init__(self, plan: Plan, progress: Progress | None = None) -> None:
+        self.plan = plan
+        self.progress = progress or QuietProgress()
+        self.out = plan.out_dir
+        self.events_path = self.out / "events.jsonl"
+        self.records: dict[tuple[str, int], list[dict]] = {}
+        self.start_events: dict[tuple[str, int], dict] = {}
+        self.env: dict[str, Any] = {}
+        self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _append_event(self, event: dict) -> None:
+        with open(self.events_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def _restore(self) -> None:
+        """Take back finished runs from an earlier, interrupted ``run`` into the same folder."""
+        if not self.events_path.exists():
+            return
+        for line in self.events_path.read_text(encoding="utf-8").splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            key = (e.get("case"), e.get("batch"))
+            if e.get("event") == "run_end":
+                self.records.setdefault(key, []).append(e["record"])
+            elif e.get("event") == "start" and key not in self.start_events:
+                self.start_events[key] = e
+            elif e.get("event") == "runner_start":
+                self.env = e.get("env", {})
+
+    def _check_same_plan(self) -> None:
+        meta_path = self.out / "plan.json"
+        meta = {"recipe": self.plan.recipe, "workload": self.plan.workload.to_dict(),
+                "measure": self._measure_dict()}
+        if meta_path.exists():
+            old = json.loads(meta_path.read_text(encoding="utf-8"))
+            if old != meta:
+                raise ValueError(f"{self.out} holds results of another workload or measure; "
+                                 "resume with the same options or use a new --out folder")
+        else:
+            results.write_json_atomic(meta_path, meta)
+
+    def _measure_dict(self) -> dict:
+        m = self.plan.measure
+        return {"runs": m.runs, "iters": m.iters, "warmup": m.warmup, "timeout_s": m.timeout_s}
+
+    def write_results(self) -> dict:
+        cases = []
+        for case in self.plan.cases:
+            key = (case.key.name, case.batch_size)
+            if key not in self.records:
+                continue
+            runs = sorted(self.records[key], key=lambda r: r["run"])
+            cases.append(results.case_record(case.key, self.plan.workload.precision, runs,
+                                             self.start_events.get(key)))
+        env = dict(self.env)
+        if self.start_events:
+            env.update(next(iter(self.start_events.values())).get("env", {}))
+        workload = self.plan.workload.to_dict()
+        pfc_updates = {e.get("pfc_update") for e in self.start_events.values()}
+        if len(pfc_updates) == 1:
+            workload["pfc_update_ran"] = pfc_updates.pop()
+        doc = results.document(self.plan.recipe, workload, self._measure_dict(), env, cases)
+        if self.is_follower:
+            doc["role"] = "follower"  # rank 0 lives on node 0; this node only records exits
+        results.write_json_atomic(self.out / "results.json", doc)
+        return doc
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self, resume: bool = False) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not resume and self.events_path.exists():
+            raise ValueError(f"{self.out} already holds a run; pass --resume to finish it or "
+                             "choose another --out")
+        self._check_same_plan()
+        if resume:
+            self._restore()
+        if not self.env:
+            self.env = host_env()
+            self._append_event({"event": "runner_start", "t": time.time(), "env": self.env})
+        for case in self.plan.cases:
+            key = (case.key.name, case.batch_size)
+            done = {r["run"] for r in self.records.get(key, [])}
+            for run in range(1, self.plan.measure.runs + 1):
+                if run in done:
+                    continue
+                record = self._run_one(case, run)
+                self.records.setdefault(key, []).append(record)
+                self.write_results()
+        return self.write_results()
+
+    def _run_one(self, case: Case, run: int) -> dict:
+        label = f"{case.key.name} b{case.batch_size} run {run}"
+        run_dir = self.out / "runs" / f"{case.key.name}_b{case.batch_size}_run{run}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec_path, worker_events, log_path = (run_dir / "spec.json", run_dir / "events.jsonl",
+                                              run_dir / "worker.log")
+        worker_events.unlink(missing_ok=True)
+        workload = self.plan.workload.replace(batch_size=case.batch_size)
+        measure = self.plan.measure
+        spec = {"workload": workload.to_dict(),
+                "measure": {"runs": measure.runs, "iters": measure.iters,
+                            "warmup": measure.warmup, "timeout_s": measure.timeout_s,
+                            "memory_limit_bytes": measure.memory_limit_bytes},
+                "device": case.topology.device,
+                "threads": cpu_threads_per_process(case.topology.devices_per_node)}
+        results.write_json_atomic(spec_path, spec)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.plan.extra_env)
+        env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+        tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
+        self._append_event({"event": "run_start", "t": time.time(), **tags})
+        self.progress.run_started(label, measure.iters)
+
+        tail = EventTail(worker_events)
+        seen: list[dict] = []
+        timed_out = False
+        deadline = time.monotonic() + measure.timeout_s
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(launch_command(case, spec_path, worker_events), stdout=log,
+                                    stderr=subprocess.STDOUT, env=env)
+            try:
+                while True:
+                    exited = proc.poll() is not None
+                    new = tail.read()
+                    self._take(new, seen, tags)
+                    if exited:
+                        break
+                    if time.monotonic() > deadline:
+                        timed_out = True
+                        kill_tree(proc)
+                        self._take(tail.read(), seen, tags)
+                        break
+                    time.sleep(POLL_S)
+            except BaseException:
+                kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
+                self._take(tail.read(), seen, tags)
+                raise
+        status, error = decide_status(seen, proc.returncode, timed_out)
+        if status == "failed" and error is None:
+            error = log_tail(log_path) or f"launcher exited with code {proc.returncode}"
+        if self.is_follower and status == "failed" and proc.returncode == 0:
+            status = "ok"  # rank 0 is on node 0: a clean exit is all this node can report
+        record = results.run_record(run, seen, status, error, proc.returncode)
+        self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
+        self.progress.run_finished(label, record)
+        return record
+
+    def _take(self, new: list[dict], seen: list[dict], tags: dict) -> None:
+        steps = 0
+        for e in new:
+            seen.append(e)
+            self._append_event({**e, **tags})
+            if e["event"] == "start":
+                self.start_events.setdefault((tags["case"], tags["batch"]), {**e, **tags})
+            elif e["event"] == "step":
+                steps += 1
+        if steps:
+            self.progress.steps_done(steps)
