@@ -17,10 +17,6 @@ from .recipes import RECIPES, get_recipe
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-class UsageError(ValueError):
-    pass
-
-
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="1", help="processes per node; a list sweeps cases "
                    "(default 1)")
@@ -72,8 +68,9 @@ def cmd_list() -> int:
     from rich.table import Table
 
     tbl = Table(title="trainperf recipes")
-    for col in ("recipe", "backbone", "classes", "batch", "description"):
-        tbl.add_column(col)
+    for col in ("recipe", "backbone", "classes", "batch"):
+        tbl.add_column(col, no_wrap=True)  # names are typed back: never break them
+    tbl.add_column("description")
     for r in RECIPES.values():
         w = r.workload
         tbl.add_row(r.name, w.backbone, str(w.num_classes), str(w.batch_size), r.description)

@@ -66,7 +66,7 @@ class Progress(Protocol):
 class QuietProgress:
     """No live display: one line per finished run, for logs and CI."""
 
-    def __init__(self, stream=sys.stderr) -> None:
+    def __init__(self, stream=None) -> None:
         self.stream = stream
 
     def run_started(self, label: str, total_steps: int) -> None:
@@ -78,7 +78,7 @@ class QuietProgress:
     def run_finished(self, label: str, record: dict) -> None:
         rate = record.get("samples_per_s")
         figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
-        print(f"{label}: {record['status']} {figure}", file=self.stream, flush=True)
+        print(f"{label}: {record['status']} {figure}", file=self.stream or sys.stderr, flush=True)
 
 
 def launch_command(case: Case, spec_path: Path, events_path: Path) -> list[str]:
@@ -213,8 +213,9 @@ class Runner:
 
     def _check_same_plan(self) -> None:
         meta_path = self.out / "plan.json"
-        meta = {"recipe": self.plan.recipe, "workload": self.plan.workload.to_dict(),
-                "measure": self._measure_dict()}
+        meta = json.loads(json.dumps({"recipe": self.plan.recipe,  # tuples as JSON has them
+                                      "workload": self.plan.workload.to_dict(),
+                                      "measure": self._measure_dict()}))
         if meta_path.exists():
             old = json.loads(meta_path.read_text(encoding="utf-8"))
             if old != meta:

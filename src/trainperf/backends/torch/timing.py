@@ -21,11 +21,12 @@ class HostStepTimer:
         self._last = 0.0
         self._done: list[tuple[int, float]] = []
 
-    def start(self) -> None:
+    def start(self) -> float:
         self._last = time.perf_counter()
+        return self._last
 
-    def mark(self, index: int) -> None:
-        now = time.perf_counter()
+    def mark(self, index: int, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
         self._done.append((index, now - self._last))
         self._last = now
 
@@ -41,11 +42,12 @@ class CudaStepTimer:
         self._prev: torch.cuda.Event | None = None
         self._pending: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def start(self) -> None:
+    def start(self) -> float:
         self._prev = torch.cuda.Event(enable_timing=True)
         self._prev.record()
+        return time.perf_counter()
 
-    def mark(self, index: int) -> None:
+    def mark(self, index: int, now: float | None = None) -> None:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self._pending.append((index, self._prev, event))
@@ -78,20 +80,21 @@ def timed_loop(step: Callable[[], torch.Tensor], iters: int, warmup: int, device
     """
     timer = make_timer(device)
     losses: list[torch.Tensor] = []
-    timer.start()
-    window_start = time.perf_counter()
+    window_start = timer.start()
     for i in range(iters):
         if i == warmup:
             # Deliberate sync and barrier: the window starts with every rank idle and aligned,
             # so no warm-up work or a late rank is billed to the measured steps.
             synchronize(device)
             barrier()
-            timer.start()
-            window_start = time.perf_counter()
+            window_start = timer.start()
         losses.append(step())
-        timer.mark(i)
-        on_steps(timer.drain())
+        if i < iters - 1:
+            timer.mark(i)
+            on_steps(timer.drain())
     synchronize(device)  # deliberate: the window ends when the device has finished its work
-    window_s = time.perf_counter() - window_start
+    window_end = time.perf_counter()
+    # The last step ends with the window, so on the CPU the window's step times add up to it.
+    timer.mark(iters - 1, window_end)
     on_steps(timer.drain())
-    return window_s, losses
+    return window_end - window_start, losses

@@ -35,8 +35,8 @@ class EventWriter:
         self.path = path
         self.rank = rank
 
-    def emit(self, kind: str, **fields) -> None:
-        line = json.dumps({"event": kind, "rank": self.rank, "t": time.time(), **fields})
+    def emit(self, event: str, /, **fields) -> None:
+        line = json.dumps({"event": event, "rank": self.rank, "t": time.time(), **fields})
         # O_APPEND and one write per line: lines from several ranks never interleave.
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")

@@ -1,0 +1,38 @@
+# `make bench` runs the default benchmark on this machine; `make test` runs the suite.
+# Both install what they need first.
+
+PYTHON ?= python3
+VENV ?= .venv
+# Only used when no torch is importable: this is the CPU build that lies on the dev machines.
+# A machine that already has torch (e.g. a CUDA image) keeps its own build.
+TORCH_SPEC ?= torch==2.13.0
+
+HAVE_TORCH := $(shell $(PYTHON) -c "import torch" >/dev/null 2>&1 && echo yes)
+ifeq ($(HAVE_TORCH),yes)
+PY := $(PYTHON)
+else
+PY := $(VENV)/bin/python
+endif
+STAMP := .stamp-install-$(subst /,_,$(PY))
+
+.PHONY: install bench test clean
+
+$(STAMP): pyproject.toml
+ifneq ($(HAVE_TORCH),yes)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+endif
+	$(PY) -m pip install setuptools
+	$(PY) -m pip install --no-build-isolation -e ".[test,plot]"
+	touch $@
+
+install: $(STAMP)
+
+bench: install
+	$(PY) -m trainperf.cli bench
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .stamp-install-* bench-results

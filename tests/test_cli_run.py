@@ -1,0 +1,184 @@
+"""`trainperf run` end to end on CPU: results schema, statistics recomputed from the recorded
+step times, the report table, the DLPerf export, failures as results, resume, two nodes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from dist_util import free_port
+from trainperf import results
+from trainperf.cli import main
+
+pytestmark = pytest.mark.slow
+TINY = ["--device", "cpu", "--timeout", "120"]
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("e2e") / "run"
+    rc = main(["run", "tiny-arcface", "--devices", "1,2", "--runs", "2", "--iters", "30",
+               "--warmup", "10", *TINY, "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_results_follow_the_schema(e2e):
+    doc = results.load(e2e)  # validates
+    assert doc["schema"] == "trainperf.results/v1"
+    assert [c["case"] for c in doc["cases"]] == ["1n1g", "1n2g"]
+    assert doc["measure"] == {"runs": 2, "iters": 30, "warmup": 10, "timeout_s": 120.0}
+    env = doc["env"]
+    for key in ("framework_version", "python", "host", "cpu_model", "trainperf_version",
+                "trainperf_commit", "device_type"):
+        assert key in env
+    for c in doc["cases"]:
+        assert len(c["runs"]) == 2
+        for r in c["runs"]:
+            assert r["status"] == "ok" and r["peak_memory_bytes"] > 0
+            assert len(r["step_times_s"]) == 20 and len(r["warmup_step_times_s"]) == 10
+            assert np.isfinite(r["loss_first"]) and np.isfinite(r["loss_last"])
+
+
+def test_statistics_recomputed_from_step_times(e2e):
+    doc = results.load(e2e)
+    medians = {}
+    for c in doc["cases"]:
+        rates = []
+        for r in c["runs"]:
+            samples_per_step = 8 * c["world_size"]
+            assert r["samples_per_step"] == samples_per_step
+            # The window's host-clock step times add up to its wall time.
+            assert sum(r["step_times_s"]) == pytest.approx(r["window_s"], rel=1e-6)
+            rate = len(r["step_times_s"]) * samples_per_step / sum(r["step_times_s"])
+            assert r["samples_per_s"] == pytest.approx(rate, rel=1e-6)
+            rates.append(rate)
+        assert c["median_samples_per_s"] == pytest.approx(float(np.median(rates)), rel=1e-6)
+        assert c["average_samples_per_s"] == pytest.approx(float(np.mean(rates)), rel=1e-6)
+        q75, q25 = np.percentile(rates, [75, 25])
+        assert c["iqr_samples_per_s"] == pytest.approx(q75 - q25, rel=1e-6, abs=1e-9)
+        medians[c["world_size"]] = c["median_samples_per_s"]
+    two = doc["cases"][1]
+    assert two["speedup"] == pytest.approx(medians[2] / medians[1], rel=1e-9)
+    assert two["scaling_efficiency"] == pytest.approx(medians[2] / medians[1] / 2, rel=1e-9)
+    assert doc["cases"][0]["speedup"] == 1.0
+
+
+def test_events_file_holds_every_step(e2e):
+    events = [json.loads(line) for line in (e2e / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert len(steps) == 4 * 30
+    assert sum(e["event"] == "run_end" for e in events) == 4
+
+
+def test_report_table(e2e):
+    text = (e2e / "report.md").read_text()
+    doc = results.load(e2e)
+    assert "| node_num | gpu_num | batch/device | samples/s (median) |" in text
+    for c in doc["cases"]:
+        row = (f"| 1 | {c['world_size']} | 8 | {c['median_samples_per_s']:.2f} | "
+               f"{c['average_samples_per_s']:.2f} |")
+        assert row in text
+    assert (e2e / "throughput.png").stat().st_size > 1000
+    assert (e2e / "speedup.png").stat().st_size > 1000
+
+
+def test_export_dlperf(e2e, tmp_path, capsys):
+    out = tmp_path / "dlperf.json"
+    assert main(["export", str(e2e), "--format", "dlperf", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    doc = results.load(e2e)
+    entry = data["iresnet_tiny"]["1n2g"]
+    assert entry["median_speed"] == round(doc["cases"][1]["median_samples_per_s"], 2)
+    assert entry["batch_size_per_device"] == 8
+    assert set(entry) == {"average_speed", "median_speed", "speedup", "batch_size_per_device"}
+
+
+def test_report_of_two_folders_side_by_side(e2e, tmp_path):
+    assert main(["report", str(e2e), str(e2e), "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## Comparison" in text and "#2 samples/s" in text
+
+
+def worker_processes() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "trainperf.backends.torch.worker" in cmd:
+            out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("fault,status", [("raise@3:1", "failed"), ("oom@3:1", "oom"),
+                                           ("hang@3:1", "timeout")])
+def test_failures_are_results_and_the_matrix_goes_on(fault, status, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINPERF_FAULT", fault)  # only in the 1-device case
+    timeout = "25" if status == "timeout" else "120"
+    rc = main(["run", "tiny-arcface", "--devices", "1,2", "--runs", "1", "--iters", "12",
+               "--warmup", "4", "--device", "cpu", "--timeout", timeout,
+               "--out", str(tmp_path / "r")])
+    assert rc == 1
+    doc = results.load(tmp_path / "r")
+    bad, good = doc["cases"]
+    assert bad["runs"][0]["status"] == status
+    assert bad["runs"][0]["samples_per_s"] is None and bad["median_samples_per_s"] is None
+    if status != "timeout":
+        assert "injected" in bad["runs"][0]["error"]
+    assert good["runs"][0]["status"] == "ok" and good["median_samples_per_s"] > 0
+    assert good["speedup"] is None  # no 1-device figure to compare with
+    assert "failed_runs" in bad["flags"]
+    assert status in (tmp_path / "r" / "report.md").read_text()
+    assert worker_processes() == []
+
+
+def test_resume_finishes_only_missing_runs(tmp_path):
+    out = tmp_path / "r"
+    args = ["run", "tiny-arcface", "--devices", "1", "--runs", "2", "--iters", "8",
+            "--warmup", "2", *TINY]
+    assert main([*args, "--out", str(out)]) == 0
+    # Simulate a runner killed during run 2: drop everything after run 2 started.
+    lines = (out / "events.jsonl").read_text().splitlines()
+    cut = next(i for i, line in enumerate(lines)
+               if json.loads(line).get("event") == "run_start" and json.loads(line)["run"] == 2)
+    (out / "events.jsonl").write_text("\n".join(lines[:cut]) + "\n")
+    first_run = results.load(out)["cases"][0]["runs"][0]
+    assert main([*args, "--resume", str(out)]) == 0
+    doc = results.load(out)
+    runs = doc["cases"][0]["runs"]
+    assert [r["run"] for r in runs] == [1, 2]
+    assert runs[0] == first_run  # kept, not re-measured
+    text = (out / "events.jsonl").read_text()
+    assert text.count('"run_start"') == 2
+    # A second plain run into the same folder is refused rather than mixed in.
+    assert main([*args, "--out", str(out)]) == 2
+
+
+def test_two_nodes_over_loopback(tmp_path):
+    port = str(free_port())
+    codes = {}
+
+    def node(rank: int) -> None:
+        codes[rank] = main(["run", "tiny-arcface", "--devices", "1", "--nnodes", "2",
+                            "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                            "--master-port", port, "--runs", "1", "--iters", "10",
+                            "--warmup", "3", *TINY, "--out", str(tmp_path / f"node{rank}")])
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == {0: 0, 1: 0}
+    doc = results.load(tmp_path / "node0")
+    case = doc["cases"][0]
+    assert case["case"] == "2n1g" and case["world_size"] == 2 and case["nodes"] == 2
+    assert case["runs"][0]["samples_per_step"] == 16  # both nodes' batches
+    assert case["median_samples_per_s"] > 0
+    follower = json.loads((tmp_path / "node1" / "results.json").read_text())
+    assert follower["role"] == "follower"
+    assert follower["cases"][0]["runs"][0]["status"] == "ok"
