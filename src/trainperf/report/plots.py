@@ -59,7 +59,8 @@ def plot_scaling(docs: list[dict], labels: list[str], out_dir: Path) -> list[str
         ax.set_title(title)
         ax.set_xticks(ticks)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     names = ["throughput.png", "speedup.png"]
     for fig, name in zip((fig_t, fig_s), names):
         fig.tight_layout()
