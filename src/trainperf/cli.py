@@ -54,10 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="tables and plots of one or more result folders")
     rep.add_argument("dirs", nargs="+")
     rep.add_argument("--out", help="folder for report.md and plots (default: the first DIR)")
+    rep.add_argument("--references", action="store_true",
+                     help="add the matching published DLPerf rows beside each result")
+    refs = sub.add_parser("references", help="list the published figures trainperf carries")
+    refs.add_argument("--framework")
+    refs.add_argument("--model")
     exp = sub.add_parser("export", help="write results in another tool's shape")
     exp.add_argument("dir")
     exp.add_argument("--format", required=True, choices=["dlperf"])
     exp.add_argument("--out", help="file to write (default: stdout)")
+    ing = sub.add_parser("ingest", help="read logs of older tools into results")
+    ing.add_argument("logdir")
+    ing.add_argument("--format", default="auto", help="auto or one of: mxnet-speedometer, "
+                     "mxnet-partialfc, oneflow-face, plsc, arcface-torch, tf-timehistory, "
+                     "dllogger")
+    ing.add_argument("--method", default="exact", choices=["exact", "dlperf"],
+                     help="which figure fills samples_per_s (both are kept)")
+    ing.add_argument("--out", help="output folder (default results/ingest-<logdir name>)")
     bench = sub.add_parser("bench", help="the default suite, sized to this machine")
     bench.add_argument("--out", default="bench-results")
     return parser
@@ -109,14 +122,19 @@ def plan_from_args(args: argparse.Namespace):
     return Plan(recipe.name, workload, measure, cases, out)
 
 
-def write_report(dirs: list[str], out: Path) -> Path:
+def write_report(dirs: list[str], out: Path, with_references: bool = False) -> Path:
     from .report import render_report
     from .report.markdown import unique_labels
     from .report.plots import plot_scaling
+    from .report.references import references_section
 
     docs = [results.load(d) for d in dirs]
-    plots = plot_scaling(docs, unique_labels(docs), out)
+    labels = unique_labels(docs)
+    plots = plot_scaling(docs, labels, out)
     extra = [] if plots else ["(No plots: install the `plot` extra, matplotlib, to get them.)"]
+    if with_references:
+        sections = [references_section(d, label) for d, label in zip(docs, labels)]
+        extra += [s for s in sections if s] or ["(No published figure matches these results.)"]
     text = render_report(docs, plots, extra)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.md"
@@ -144,7 +162,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    path = write_report(args.dirs, Path(args.out or args.dirs[0]))
+    path = write_report(args.dirs, Path(args.out or args.dirs[0]), args.references)
     print(path.read_text(encoding="utf-8"))
     print(f"report: {path}")
     return EXIT_OK
@@ -156,6 +174,55 @@ def cmd_export(args: argparse.Namespace) -> int:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     else:
         print(text)
+    return EXIT_OK
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from .ingest import ingest_logdir
+
+    got = ingest_logdir(args.logdir, args.format, args.method)
+    if got.detected:
+        print(f"format: {got.format_name} (detected)", file=sys.stderr)
+    for path, reason in got.skipped:
+        print(f"skipped {path}: {reason}", file=sys.stderr)
+    out = Path(args.out or f"results/ingest-{Path(args.logdir.rstrip('/')).name}")
+    many = len(got.docs) > 1
+    for (model, precision), doc in got.docs.items():
+        folder = out / f"{model}_{precision}" if many else out
+        results.write_json_atomic(folder / "results.json", doc)
+        print(f"{model} {precision}: {len(doc['cases'])} cases -> {folder / 'results.json'}")
+    return EXIT_OK
+
+
+def cmd_references(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .references import DEVICE, load_max_classes, load_throughput
+
+    rows = [r for r in load_throughput()
+            if (not args.framework or r.framework == args.framework)
+            and (not args.model or r.model == args.model)]
+    tbl = Table(title=f"Published DLPerf throughput ({DEVICE})")
+    for col in ("framework", "model", "precision", "batch", "nodes", "gpus", "samples/s",
+                "speedup", "mode"):
+        tbl.add_column(col, no_wrap=col != "mode")
+    for r in rows:
+        tbl.add_row(r.framework, r.model, r.precision, str(r.batch_size_per_device),
+                    str(r.nodes), str(r.devices_per_node), f"{r.samples_per_s:.2f}",
+                    "-" if r.speedup is None else f"{r.speedup:.2f}", r.mode)
+    console = Console()
+    console.print(tbl)
+    caps = Table(title="Published max num_classes")
+    for col in ("framework", "model", "precision", "batch", "nodes", "gpus", "partial fc",
+                "max classes"):
+        caps.add_column(col, no_wrap=True)
+    for c in load_max_classes():
+        caps.add_row(c.framework, c.model, c.precision, str(c.batch_size_per_device),
+                     str(c.nodes), str(c.devices_per_node),
+                     f"{c.sample_ratio}" if c.partial_fc else "no", f"{c.max_num_classes:,}")
+    console.print(caps)
+    print(f"{len(rows)} throughput rows")
     return EXIT_OK
 
 
@@ -199,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "references":
+            return cmd_references(args)
+        if args.command == "ingest":
+            return cmd_ingest(args)
         if args.command == "bench":
             return cmd_bench(args)
     except ValueError as exc:
