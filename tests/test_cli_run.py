@@ -105,12 +105,16 @@ def test_report_of_two_folders_side_by_side(e2e, tmp_path):
     assert "## Comparison" in text and "#2 samples/s" in text
 
 
-def worker_processes() -> list[psutil.Process]:
+def processes_naming(folder: Path) -> list[psutil.Process]:
+    """Live processes whose command line names ``folder`` (launchers and workers of a run pass
+    their spec path), so other test sessions on the machine do not count."""
     out = []
     for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "trainperf.backends.torch.worker" in cmd:
-            out.append(p)
+        try:
+            if str(folder) in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except psutil.Error:
+            continue
     return out
 
 
@@ -133,7 +137,7 @@ def test_failures_are_results_and_the_matrix_goes_on(fault, status, tmp_path, mo
     assert good["speedup"] is None  # no 1-device figure to compare with
     assert "failed_runs" in bad["flags"]
     assert status in (tmp_path / "r" / "report.md").read_text()
-    assert worker_processes() == []
+    assert processes_naming(tmp_path) == []
 
 
 def test_resume_finishes_only_missing_runs(tmp_path):

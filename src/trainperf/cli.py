@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,11 +144,24 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     return path
 
 
+def _interrupt_on_sigterm() -> None:
+    """A runner stopped by SIGTERM (a scheduler, kill) cleans up as on Ctrl-C: it kills its runs'
+    process trees and keeps what was measured."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set there (tests run nodes in threads)
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .progress import make_progress
     from .runner import Runner
 
     plan = plan_from_args(args)
+    _interrupt_on_sigterm()
     progress = make_progress()
     try:
         doc = Runner(plan, progress).run(resume=bool(args.resume))

@@ -48,6 +48,8 @@ def run_record(run: int, events: list[dict], status: str, error: str | None = No
         "samples_per_step": start.get("global_batch"),
         "peak_memory_bytes": end.get("peak_memory_bytes") if end else None,
         "peak_reserved_bytes": end.get("peak_reserved_bytes") if end else None,
+        "baseline_memory_bytes": start.get("baseline_memory_bytes"),
+        "predicted_peak_bytes": start.get("predicted_peak_bytes"),
         "loss_first": end.get("loss_first") if end else None,
         "loss_last": end.get("loss_last") if end else None,
         "error": error,

@@ -26,6 +26,7 @@ from .data import synthetic_batch
 from .dist import DistContext, all_reduce_, init_from_env
 from .env import framework_env
 from .flops import backbone_profile, train_flops_per_sample
+from .memory_model import estimate
 from .step import TrainStep
 from .timing import timed_loop
 
@@ -48,6 +49,22 @@ def is_oom(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "out of memory" in text or "can't allocate memory" in text or (
         "defaultcpuallocator" in text)
+
+
+def current_memory(device: torch.device) -> int:
+    """Memory in use now: allocated device memory, or this process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def limit_memory(limit_bytes: int | None, device: torch.device) -> None:
+    """Cap this process's data segment (heap and anonymous mappings: what tensors use) so a CPU
+    run that needs more fails with an allocation error instead of taking the machine down. On a
+    GPU the device's own capacity is the limit."""
+    if limit_bytes and device.type == "cpu":
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
@@ -98,6 +115,8 @@ def inject(fault: tuple[str, int] | None, index: int, rank: int) -> None:
 def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
     workload = Workload.from_dict(spec["workload"])
     measure = Measure(**spec["measure"])
+    baseline = current_memory(ctx.device)
+    limit_memory(measure.memory_limit_bytes, ctx.device)
     step = TrainStep(workload, ctx)
     images, labels = synthetic_batch(workload, ctx)
     global_batch = workload.batch_size * ctx.world_size
@@ -106,11 +125,14 @@ def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
         num_classes=workload.num_classes, output_block=workload.output_block)
     flops = train_flops_per_sample(fwd_flops, workload.embedding_size if workload.task == "face"
                                    else 0, classes_computed(workload, step, ctx))
+    model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
     if ctx.rank == 0:
         events.emit("start", workload=workload.to_dict(), env=framework_env(ctx.device),
                     world_size=ctx.world_size, global_batch=global_batch,
                     backbone_params=params, train_flops_per_sample=flops,
-                    pfc_update=step.pfc_update, device=str(ctx.device))
+                    pfc_update=step.pfc_update, device=str(ctx.device),
+                    baseline_memory_bytes=baseline, memory_model=model.to_dict(),
+                    predicted_peak_bytes=baseline + model.total_bytes)
     fault = parse_fault(ctx.world_size)
 
     def one_step() -> torch.Tensor:
@@ -133,7 +155,7 @@ def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
         events.emit("end", samples_per_s=samples / window_s, window_s=window_s,
                     window_samples=samples, loss_first=loss_values[0], loss_last=loss_values[-1],
                     nonfinite_losses=sum(1 for v in loss_values if v != v or abs(v) == float("inf")),
-                    **memory)
+                    baseline_memory_bytes=baseline, **memory)
 
 
 def main(argv: list[str] | None = None) -> int:

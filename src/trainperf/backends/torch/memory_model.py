@@ -1,0 +1,128 @@
+"""Predicted peak memory of one rank's training step, by component.
+
+Backbone: fp32 parameters, gradients and SGD momentum (12 bytes a parameter), plus DDP's flat
+gradient buckets (4 more) when there are several ranks. Activations: the bytes autograd saves
+per sample, counted by a forward pass on the meta device (nothing runs); halved under fp16/bf16
+autocast, where convolution outputs are 16-bit. Head: per class of the rank's shard, the weight,
+gradient and momentum (sparse Partial FC keeps no whole-matrix gradient); per class computed in a
+step, the normalised (or sampled) rows, their gradients and the temporaries of normalisation's
+backward and the optimizer, and the [N, C] logits and probabilities. The CPU adds the process's
+resident baseline (interpreter, libraries), measured before the model is built, and a runtime
+workspace.
+
+The constants marked "calibrated" were fitted to measured peaks of tiny-arcface on a CPU with
+torch 2.13 (benchmarks/memory_model.py records the table); elsewhere the report shows how far
+the prediction was from the measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ...config import Workload
+from .backbones import build_backbone
+from .dist import shard_of
+
+F32 = 4
+# Calibrated: backward holds activation gradients and reordered copies next to the saved
+# activations, about half as much again as autograd saves.
+BACKWARD_FACTOR = 1.5
+# Calibrated: oneDNN / ATen caches and thread pools that the first CPU step allocates.
+CPU_RUNTIME_BYTES = 128 * 2**20
+# Calibrated: copies of a computed class row alive at the step's peak beyond the static ones.
+# Full softmax: normalised copy, its gradient, two backward temporaries. Sampled rows add the
+# gathered rows, their gradient and the optimizer's gathered momentum.
+STEP_ROW_COPIES = {"full": 4, "sparse": 7, "dense": 6}
+
+
+@dataclass
+class MemoryEstimate:
+    backbone_static_bytes: int
+    activation_bytes_per_sample: int
+    activation_bytes: int
+    input_bytes: int
+    head_static_bytes: int
+    head_step_bytes: int
+    head_bytes_per_class: float
+    """Static head bytes per class of the whole problem, on this rank."""
+    total_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def activation_bytes_per_sample(workload: Workload) -> int:
+    """Bytes autograd saves per sample in the backbone's forward (fp32), from two meta passes."""
+    with torch.device("meta"):
+        model = build_backbone(
+            workload.backbone, embedding_size=workload.embedding_size,
+            num_classes=workload.num_classes, input_size=workload.input_size,
+            output_block=workload.output_block)
+    model.train()
+
+    def saved(batch: int) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            storages[st._cdata] = st.nbytes()
+            return t
+
+        x = torch.empty(batch, 3, workload.input_size, workload.input_size, device="meta")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        return sum(storages.values())
+
+    # The slope between two batch sizes leaves out saved parameters (counted as static).
+    return (saved(4) - saved(2)) // 2
+
+
+def estimate(workload: Workload, world_size: int, rank: int = 0,
+             backbone_params: int | None = None, device_type: str = "cpu") -> MemoryEstimate:
+    if backbone_params is None:
+        with torch.device("meta"):
+            backbone_params = sum(p.numel() for p in build_backbone(
+                workload.backbone, embedding_size=workload.embedding_size,
+                num_classes=workload.num_classes, input_size=workload.input_size,
+                output_block=workload.output_block).parameters())
+    ddp = world_size > 1
+    backbone = backbone_params * F32 * (4 if ddp else 3)
+    act_fp32 = activation_bytes_per_sample(workload)
+    act = act_fp32 // 2 if workload.precision in ("fp16", "bf16") else act_fp32
+    batch = workload.batch_size
+    inputs = batch * 3 * workload.input_size ** 2 * F32
+
+    head_static = head_step = 0
+    per_class = 0.0
+    if workload.task == "face":
+        d = workload.embedding_size
+        sharded = workload.fc != "dp"
+        local = shard_of(workload.num_classes, rank, world_size)[1] if sharded else (
+            workload.num_classes)
+        sampling = workload.fc == "pfc" and workload.sample_ratio < 1.0
+        computed = max(1, int(workload.sample_ratio * local)) if sampling else local
+        rows = batch * world_size if sharded else batch
+        copies = 3  # weight, gradient, momentum
+        if sampling and workload.pfc_update == "sparse":
+            copies = 2  # no whole-matrix gradient
+        if workload.fc == "dp" and ddp:
+            copies += 1  # DDP bucket
+        head_static = copies * local * d * F32
+        per_class = head_static / workload.num_classes
+        row_bytes = computed * d * F32
+        logits = rows * computed * F32
+        half_cos = rows * computed * 2 if workload.precision != "fp32" else 0
+        # Forward: normalised rows, cosines and probabilities together. Backward: the row
+        # gradients and temporaries next to the probabilities (reused as the logits' gradient).
+        forward = row_bytes + 2 * logits + half_cos
+        backward = STEP_ROW_COPIES[workload.pfc_update if sampling else "full"] * row_bytes + logits
+        head_step = max(forward, backward)
+    # The head's transients are freed before the backbone's backward allocates its own.
+    backward_extra = int((BACKWARD_FACTOR - 1) * act * batch)
+    total = backbone + act * batch + inputs + head_static + max(head_step, backward_extra)
+    if device_type == "cpu":
+        total += CPU_RUNTIME_BYTES
+    return MemoryEstimate(backbone, act, act * batch, inputs, head_static, head_step, per_class,
+                          total)
