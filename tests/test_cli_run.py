@@ -41,6 +41,9 @@ def test_results_follow_the_schema(e2e):
         assert len(c["runs"]) == 2
         for r in c["runs"]:
             assert r["status"] == "ok" and r["peak_memory_bytes"] > 0
+            per_rank = r["peak_memory_bytes_per_rank"]
+            assert len(per_rank) == c["world_size"] and max(per_rank) == r["peak_memory_bytes"]
+            assert r["predicted_peak_bytes"] > r["baseline_memory_bytes"] > 0
             assert len(r["step_times_s"]) == 20 and len(r["warmup_step_times_s"]) == 10
             assert np.isfinite(r["loss_first"]) and np.isfinite(r["loss_last"])
 

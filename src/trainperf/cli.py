@@ -65,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("dir")
     exp.add_argument("--format", required=True, choices=["dlperf"])
     exp.add_argument("--out", help="file to write (default: stdout)")
+    search = sub.add_parser("search", help="find the largest batch or number of classes")
+    search.add_argument("kind", choices=["max-batch", "max-classes"])
+    search.add_argument("recipe")
+    search.add_argument("--start", type=int, help="first value to probe (default: recipe's)")
+    search.add_argument("--resolution", type=float, default=None,
+                        help="stop when the failing value is within this fraction of the "
+                             "fitting one (default: exact for batch, 0.01 for classes)")
+    search.add_argument("--max-probes", type=int, default=24)
+    _add_run_options(search)
+    search.set_defaults(runs=1, iters=6, warmup=2, timeout=900.0)
     ing = sub.add_parser("ingest", help="read logs of older tools into results")
     ing.add_argument("logdir")
     ing.add_argument("--format", default="auto", help="auto or one of: mxnet-speedometer, "
@@ -119,7 +129,7 @@ def plan_from_args(args: argparse.Namespace):
                     args.device)
     devices = parse_int_list(args.devices, "--devices")
     cases = plan_cases(devices, batches, base)
-    out = Path(args.resume or args.out or
+    out = Path(getattr(args, "resume", None) or args.out or
                f"results/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Plan(recipe.name, workload, measure, cases, out)
 
@@ -130,10 +140,17 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     from .report.plots import plot_scaling
     from .report.references import references_section
 
-    docs = [results.load(d) for d in dirs]
+    from .report.capacity import capacity_section
+
+    searches = [d for d in dirs if (Path(d) / "search.json").exists()
+                and not (Path(d) / "results.json").exists()]
+    docs = [results.load(d) for d in dirs if d not in searches]
     labels = unique_labels(docs)
-    plots = plot_scaling(docs, labels, out)
-    extra = [] if plots else ["(No plots: install the `plot` extra, matplotlib, to get them.)"]
+    plots = plot_scaling(docs, labels, out) if docs else []
+    extra = [] if plots or not docs else [
+        "(No plots: install the `plot` extra, matplotlib, to get them.)"]
+    for d in searches:
+        extra.append(capacity_section(json.loads((Path(d) / "search.json").read_text())))
     if with_references:
         sections = [references_section(d, label) for d, label in zip(docs, labels)]
         extra += [s for s in sections if s] or ["(No published figure matches these results.)"]
@@ -241,6 +258,50 @@ def cmd_references(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_search(args: argparse.Namespace) -> int:
+    from .report.capacity import capacity_section
+    from .search import KINDS, run_search, write_outcome
+
+    if "," in args.devices:
+        raise ValueError("search takes one --devices value")
+    if args.runs != 1:
+        raise ValueError("a search probes each value once (--runs 1)")
+    if not args.out:
+        args.out = f"results/search-{args.kind}-{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    plan = plan_from_args(args)
+    if (plan.out_dir / "search.json").exists():
+        raise ValueError(f"{plan.out_dir} already holds a search; choose another --out")
+    field_name = KINDS[args.kind]
+    start = args.start or getattr(plan.workload, field_name)
+    resolution = args.resolution if args.resolution is not None else (
+        0.0 if args.kind == "max-batch" else 0.01)
+    _interrupt_on_sigterm()
+
+    def show(p) -> None:
+        peak = f"{p.peak_memory_bytes / 2**30:.2f} GiB" if p.peak_memory_bytes else "-"
+        print(f"probe {field_name}={p.value}: {p.status} (peak {peak})", file=sys.stderr,
+              flush=True)
+
+    outcome = run_search(args.kind, plan, start, resolution, args.max_probes,
+                         plan.measure.memory_limit_bytes, show)
+    topo = plan.cases[0].topology
+    outcome.settings = {
+        "devices_per_node": topo.devices_per_node, "nnodes": topo.nnodes,
+        "world_size": topo.world_size, "device": topo.device, "fc": plan.workload.fc,
+        "sample_ratio": plan.workload.sample_ratio, "precision": plan.workload.precision,
+        "batch_size": plan.workload.batch_size, "num_classes": plan.workload.num_classes,
+        "memory_limit_bytes": plan.measure.memory_limit_bytes, "resolution": resolution,
+        "iters": plan.measure.iters, "start": start,
+    }
+    path = write_outcome(outcome, plan.out_dir)
+    section = capacity_section(outcome.to_dict())
+    (plan.out_dir / "report.md").write_text("# trainperf capacity\n\n" + section + "\n",
+                                             encoding="utf-8")
+    print(section)
+    print(f"search: {path}")
+    return EXIT_OK if outcome.answer is not None else EXIT_RUN_FAILED
+
+
 def gpu_count() -> int:
     if shutil.which("nvidia-smi") is None:
         return 0
@@ -281,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "search":
+            return cmd_search(args)
         if args.command == "references":
             return cmd_references(args)
         if args.command == "ingest":

@@ -48,6 +48,7 @@ def run_record(run: int, events: list[dict], status: str, error: str | None = No
         "samples_per_step": start.get("global_batch"),
         "peak_memory_bytes": end.get("peak_memory_bytes") if end else None,
         "peak_reserved_bytes": end.get("peak_reserved_bytes") if end else None,
+        "peak_memory_bytes_per_rank": end.get("peak_memory_bytes_per_rank") if end else None,
         "baseline_memory_bytes": start.get("baseline_memory_bytes"),
         "predicted_peak_bytes": start.get("predicted_peak_bytes"),
         "loss_first": end.get("loss_first") if end else None,
@@ -67,6 +68,8 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start_event: dic
     st = stats.case_stats(
         r["samples_per_s"] if r["status"] == "ok" and not r["flags"] else None for r in runs)
     peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
+    model_errors = [(r["predicted_peak_bytes"] - r["peak_memory_bytes"]) / r["peak_memory_bytes"]
+                    for r in runs if r.get("peak_memory_bytes") and r.get("predicted_peak_bytes")]
     start = start_event or {}
     flops = start.get("train_flops_per_sample")
     env = start.get("env", {})
@@ -93,6 +96,7 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start_event: dic
         "model_flops_per_s": model_flops,
         "mfu": model_flops / (device_peak * key.world_size) if model_flops and device_peak else None,
         "peak_memory_bytes": max(peaks) if peaks else None,
+        "memory_model_error": stats.median(model_errors),
         "flags": st.flags,
     }
 

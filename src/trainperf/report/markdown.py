@@ -64,12 +64,13 @@ def single_table(doc: dict) -> str:
             fmt(c["median_samples_per_s"]), fmt(c["average_samples_per_s"]),
             pct(c.get("spread")), fmt(c["speedup"]), pct(c["scaling_efficiency"]),
             fmt(c["median_samples_per_s"] / c["world_size"]) if c["median_samples_per_s"] else "-",
-            pct(c.get("mfu")), gib(c.get("peak_memory_bytes")), status,
+            pct(c.get("mfu")), gib(c.get("peak_memory_bytes")),
+            pct(c.get("memory_model_error")), status,
             ", ".join(c["flags"]) or "-",
         ])
     return table(["node_num", "gpu_num", "batch/device", "samples/s (median)", "average",
                   "IQR/median", "speedup", "efficiency", "per device", "MFU", "peak memory",
-                  "runs ok", "flags"], rows)
+                  "memory model off by", "runs ok", "flags"], rows)
 
 
 def failures(doc: dict) -> list[str]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ...config import Measure, Workload
 from .data import synthetic_batch
-from .dist import DistContext, all_reduce_, init_from_env
+from .dist import DistContext, all_gather, init_from_env
 from .env import framework_env
 from .flops import backbone_profile, train_flops_per_sample
 from .memory_model import estimate
@@ -75,10 +75,13 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def max_over_ranks(values: dict[str, int], ctx: DistContext) -> dict[str, int]:
+def memory_over_ranks(values: dict[str, int], ctx: DistContext) -> dict:
+    """The largest of each figure across ranks, and every rank's peak."""
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=ctx.device)
-    all_reduce_(t, ctx, dist.ReduceOp.MAX)
-    return dict(zip(values, (int(v) for v in t.tolist())))
+    per_rank = all_gather(t[None], ctx)
+    out: dict = {k: int(v) for k, v in zip(values, per_rank.max(dim=0).values.tolist())}
+    out["peak_memory_bytes_per_rank"] = [int(v) for v in per_rank[:, 0].tolist()]
+    return out
 
 
 def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> int:
@@ -149,7 +152,7 @@ def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
     window_s, losses = timed_loop(one_step, measure.iters, measure.warmup, ctx.device,
                                   on_steps, barrier)
     loss_values = torch.stack(losses).float().tolist()  # one read-back, after the window
-    memory = max_over_ranks(peak_memory(ctx.device), ctx)
+    memory = memory_over_ranks(peak_memory(ctx.device), ctx)
     if ctx.rank == 0:
         samples = measure.window_steps * global_batch
         events.emit("end", samples_per_s=samples / window_s, window_s=window_s,
