@@ -189,3 +189,19 @@ def test_two_nodes_over_loopback(tmp_path):
     follower = json.loads((tmp_path / "node1" / "results.json").read_text())
     assert follower["role"] == "follower"
     assert follower["cases"][0]["runs"][0]["status"] == "ok"
+
+
+def test_status_rules():
+    from trainperf.runner import decide_status
+
+    start, end = {"event": "start"}, {"event": "end"}
+    assert decide_status([start, end], 0, False) == ("ok", None)
+    # A crash during shutdown after the window was reported keeps the figure.
+    assert decide_status([start, end], 1, False)[0] == "ok"
+    assert decide_status([start], 1, False) == ("failed", None)
+    assert decide_status([start], None, True)[0] == "timeout"
+    peer = {"event": "error", "kind": "exception", "rank": 0, "message": "Connection closed"}
+    cause = {"event": "error", "kind": "exception", "rank": 1, "message": "ValueError: x"}
+    assert decide_status([start, peer, cause], 1, False) == ("failed", "ValueError: x")
+    oom = {"event": "error", "kind": "oom", "rank": 1, "message": "OOM"}
+    assert decide_status([start, peer, oom], 1, False) == ("oom", "OOM")

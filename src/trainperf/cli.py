@@ -333,23 +333,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    commands = {"list": lambda _: cmd_list(), "run": cmd_run, "report": cmd_report,
+                "export": cmd_export, "search": cmd_search, "references": cmd_references,
+                "ingest": cmd_ingest, "bench": cmd_bench}
     try:
-        if args.command == "list":
-            return cmd_list()
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "report":
-            return cmd_report(args)
-        if args.command == "export":
-            return cmd_export(args)
-        if args.command == "search":
-            return cmd_search(args)
-        if args.command == "references":
-            return cmd_references(args)
-        if args.command == "ingest":
-            return cmd_ingest(args)
-        if args.command == "bench":
-            return cmd_bench(args)
+        return commands[args.command](args)
     except ValueError as exc:
         print(f"trainperf: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -357,8 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         print("trainperf: interrupted; finished runs are in events.jsonl and results.json "
               "(finish with --resume DIR)", file=sys.stderr)
         return 130
-    parser.error(f"unknown command {args.command}")
-    return EXIT_USAGE
 
 
 if __name__ == "__main__":

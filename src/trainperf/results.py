@@ -55,6 +55,7 @@ def run_record(run: int, events: list[dict], status: str, error: str | None = No
         "loss_last": end.get("loss_last") if end else None,
         "error": error,
         "exit_code": exit_code,
+        "warnings": [],
         "flags": stats.loss_flags(end.get("loss_last"), end.get("nonfinite_losses", 0))
         if end else [],
     }

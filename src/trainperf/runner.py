@@ -167,8 +167,9 @@ def decide_status(events: list[dict], exit_code: int | None, timed_out: bool) ->
     if any(e.get("kind") == "oom" for e in errors):
         first = next(e for e in errors if e.get("kind") == "oom")
         return "oom", first.get("message")
-    ended = any(e["event"] == "end" for e in events)
-    if ended and exit_code == 0:
+    if any(e["event"] == "end" for e in events):
+        # The window was measured and reported; a crash while the processes shut down does not
+        # undo that. The runner records the exit beside the figure.
         return "ok", None
     if errors:
         # Prefer the root cause: a peer's failure shows up on the others as a broken connection.
@@ -325,6 +326,9 @@ class Runner:
         if self.is_follower and status == "failed" and proc.returncode == 0:
             status = "ok"  # rank 0 is on node 0: a clean exit is all this node can report
         record = results.run_record(run, seen, status, error, proc.returncode)
+        if status == "ok" and proc.returncode != 0:
+            record["warnings"] = [f"processes exited with code {proc.returncode} after the "
+                                  f"measurement: {log_tail(log_path, 3)}"]
         self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
         self.progress.run_finished(label, record)
         return record

@@ -16,22 +16,28 @@ FILES = ("insightface.csv", "resnet50.csv")
 
 
 @dataclass(frozen=True)
-class Reference:
-    suite: str
+class Published:
+    """What every published row says about where it ran."""
+
     framework: str
     model: str
     precision: str
     batch_size_per_device: int
     nodes: int
     devices_per_node: int
-    samples_per_s: float
-    speedup: float | None
-    mode: str
-    source: str
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Reference(Published):
+    samples_per_s: float
+    speedup: float | None
+    mode: str
+    source: str
+    suite: str
 
     @property
     def mode_items(self) -> dict[str, str]:
@@ -44,13 +50,7 @@ class Reference:
 
 
 @dataclass(frozen=True)
-class ClassCapacity:
-    framework: str
-    model: str
-    precision: str
-    batch_size_per_device: int
-    nodes: int
-    devices_per_node: int
+class ClassCapacity(Published):
     model_parallel: bool
     partial_fc: bool
     sample_ratio: float | None
@@ -64,22 +64,25 @@ def _rows(name: str) -> list[dict[str, str]]:
     return list(csv.DictReader(text.splitlines()))
 
 
+def _where(r: dict[str, str]) -> tuple:
+    return (r["framework"], r["model"], r["precision"], int(r["batch_size_per_device"]),
+            int(r["nodes"]), int(r["gpus_per_node"]))
+
+
 def load_throughput() -> list[Reference]:
     out = []
     for name in FILES:
         for r in _rows(name):
             out.append(Reference(
-                r["suite"], r["framework"], r["model"], r["precision"],
-                int(r["batch_size_per_device"]), int(r["nodes"]), int(r["gpus_per_node"]),
-                float(r["samples_per_s"]), float(r["speedup"]) if r["speedup"] else None,
-                r["mode"], r["source_file"]))
+                *_where(r), float(r["samples_per_s"]),
+                float(r["speedup"]) if r["speedup"] else None, r["mode"], r["source_file"],
+                r["suite"]))
     return out
 
 
 def load_max_classes() -> list[ClassCapacity]:
     return [ClassCapacity(
-        r["framework"], r["model"], r["precision"], int(r["batch_size_per_device"]),
-        int(r["nodes"]), int(r["gpus_per_node"]), r["model_parallel"] == "True",
+        *_where(r), r["model_parallel"] == "True",
         r["partial_fc"] == "True", float(r["sample_ratio"]) if r["sample_ratio"] else None,
         int(r["max_num_classes"]), r["data"], r["source_file"])
         for r in _rows("insightface_max_num_classes.csv")]

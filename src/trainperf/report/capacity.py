@@ -52,12 +52,10 @@ def published_rows(doc: dict) -> str | None:
     model, _ = reference_model({"recipe": doc["recipe"], "workload": {}})
     world = s.get("world_size")
     if doc["kind"] == "max-classes":
-        rows = [[c.framework, str(c.nodes), str(c.world_size if hasattr(c, "world_size") else
-                                                c.nodes * c.devices_per_node),
-                 str(c.batch_size_per_device), c.precision, str(c.sample_ratio),
-                 f"{c.max_num_classes:,}"]
+        rows = [[c.framework, str(c.nodes), str(c.world_size), str(c.batch_size_per_device),
+                 c.precision, str(c.sample_ratio), f"{c.max_num_classes:,}"]
                 for c in references.load_max_classes()
-                if c.model == model and c.nodes * c.devices_per_node == world]
+                if c.model == model and c.world_size == world]
         header = ["framework", "node_num", "devices", "batch/device", "precision", "partial fc",
                   "max num_classes"]
     else:

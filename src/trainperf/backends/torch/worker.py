@@ -159,6 +159,9 @@ def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
                     window_samples=samples, loss_first=loss_values[0], loss_last=loss_values[-1],
                     nonfinite_losses=sum(1 for v in loss_values if v != v or abs(v) == float("inf")),
                     baseline_memory_bytes=baseline, **memory)
+    if ctx.distributed:
+        # No rank tears its process group down while another still talks to it.
+        dist.barrier(group=ctx.group)
 
 
 def main(argv: list[str] | None = None) -> int:
