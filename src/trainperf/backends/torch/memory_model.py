@@ -31,10 +31,12 @@ F32 = 4
 BACKWARD_FACTOR = 1.5
 # Calibrated: oneDNN / ATen caches and thread pools that the first CPU step allocates.
 CPU_RUNTIME_BYTES = 128 * 2**20
-# Calibrated: copies of a computed class row alive at the step's peak beyond the static ones.
-# Full softmax: normalised copy, its gradient, two backward temporaries. Sampled rows add the
-# gathered rows, their gradient and the optimizer's gathered momentum.
-STEP_ROW_COPIES = {"full": 4, "sparse": 7, "dense": 6}
+# Copies of a computed class row alive beyond the static ones (the fused normalised linear
+# keeps no normalised copy). Forward: the gathered rows of a sampled head. Backward: full
+# softmax, the optimizer's weight-decay temporary; sparse, the rows, their gradient and the
+# gathered momentum; dense, the gathered rows and their gradient.
+FORWARD_ROW_COPIES = {"full": 0, "sparse": 1, "dense": 1}
+BACKWARD_ROW_COPIES = {"full": 1, "sparse": 3, "dense": 2}
 
 
 @dataclass
@@ -114,10 +116,11 @@ def estimate(workload: Workload, world_size: int, rank: int = 0,
         row_bytes = computed * d * F32
         logits = rows * computed * F32
         half_cos = rows * computed * 2 if workload.precision != "fp32" else 0
-        # Forward: normalised rows, cosines and probabilities together. Backward: the row
-        # gradients and temporaries next to the probabilities (reused as the logits' gradient).
-        forward = row_bytes + 2 * logits + half_cos
-        backward = STEP_ROW_COPIES[workload.pfc_update if sampling else "full"] * row_bytes + logits
+        # Forward: cosines and probabilities together. Backward: row gradients and temporaries
+        # next to the probabilities (reused as the logits' gradient).
+        update = workload.pfc_update if sampling else "full"
+        forward = FORWARD_ROW_COPIES[update] * row_bytes + 2 * logits + half_cos
+        backward = BACKWARD_ROW_COPIES[update] * row_bytes + logits
         head_step = max(forward, backward)
     # The head's transients are freed before the backbone's backward allocates its own.
     backward_extra = int((BACKWARD_FACTOR - 1) * act * batch)

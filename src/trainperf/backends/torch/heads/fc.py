@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..dist import DistContext, all_gather, all_gather_with_grad, shard_range
 from .margin import apply_margin_
+from .normalized_linear import normalized_linear
 from .softmax import sharded_cross_entropy
 
 
@@ -94,14 +95,18 @@ class MarginSoftmaxHead(nn.Module):
         index, local = sample_classes(local, self.num_local, self.num_sample)
         self.index = index
         if not self.sparse:
-            return embeddings, local, self.weight[index]
-        self.rows.data = self.weight[index]
+            return embeddings, local, self.weight.index_select(0, index)
+        rows = self.rows.data
+        if rows.shape[0] == index.numel():
+            torch.index_select(self.weight, 0, index, out=rows)  # reuse: no fresh pages
+        else:
+            self.rows.data = self.weight.index_select(0, index)
         self.rows.grad = None
         return embeddings, local, self.rows
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         embeddings, local_labels, weight = self._select(embeddings, labels)
-        cos = F.linear(F.normalize(embeddings), F.normalize(weight))
+        cos = normalized_linear(F.normalize(embeddings), weight)
         logits = apply_margin_(cos, local_labels, *self.margins, self.scale)
         return sharded_cross_entropy(logits, local_labels, self.ctx if self.sharded else
                                      DistContext(device=self.ctx.device))
@@ -129,8 +134,9 @@ class SampledRowsSGD(torch.optim.Optimizer):
         rows = head.rows
         if rows.grad is None or head.index is None:
             return None
-        grad = rows.grad.add(rows, alpha=group["weight_decay"])
-        buf = head.momentum_rows[head.index].mul_(group["momentum"]).add_(grad)
-        head.momentum_rows[head.index] = buf
-        head.weight[head.index] = rows.sub_(buf, alpha=group["lr"])
+        index = head.index
+        grad = rows.grad.add_(rows, alpha=group["weight_decay"])  # the step owns this grad
+        buf = head.momentum_rows.index_select(0, index).mul_(group["momentum"]).add_(grad)
+        head.momentum_rows.index_copy_(0, index, buf)
+        head.weight.index_copy_(0, index, rows.sub_(buf, alpha=group["lr"]))
         return None
