@@ -40,10 +40,17 @@ def capacity_section(doc: dict) -> str:
     return "\n".join(text)
 
 
+def _short(error: str | None, width: int = 90) -> str:
+    """The end of an error's last line: allocators put the size that failed at the end."""
+    if not error:
+        return ""
+    line = error.strip().splitlines()[-1].replace("|", "/")
+    return line if len(line) <= width else "..." + line[-width:]
+
+
 def probes_table(doc: dict) -> str:
     rows = [[f"{p['value']:,}", p["status"], gib(p["peak_memory_bytes"]),
-             gib(p["predicted_peak_bytes"]), (p["error"] or "").splitlines()[-1][:80]
-             if p["error"] else ""] for p in doc["probes"]]
+             gib(p["predicted_peak_bytes"]), _short(p["error"])] for p in doc["probes"]]
     return table(["value", "status", "peak memory", "predicted", "error"], rows)
 
 
