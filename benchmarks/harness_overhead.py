@@ -1,7 +1,9 @@
 """How much the measuring harness adds to a bare training loop of the same step.
 
-Both loops run the same TrainStep in one process, interleaved (bare, harness, bare, ...), so
-drift in machine speed hits both alike. The harness loop is the worker's: per-step timer marks
+Two measurements. Both loops run the same TrainStep in one process, interleaved (bare, harness,
+bare, ...), so drift in machine speed hits both alike; on a noisy machine their ratio cannot
+resolve a sub-1% effect. So the harness's own work per step is also timed around a trivial step,
+over thousands of iterations, and given as a fraction of the real step. The harness loop is the worker's: per-step timer marks
 and one JSON line per step appended to an events file. The result goes to
 benchmarks/results/harness_overhead-<device>.json.
 
@@ -49,6 +51,29 @@ def harness(step, images, labels, steps: int, device, events: EventWriter) -> fl
     return window_s / steps
 
 
+def harness_cost_per_step(device, events: EventWriter, steps: int = 3000) -> float:
+    """The harness's own work per step (timer mark, drain, one JSON line), measured around a
+    trivial step so that the training step's noise does not hide it."""
+    trivial = torch.zeros((), device=device)
+
+    def loop_bare() -> float:
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            trivial.add_(1)
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    def on_steps(done):
+        for index, seconds in done:
+            events.emit("step", index=index, seconds=seconds, samples=1, warmup=False)
+
+    bare_s = min(loop_bare() for _ in range(3))
+    harness_s = min(timed_loop(lambda: trivial.add_(1), steps + 1, 1, device, on_steps)[0]
+                    for _ in range(3))
+    return (harness_s - bare_s) / steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="tiny-arcface")
@@ -71,6 +96,7 @@ def main() -> None:
         for _ in range(args.repeats):
             bare_s.append(bare(step, images, labels, args.steps, device))
             harness_s.append(harness(step, images, labels, args.steps, device, events))
+        cost_s = harness_cost_per_step(device, events)
     ratio = statistics.median(harness_s) / statistics.median(bare_s)
     pairwise = [h / b for h, b in zip(harness_s, bare_s)]
     result = {
@@ -79,6 +105,8 @@ def main() -> None:
         "bare_step_s_median": statistics.median(bare_s),
         "harness_step_s_median": statistics.median(harness_s),
         "overhead_ratio": ratio,
+        "harness_cost_per_step_s": cost_s,
+        "harness_cost_fraction_of_step": cost_s / statistics.median(bare_s),
         "pairwise_ratio_min_median_max": [min(pairwise), statistics.median(pairwise),
                                           max(pairwise)],
         "bare_step_s": bare_s, "harness_step_s": harness_s,
@@ -91,7 +119,9 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"bare {result['bare_step_s_median'] * 1e3:.2f} ms/step, harness "
           f"{result['harness_step_s_median'] * 1e3:.2f} ms/step, ratio {ratio:.4f} "
-          f"(pairwise median {result['pairwise_ratio_min_median_max'][1]:.4f}) -> {out}")
+          f"(pairwise median {result['pairwise_ratio_min_median_max'][1]:.4f}); harness's own "
+          f"work {cost_s * 1e6:.1f} us/step = {100 * result['harness_cost_fraction_of_step']:.3f}% "
+          f"of a step -> {out}")
 
 
 if __name__ == "__main__":
