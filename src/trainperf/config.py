@@ -180,11 +180,6 @@ class Topology:
     def world_size(self) -> int:
         return self.nnodes * self.devices_per_node
 
-    @property
-    def case_name(self) -> str:
-        """DLPerf's case label: ``1n8g`` is one node with eight devices."""
-        return f"{self.nnodes}n{self.devices_per_node}g"
-
 
 @dataclass(frozen=True)
 class Measure:
