@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,14 +47,11 @@ class Plan:
     measure: Measure
     cases: list[Case]
     out_dir: Path
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def plan_cases(devices: list[int], batch_sizes: list[int], base: Topology) -> list[Case]:
     """Every (batch, devices) pair, batches outermost so each batch's 1-device base runs first."""
-    return [Case(Topology(d, base.nnodes, base.node_rank, base.master_addr, base.master_port,
-                          base.device), b)
-            for b in batch_sizes for d in devices]
+    return [Case(replace(base, devices_per_node=d), b) for b in batch_sizes for d in devices]
 
 
 class Progress(Protocol):
@@ -63,17 +60,24 @@ class Progress(Protocol):
     def run_finished(self, label: str, record: dict) -> None: ...
 
 
-class QuietProgress:
-    """No live display: one line per finished run, for logs and CI."""
-
-    def __init__(self, stream=None) -> None:
-        self.stream = stream
+class NullProgress:
+    """Shows nothing (capacity probes report through their own lines)."""
 
     def run_started(self, label: str, total_steps: int) -> None:
         pass
 
     def steps_done(self, count: int) -> None:
         pass
+
+    def run_finished(self, label: str, record: dict) -> None:
+        pass
+
+
+class QuietProgress(NullProgress):
+    """No live display: one line per finished run, for logs and CI."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream
 
     def run_finished(self, label: str, record: dict) -> None:
         rate = record.get("samples_per_s")
@@ -283,14 +287,11 @@ class Runner:
         worker_events.unlink(missing_ok=True)
         workload = self.plan.workload.replace(batch_size=case.batch_size)
         measure = self.plan.measure
-        spec = {"workload": workload.to_dict(),
-                "measure": {"runs": measure.runs, "iters": measure.iters,
-                            "warmup": measure.warmup, "timeout_s": measure.timeout_s,
-                            "memory_limit_bytes": measure.memory_limit_bytes},
+        spec = {"workload": workload.to_dict(), "measure": asdict(measure),
                 "device": case.topology.device,
                 "threads": cpu_threads_per_process(case.topology.devices_per_node)}
         results.write_json_atomic(spec_path, spec)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.plan.extra_env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         self._append_event({"event": "run_start", "t": time.time(), **tags})

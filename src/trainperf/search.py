@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import results
-from .runner import Plan, Runner
+from .runner import NullProgress, Plan, Runner
 
 KINDS = {"max-batch": "batch_size", "max-classes": "num_classes"}
 # Growth stops here even without a failure: a search must end.
@@ -97,7 +97,7 @@ def run_search(kind: str, plan: Plan, start: int, resolution: float, max_probes:
             case = replace(case, batch_size=value)
         out = plan.out_dir / "probes" / f"{field_name}-{value}"
         doc = Runner(replace(plan, workload=workload, cases=[case], out_dir=out),
-                     _Silent()).run()
+                     NullProgress()).run()
         run = doc["cases"][0]["runs"][0]
         p = Probe(value, run["status"], run["peak_memory_bytes"], run.get("predicted_peak_bytes"),
                   run["error"], str(out))
@@ -136,17 +136,6 @@ def run_search(kind: str, plan: Plan, start: int, resolution: float, max_probes:
     outcome.step = step_for(kind, lo or 1, resolution)
     outcome.answer = lo
     return outcome
-
-
-class _Silent:
-    def run_started(self, label: str, total_steps: int) -> None:
-        pass
-
-    def steps_done(self, count: int) -> None:
-        pass
-
-    def run_finished(self, label: str, record: dict) -> None:
-        pass
 
 
 def write_outcome(outcome: SearchOutcome, out_dir: Path) -> Path:

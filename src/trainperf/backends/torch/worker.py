@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -123,13 +124,14 @@ def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
     step = TrainStep(workload, ctx)
     images, labels = synthetic_batch(workload, ctx)
     global_batch = workload.batch_size * ctx.world_size
-    params, fwd_flops = backbone_profile(
-        workload.backbone, workload.input_size, embedding_size=workload.embedding_size,
-        num_classes=workload.num_classes, output_block=workload.output_block)
-    flops = train_flops_per_sample(fwd_flops, workload.embedding_size if workload.task == "face"
-                                   else 0, classes_computed(workload, step, ctx))
-    model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
-    if ctx.rank == 0:
+    if ctx.rank == 0:  # only rank 0 reports; rank 0 also holds the largest class shard
+        params, fwd_flops = backbone_profile(
+            workload.backbone, workload.input_size, embedding_size=workload.embedding_size,
+            num_classes=workload.num_classes, output_block=workload.output_block)
+        flops = train_flops_per_sample(
+            fwd_flops, workload.embedding_size if workload.task == "face" else 0,
+            classes_computed(workload, step, ctx))
+        model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
         events.emit("start", workload=workload.to_dict(), env=framework_env(ctx.device),
                     world_size=ctx.world_size, global_batch=global_batch,
                     backbone_params=params, train_flops_per_sample=flops,
@@ -157,7 +159,7 @@ def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
         samples = measure.window_steps * global_batch
         events.emit("end", samples_per_s=samples / window_s, window_s=window_s,
                     window_samples=samples, loss_first=loss_values[0], loss_last=loss_values[-1],
-                    nonfinite_losses=sum(1 for v in loss_values if v != v or abs(v) == float("inf")),
+                    nonfinite_losses=sum(not math.isfinite(v) for v in loss_values),
                     baseline_memory_bytes=baseline, **memory)
     if ctx.distributed:
         # No rank tears its process group down while another still talks to it.
