@@ -118,9 +118,9 @@ def plan_from_args(args: argparse.Namespace):
     workload = recipe.workload.replace(**changes)
     batches = (parse_int_list(args.batch_size, "--batch-size") if args.batch_size
                else [workload.batch_size])
-    workload = workload.replace(batch_size=batches[0])  # checks the batch value
-    for b in batches:
-        workload.replace(batch_size=b)
+    for b in batches[1:]:
+        workload.replace(batch_size=b)  # Workload checks each value on construction
+    workload = workload.replace(batch_size=batches[0])
     measure = Measure(runs=args.runs, iters=args.iters, warmup=args.warmup,
                       timeout_s=args.timeout,
                       memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
@@ -136,11 +136,10 @@ def plan_from_args(args: argparse.Namespace):
 
 def write_report(dirs: list[str], out: Path, with_references: bool = False) -> Path:
     from .report import render_report
+    from .report.capacity import capacity_section
     from .report.markdown import unique_labels
     from .report.plots import plot_scaling
     from .report.references import references_section
-
-    from .report.capacity import capacity_section
 
     searches = [d for d in dirs if (Path(d) / "search.json").exists()
                 and not (Path(d) / "results.json").exists()]
