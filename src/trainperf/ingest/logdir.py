@@ -92,7 +92,7 @@ def ingest_logdir(root: str | Path, format_name: str = "auto", method: str = "ex
             "peak_memory_bytes": None,
             "loss_first": None,
             "loss_last": fig.loss_last,
-            "error": None if chosen is not None else "no printed speed inside the window",
+            "error": fig.errors.get(method),
             "flags": flags,
             "source_file": str(log.path.relative_to(root)),
         }
@@ -108,7 +108,7 @@ def ingest_logdir(root: str | Path, format_name: str = "auto", method: str = "ex
             case_docs.append(results.case_record(key, precision, sorted(runs, key=lambda r: r["run"]),
                                                  None))
         source = {"format": fmt.name, "method": method, "logdir": str(root),
-                  "dlperf_rule": fmt.dlperf_rule, "format_detected": detected}
+                  "dlperf_rule": fmt.dlperf.text, "format_detected": detected}
         docs[(model, precision)] = results.document(
             model, {"backbone": model, "precision": precision}, {}, {"framework": fmt.framework},
             case_docs, source)
