@@ -27,9 +27,13 @@ from trainperf.backends.torch.data import synthetic_batch
 from trainperf.backends.torch.dist import DistContext, resolve_device
 from trainperf.backends.torch.env import framework_env
 from trainperf.backends.torch.step import TrainStep
-from trainperf.backends.torch.timing import synchronize, timed_loop
-from trainperf.backends.torch.worker import EventWriter
+from trainperf.backends.torch.timing import make_timer, timed_loop
+from trainperf.protocol import EventWriter, Step
 from trainperf.recipes import get_recipe
+
+
+def synchronize(device) -> None:
+    make_timer(device).sync()
 
 
 def bare(step, images, labels, steps: int, device) -> float:
@@ -44,10 +48,11 @@ def bare(step, images, labels, steps: int, device) -> float:
 def harness(step, images, labels, steps: int, device, events: EventWriter) -> float:
     def on_steps(done):
         for index, seconds in done:
-            events.emit("step", index=index, seconds=seconds, samples=images.shape[0],
-                        warmup=False)
+            events.emit(Step(index=index, seconds=seconds, samples=images.shape[0],
+                             warmup=False))
 
-    window_s, _ = timed_loop(lambda: step(images, labels), steps + 1, 1, device, on_steps)
+    window_s, _ = timed_loop(lambda: step(images, labels), steps + 1, 1, make_timer(device),
+                             on_steps)
     return window_s / steps
 
 
@@ -66,11 +71,11 @@ def harness_cost_per_step(device, events: EventWriter, steps: int = 3000) -> flo
 
     def on_steps(done):
         for index, seconds in done:
-            events.emit("step", index=index, seconds=seconds, samples=1, warmup=False)
+            events.emit(Step(index=index, seconds=seconds, samples=1, warmup=False))
 
     bare_s = min(loop_bare() for _ in range(3))
-    harness_s = min(timed_loop(lambda: trivial.add_(1), steps + 1, 1, device, on_steps)[0]
-                    for _ in range(3))
+    harness_s = min(timed_loop(lambda: trivial.add_(1), steps + 1, 1, make_timer(device),
+                               on_steps)[0] for _ in range(3))
     return (harness_s - bare_s) / steps
 
 

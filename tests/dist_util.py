@@ -20,11 +20,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, outdir: str, fn, args) -> None:
     # Several ranks with two threads each are slower than with one on a 2-core machine.
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file in this call's own folder, not a TCP port: no other process can take it between
+    # choosing and binding, however many test sessions share the machine.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}",
+                            rank=rank, world_size=world_size)
     try:
         ctx = DistContext(rank, world_size, rank, torch.device("cpu"), dist.group.WORLD)
         result = fn(ctx, *args)
@@ -40,6 +42,6 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None
 def run_ranks(fn, world_size: int, *args) -> list:
     """Call ``fn(ctx, *args)`` on ``world_size`` gloo ranks; returns the per-rank results."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size)
+        mp.spawn(_entry, args=(world_size, outdir, fn, args), nprocs=world_size)
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]

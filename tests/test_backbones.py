@@ -23,7 +23,9 @@ TINY = ["iresnet_tiny", "mobilefacenet_tiny", "resnet_v1b_tiny"]
 def test_published_sizes(name, side, kwargs, params_m, gflops):
     params, flops = backbone_profile(name, side, **kwargs)
     assert params / 1e6 == pytest.approx(params_m, rel=0.01)
-    assert flops / 1e9 == pytest.approx(gflops, rel=0.01)
+    assert sum(flops.values()) / 1e9 == pytest.approx(gflops, rel=0.01)
+    # The only matrix products of these backbones are their last fully connected layers.
+    assert 0 < flops["matmul"] < 0.05 * flops["conv"]
 
 
 def test_every_family_has_a_tiny_variant():
@@ -60,5 +62,6 @@ def test_iresnet_rejects_bad_input_size():
 
 
 def test_train_flops_rule():
-    # 3x forward for backbone and head; head forward is 2 * emb * classes per sample.
-    assert train_flops_per_sample(10, 4, 5) == 3 * (10 + 2 * 4 * 5)
+    # 3x forward for backbone and head; head forward is 2 * emb * classes per sample, a matmul.
+    assert train_flops_per_sample({"conv": 10, "matmul": 1}, 4, 5) == {
+        "conv": 30, "matmul": 3 * (1 + 2 * 4 * 5)}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainperf.cli import bench_arguments, main
+from trainperf.bench import bench_arguments
+from trainperf.cli import main
 
 
 @pytest.mark.parametrize("argv,needle", [

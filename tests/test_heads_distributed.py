@@ -15,23 +15,24 @@ BATCH = 6
 MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4)}
 
 
-def make_problem(world_size: int, labels_in_one_shard: bool, seed: int = 0):
+def make_problem(world_size: int, labels_in_one_shard: bool, seed: int = 0,
+                 num_classes: int = NUM_CLASSES):
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(NUM_CLASSES, EMB, generator=gen) * 0.01
+    weight = torch.randn(num_classes, EMB, generator=gen) * 0.01
     emb = torch.randn(world_size * BATCH, EMB, generator=gen)
     if labels_in_one_shard:
-        start, count = shard_of(NUM_CLASSES, world_size - 1, world_size)
+        start, count = shard_of(num_classes, world_size - 1, world_size)
         labels = torch.randint(start, start + count, (world_size * BATCH,), generator=gen)
     else:
-        labels = torch.randint(0, NUM_CLASSES, (world_size * BATCH,), generator=gen)
+        labels = torch.randint(0, num_classes, (world_size * BATCH,), generator=gen)
     return weight, emb, labels
 
 
 def sharded_rank(ctx: DistContext, mode: str, ratio: float, update: str, margins, problem):
     weight, emb, labels = problem
     torch.manual_seed(1234 + ctx.rank)  # the sampler's draws
-    head = MarginSoftmaxHead(NUM_CLASSES, EMB, margins, 64.0, ctx, mode=mode, sample_ratio=ratio,
-                             update=update)
+    head = MarginSoftmaxHead(weight.shape[0], EMB, margins, 64.0, ctx, mode=mode,
+                             sample_ratio=ratio, update=update)
     head.weight.data.copy_(weight[head.class_start:head.class_start + head.num_local])
     local_emb = emb[ctx.rank * BATCH:(ctx.rank + 1) * BATCH].clone().requires_grad_(True)
     local_labels = labels[ctx.rank * BATCH:(ctx.rank + 1) * BATCH]
@@ -84,19 +85,22 @@ def test_sharded_equals_full_softmax(world_size, loss_name, one_shard, mode):
 
 @pytest.mark.parametrize("update", ["sparse", "dense"])
 def test_partial_fc_samples_and_matches_restricted_softmax(update):
+    """Enough classes that each shard's sampled slots (50) hold far more than its positives
+    (at most 12), so random negatives are drawn and enter the softmax."""
     world_size, margins = 2, MARGINS["arcface"]
-    weight, emb, labels = make_problem(world_size, False, seed=3)
+    weight, emb, labels = make_problem(world_size, False, seed=3, num_classes=1001)
     results = run_ranks(sharded_rank, world_size, "pfc", 0.1, update, margins,
                         (weight, emb, labels))
     sampled_global = []
     for res in results:
         index = res["index"]
-        assert index.numel() == res["num_sample"] == int(0.1 * res["count"]) or (
-            index.numel() > res["num_sample"])
+        assert index.numel() == res["num_sample"] == int(0.1 * res["count"])
         in_shard = labels[(labels >= res["start"]) & (labels < res["start"] + res["count"])]
         positives = set((in_shard - res["start"]).tolist())
         assert positives <= set(index.tolist()), "a positive class was not sampled"
         assert len(set(index.tolist())) == index.numel()
+        negatives = set(index.tolist()) - positives
+        assert len(negatives) >= res["num_sample"] - world_size * BATCH > 0
         sampled_global.append(index + res["start"])
     classes = torch.cat(sampled_global)
     # Full softmax restricted to the sampled classes, labels renumbered into that set.

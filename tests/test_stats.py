@@ -19,15 +19,6 @@ def test_average_and_iqr():
     assert stats.iqr([5.0, 1.0, 4.0, 2.0, 3.0]) == 2.0
 
 
-def test_window_throughput_is_samples_over_time_not_mean_of_rates():
-    times = [0.1, 0.3]  # rates 80 and 26.7 samples/s per step for 8 samples
-    assert stats.window_throughput(times, 8) == pytest.approx(16 / 0.4)
-    mean_of_rates = (8 / 0.1 + 8 / 0.3) / 2
-    assert stats.window_throughput(times, 8) != pytest.approx(mean_of_rates)
-    with pytest.raises(ValueError):
-        stats.window_throughput([0.0], 8)
-
-
 def test_dlperf_seed_figures():
     # MXNet r100 batch 64, 1n1g per-run values from the DLPerf report.
     runs = [233.94, 238.78, 233.52, 231.46, 233.88]

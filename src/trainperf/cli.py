@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 from . import results
-from .config import Measure, Topology, parse_bytes, parse_int_list
+from .config import Measure, Topology, Tuning, parse_bytes, parse_int_list
 from .recipes import RECIPES, get_recipe
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
@@ -41,6 +39,15 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
     p.add_argument("--memory-limit", help="per-process memory cap for CPU runs, e.g. 8GiB")
     p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
+    p.add_argument("--no-cudnn-benchmark", action="store_true",
+                   help="GPU: do not let cuDNN time its algorithms (it does by default)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=Tuning.ddp_bucket_mb,
+                   help=f"DDP gradient bucket size in MiB (default {Tuning.ddp_bucket_mb:g})")
+    p.add_argument("--ddp-broadcast-buffers", action="store_true",
+                   help="re-send rank 0's BatchNorm buffers before every forward (off by "
+                        "default, as in arcface_torch)")
+    p.add_argument("--no-ddp-static-graph", action="store_true",
+                   help="do not tell DDP the graph is the same every step")
     p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
 
 
@@ -125,39 +132,17 @@ def plan_from_args(args: argparse.Namespace):
                       timeout_s=args.timeout,
                       memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
                       else None)
+    tuning = Tuning(cudnn_benchmark=not args.no_cudnn_benchmark,
+                    ddp_bucket_mb=args.ddp_bucket_mb,
+                    ddp_static_graph=not args.no_ddp_static_graph,
+                    ddp_broadcast_buffers=args.ddp_broadcast_buffers)
     base = Topology(1, args.nnodes, args.node_rank, args.master_addr, args.master_port,
                     args.device)
     devices = parse_int_list(args.devices, "--devices")
     cases = plan_cases(devices, batches, base)
     out = Path(getattr(args, "resume", None) or args.out or
                f"results/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return Plan(recipe.name, workload, measure, cases, out)
-
-
-def write_report(dirs: list[str], out: Path, with_references: bool = False) -> Path:
-    from .report import render_report
-    from .report.capacity import capacity_section
-    from .report.markdown import unique_labels
-    from .report.plots import plot_scaling
-    from .report.references import references_section
-
-    searches = [d for d in dirs if (Path(d) / "search.json").exists()
-                and not (Path(d) / "results.json").exists()]
-    docs = [results.load(d) for d in dirs if d not in searches]
-    labels = unique_labels(docs)
-    plots = plot_scaling(docs, labels, out) if docs else []
-    extra = [] if plots or not docs else [
-        "(No plots: install the `plot` extra, matplotlib, to get them.)"]
-    for d in searches:
-        extra.append(capacity_section(json.loads((Path(d) / "search.json").read_text())))
-    if with_references:
-        sections = [references_section(d, label) for d, label in zip(docs, labels)]
-        extra += [s for s in sections if s] or ["(No published figure matches these results.)"]
-    text = render_report(docs, plots, extra)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "report.md"
-    path.write_text(text, encoding="utf-8")
-    return path
+    return Plan(recipe.name, workload, measure, cases, out, tuning, recipe.reference_model)
 
 
 def _interrupt_on_sigterm() -> None:
@@ -174,6 +159,7 @@ def _interrupt_on_sigterm() -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .progress import make_progress
+    from .report.assemble import write_report
     from .runner import Runner
 
     plan = plan_from_args(args)
@@ -193,6 +179,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from .report.assemble import write_report
+
     path = write_report(args.dirs, Path(args.out or args.dirs[0]), args.references)
     print(path.read_text(encoding="utf-8"))
     print(f"report: {path}")
@@ -258,8 +246,8 @@ def cmd_references(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from .report.capacity import capacity_section
-    from .search import KINDS, run_search, write_outcome
+    from .report.capacity import write_capacity_report
+    from .search import KINDS, default_resolution, run_search, search_settings, write_outcome
 
     if "," in args.devices:
         raise ValueError("search takes one --devices value")
@@ -272,8 +260,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise ValueError(f"{plan.out_dir} already holds a search; choose another --out")
     field_name = KINDS[args.kind]
     start = args.start or getattr(plan.workload, field_name)
-    resolution = args.resolution if args.resolution is not None else (
-        0.0 if args.kind == "max-batch" else 0.01)
+    resolution = (args.resolution if args.resolution is not None
+                  else default_resolution(args.kind))
     _interrupt_on_sigterm()
 
     def show(p) -> None:
@@ -283,46 +271,17 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     outcome = run_search(args.kind, plan, start, resolution, args.max_probes,
                          plan.measure.memory_limit_bytes, show)
-    topo = plan.cases[0].topology
-    outcome.settings = {
-        "devices_per_node": topo.devices_per_node, "nnodes": topo.nnodes,
-        "world_size": topo.world_size, "device": topo.device, "fc": plan.workload.fc,
-        "sample_ratio": plan.workload.sample_ratio, "precision": plan.workload.precision,
-        "batch_size": plan.workload.batch_size, "num_classes": plan.workload.num_classes,
-        "memory_limit_bytes": plan.measure.memory_limit_bytes, "resolution": resolution,
-        "iters": plan.measure.iters, "start": start,
-    }
+    outcome.settings = search_settings(plan, start, resolution)
     path = write_outcome(outcome, plan.out_dir)
-    section = capacity_section(outcome.to_dict())
-    (plan.out_dir / "report.md").write_text("# trainperf capacity\n\n" + section + "\n",
-                                             encoding="utf-8")
-    print(section)
+    print(write_capacity_report(outcome.to_dict(), plan.out_dir))
     print(f"search: {path}")
     return EXIT_OK if outcome.answer is not None else EXIT_RUN_FAILED
 
 
-def gpu_count() -> int:
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-
-
-def bench_arguments(gpus: int, out: str) -> list[str]:
-    """The default suite: a real recipe on GPUs, a small multi-process one on CPU."""
-    if gpus:
-        devices = "1" if gpus == 1 else f"1,{gpus}"
-        return ["run", "r100-arcface-emore", "--devices", devices, "--runs", "5",
-                "--device", "cuda", "--out", out]
-    return ["run", "tiny-arcface", "--devices", "1,2", "--fc", "mp", "--runs", "3",
-            "--iters", "40", "--warmup", "10", "--device", "cpu", "--timeout", "600",
-            "--out", out]
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench_arguments
+    from .env import gpu_count
+
     out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     argv = bench_arguments(gpu_count(), str(out))
     print("trainperf " + " ".join(argv), file=sys.stderr)

@@ -70,8 +70,8 @@ class Workload:
     weight_decay: float = 5e-4
     clip_grad_norm: float | None = 5.0
     """Max L2 norm of the backbone gradient (InsightFace clips at 5); None disables."""
-    dropout: float = 0.0
-    """Dropout in the ``E`` output block (InsightFace trains R100 with 0)."""
+    dropout: float = 0.4
+    """Dropout in the ``E`` output block (insightface's MXNet ``get_fc1`` uses 0.4)."""
     seed: int = 0
     """Seed of weights and synthetic data (rank r uses seed + r for its data)."""
     channels_last: bool = False
@@ -140,15 +140,42 @@ class Workload:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Workload":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown workload fields: {sorted(unknown)}")
         d = dict(d)
         for key in ("margins", "lr_steps", "lr_scales"):
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
-        return cls(**d)
+        return _from_dict(cls, d, "workload")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Backend speed settings. They change how fast a step runs, never what it computes, and the
+    results record them beside the measured figures."""
+
+    cudnn_benchmark: bool = True
+    """GPU: let cuDNN time its algorithms for each input shape and keep the fastest, as
+    insightface's arcface_torch, timm's benchmark and MXNet (by default) do. Ignored on CPU."""
+    ddp_bucket_mb: float = 25.0
+    """Size of DDP's gradient buckets in MiB: smaller ones start their all-reduce earlier in the
+    backward, larger ones make fewer calls. 25 is torch's default; arcface_torch uses 16."""
+    ddp_static_graph: bool = True
+    """Tell DDP that every step uses the same parameters in the same order, so after the first
+    step it can schedule bucket all-reduces without searching the graph (as arcface_torch)."""
+    ddp_broadcast_buffers: bool = False
+    """Re-send rank 0's buffers (BatchNorm running statistics) to every rank before each forward.
+    Off, as in arcface_torch: training-mode BatchNorm uses batch statistics, so the running ones
+    change no step; they only stay per rank, as without SyncBN."""
+
+    def __post_init__(self) -> None:
+        if not self.ddp_bucket_mb > 0:
+            raise ValueError(f"--ddp-bucket-mb must be > 0, got {self.ddp_bucket_mb}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Tuning":
+        return _from_dict(cls, d, "tuning")
 
 
 @dataclass(frozen=True)
@@ -191,7 +218,7 @@ class Measure:
     timeout_s: float = 1800.0
     """Wall-clock limit of one run; past it every process of the run is killed."""
     memory_limit_bytes: int | None = None
-    """Per-process address-space cap for CPU runs (None: no cap)."""
+    """Per-process cap of the data segment (RLIMIT_DATA) for CPU runs (None: no cap)."""
 
     def __post_init__(self) -> None:
         if self.runs < 1:
@@ -208,6 +235,21 @@ class Measure:
     @property
     def window_steps(self) -> int:
         return self.iters - self.warmup
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Measure":
+        return _from_dict(cls, d, "measure")
+
+
+def _from_dict(cls, d: dict[str, Any], what: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown {what} fields: {sorted(unknown)}")
+    return cls(**d)
 
 
 def parse_int_list(text: str, what: str) -> list[int]:
@@ -242,6 +284,6 @@ def parse_bytes(text: str) -> int:
 
 
 __all__ = [
-    "Workload", "Topology", "Measure", "FC_MODES", "PRECISIONS", "MARGINS",
+    "Workload", "Tuning", "Topology", "Measure", "FC_MODES", "PRECISIONS", "MARGINS",
     "parse_int_list", "parse_bytes",
 ]

@@ -1,9 +1,14 @@
-"""Dense peak FLOP/s of known accelerators, for model-FLOPs utilisation (MFU).
+"""Dense peak FLOP/s of known accelerators, and the peak a run's work actually ran at (for
+model-FLOPs utilisation, MFU).
 
-Only devices listed here get an MFU; an unknown device prints none rather than a guess. Figures
-are the vendors' dense (no sparsity) tensor-core peaks of the SXM parts unless named otherwise.
-fp32 training on Ampere and later runs its convolutions in TF32 by default (cuDNN), so fp32 MFU
-uses the TF32 peak there when the run recorded TF32 as enabled, and the plain fp32 peak if not.
+Only devices listed here get an MFU; an unknown device gets none rather than a guess. Figures are
+the vendors' dense (no sparsity) tensor-core peaks of the SXM parts unless named otherwise.
+
+In an fp32 run on Ampere and later, cuDNN runs convolutions in TF32 by default
+(``torch.backends.cudnn.allow_tf32``) while cuBLAS runs matrix products in full fp32 unless
+``torch.backends.cuda.matmul.allow_tf32`` is set: the backbone's convolutions and the class
+matrix's products run at peaks 7x apart. MFU therefore divides by the peak the whole step would
+reach if each engine ran its own FLOPs at its own peak: total FLOPs / sum(FLOPs_op / peak_op).
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 TFLOPS = 1e12
 
 # (substring of the device name, {basis: peak FLOP/s}); the first match wins, so specific
-# names come before general ones.
+# names come before general ones. A device without a "tf32" entry has no TF32 units (V100):
+# its fp32 work runs at the fp32 peak whatever the flags say.
 PEAKS: list[tuple[str, dict[str, float]]] = [
     ("H100 PCIe", {"bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS, "tf32": 378 * TFLOPS,
                    "fp32": 51 * TFLOPS}),
@@ -25,14 +31,40 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def peak_flops(device_name: str | None, precision: str, tf32: bool | None = None) -> float | None:
-    """Peak FLOP/s of one device for a training precision, or None if unknown."""
+def device_peaks(device_name: str | None) -> dict[str, float] | None:
     if not device_name:
         return None
     for key, peaks in PEAKS:
         if key.lower() in device_name.lower():
-            basis = precision
-            if precision == "fp32" and tf32 and "tf32" in peaks:
-                basis = "tf32"
-            return peaks.get(basis)
+            return peaks
     return None
+
+
+def op_bases(precision: str, tf32_conv: bool | None, tf32_matmul: bool | None,
+             peaks: dict[str, float]) -> dict[str, str]:
+    """The number format each engine ran in."""
+    if precision in ("fp16", "bf16"):
+        return {"conv": precision, "matmul": precision}
+    has_tf32 = "tf32" in peaks
+    return {"conv": "tf32" if tf32_conv and has_tf32 else "fp32",
+            "matmul": "tf32" if tf32_matmul and has_tf32 else "fp32"}
+
+
+def mfu_peak(device_name: str | None, precision: str, flops_by_op: dict[str, float] | None,
+             tf32_conv: bool | None = None, tf32_matmul: bool | None = None
+             ) -> tuple[float | None, str | None]:
+    """(peak FLOP/s of one device for this work, a line saying which peaks went in), or
+    (None, None) where the device or a needed peak is unknown."""
+    peaks = device_peaks(device_name)
+    if not peaks or not flops_by_op:
+        return None, None
+    bases = op_bases(precision, tf32_conv, tf32_matmul, peaks)
+    work = {op: f for op, f in flops_by_op.items() if f}
+    if any(bases[op] not in peaks for op in work):
+        return None, None
+    total = sum(work.values())
+    seconds_at_peak = sum(f / peaks[bases[op]] for op, f in work.items())
+    effective = total / seconds_at_peak
+    parts = [f"{op} {100 * f / total:.1f}% at {bases[op].upper()} "
+             f"{peaks[bases[op]] / TFLOPS:g} TFLOP/s" for op, f in work.items()]
+    return effective, (f"{'; '.join(parts)}: {effective / TFLOPS:.1f} TFLOP/s per device")

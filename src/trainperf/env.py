@@ -44,6 +44,14 @@ def nvidia_driver() -> dict:
     return {"driver_version": gpus[0]["driver_version"] if gpus else None, "gpus": gpus}
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs on this machine, without importing a framework (0 without nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    out = _run(["nvidia-smi", "-L"])
+    return sum(1 for line in (out or "").splitlines() if line.startswith("GPU "))
+
+
 def git_commit() -> str | None:
     here = str(Path(__file__).resolve().parent)
     commit = _run(["git", "rev-parse", "HEAD"], cwd=here)

@@ -13,7 +13,7 @@ class Recipe:
     description: str
     workload: Workload
     reference_model: str | None = None
-    """Model name in the published DLPerf tables (``r100``, ``y1``, ``r50``, ``resnet50_v1.5``)."""
+    """The model's key in DLPerf's tables and JSON exports (``r100``, ``y1``, ``r50``, ``rn50``)."""
     reference_mode: str = ""
     """Key=value pairs that a published row's mode must contain to be comparable."""
 
@@ -49,9 +49,9 @@ _RECIPES = [
     ),
     Recipe(
         "r50-arcface-plsc",
-        "ResNet50 as PaddlePaddle PLSC builds it for 112x112 faces, ArcFace, batch 128",
+        "PLSC's ResNet50: IResNet-50's layout with output block E, ArcFace, batch 128",
         Workload(backbone="iresnet50", num_classes=EMORE, batch_size=128, embedding_size=512,
-                 output_block="FC", loss="arcface", lr_steps=(100_000, 140_000, 160_000),
+                 output_block="E", loss="arcface", lr_steps=(100_000, 140_000, 160_000),
                  lr_scales=(0.1, 0.01, 0.001)),
         "r50", "framework=paddle",
     ),
@@ -61,7 +61,7 @@ _RECIPES = [
         Workload(backbone="resnet50_v1b", task="classification", num_classes=1000,
                  batch_size=128, input_size=224, loss="softmax", weight_decay=1e-4,
                  clip_grad_norm=None),
-        "resnet50_v1.5", "",
+        "rn50", "",
     ),
     Recipe(
         "tiny-arcface",

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from . import stats
-from .devices import peak_flops
+from .devices import mfu_peak
+from .protocol import End, Event, Start, Step
 
 SCHEMA = "trainperf.results/v1"
 RUN_STATUSES = ("ok", "oom", "failed", "timeout")
@@ -32,50 +33,60 @@ class CaseKey:
         return self.nodes * self.devices_per_node
 
 
-def run_record(run: int, events: list[dict], status: str, error: str | None = None,
+def run_record(run: int, events: list[Event], status: str, error: str | None = None,
                exit_code: int | None = None) -> dict[str, Any]:
     """One run's record from the worker events of that run."""
-    start = next((e for e in events if e["event"] == "start"), {})
-    end = next((e for e in events if e["event"] == "end"), None)
-    steps = sorted((e for e in events if e["event"] == "step"), key=lambda e: e["index"])
-    record: dict[str, Any] = {
-        "run": run,
-        "status": status,
-        "samples_per_s": end["samples_per_s"] if end and status == "ok" else None,
-        "window_s": end["window_s"] if end else None,
-        "step_times_s": [e["seconds"] for e in steps if not e.get("warmup")],
-        "warmup_step_times_s": [e["seconds"] for e in steps if e.get("warmup")],
-        "samples_per_step": start.get("global_batch"),
-        "peak_memory_bytes": end.get("peak_memory_bytes") if end else None,
-        "peak_reserved_bytes": end.get("peak_reserved_bytes") if end else None,
-        "peak_memory_bytes_per_rank": end.get("peak_memory_bytes_per_rank") if end else None,
-        "baseline_memory_bytes": start.get("baseline_memory_bytes"),
-        "predicted_peak_bytes": start.get("predicted_peak_bytes"),
-        "loss_first": end.get("loss_first") if end else None,
-        "loss_last": end.get("loss_last") if end else None,
-        "error": error,
-        "exit_code": exit_code,
-        "warnings": [],
-        "flags": stats.loss_flags(end.get("loss_last"), end.get("nonfinite_losses", 0))
-        if end else [],
-    }
+    start = next((e for e in events if isinstance(e, Start)), None)
+    end = next((e for e in events if isinstance(e, End)), None)
+    steps = sorted((e for e in events if isinstance(e, Step)), key=lambda e: e.index)
     if status not in RUN_STATUSES:
         raise AssertionError(f"unknown run status {status!r}")
-    return record
+    flags = stats.loss_flags(end.loss_last, end.nonfinite_losses) if end else []
+    if end and end.skipped_steps_in_window:
+        flags.append("steps_skipped")
+    warnings = []
+    window_times = [e.seconds for e in steps if not e.warmup]
+    if end and len(window_times) != end.window_steps:
+        warnings.append(f"{end.window_steps - len(window_times)} of the window's "
+                        f"{end.window_steps} steps have no step time")
+    return {
+        "run": run,
+        "status": status,
+        "samples_per_s": end.samples_per_s if end and status == "ok" else None,
+        "window_s": end.window_s if end else None,
+        "window_samples": end.window_samples if end else None,
+        "step_times_s": window_times,
+        "warmup_step_times_s": [e.seconds for e in steps if e.warmup],
+        "samples_per_step": start.global_batch if start else None,
+        "peak_memory_bytes": end.peak_memory_bytes if end else None,
+        "peak_reserved_bytes": end.peak_reserved_bytes if end else None,
+        "peak_memory_bytes_per_rank": end.peak_memory_bytes_per_rank if end else None,
+        "baseline_memory_bytes": start.baseline_memory_bytes if start else None,
+        "predicted_peak_bytes": start.predicted_peak_bytes if start else None,
+        "loss_first": end.loss_first if end else None,
+        "loss_last": end.loss_last if end else None,
+        "skipped_steps_in_window": end.skipped_steps_in_window if end else None,
+        "final_loss_scale": end.final_loss_scale if end else None,
+        "error": error,
+        "exit_code": exit_code,
+        "warnings": warnings,
+        "flags": flags,
+    }
 
 
-def case_record(key: CaseKey, precision: str, runs: list[dict], start_event: dict | None
+def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | None
                 ) -> dict[str, Any]:
     st = stats.case_stats(
         r["samples_per_s"] if r["status"] == "ok" and not r["flags"] else None for r in runs)
     peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
     model_errors = [(r["predicted_peak_bytes"] - r["peak_memory_bytes"]) / r["peak_memory_bytes"]
                     for r in runs if r.get("peak_memory_bytes") and r.get("predicted_peak_bytes")]
-    start = start_event or {}
-    flops = start.get("train_flops_per_sample")
-    env = start.get("env", {})
+    flops = start.train_flops_per_sample if start else None
+    env = start.env if start else {}
     names = env.get("device_names") or []
-    device_peak = peak_flops(names[0] if names else None, precision, env.get("tf32_cudnn"))
+    peak, basis = mfu_peak(names[0] if names else None, precision,
+                           start.train_flops_by_op if start else None,
+                           env.get("tf32_cudnn"), env.get("tf32_matmul"))
     model_flops = flops * st.median if flops and st.median else None
     return {
         "case": key.name,
@@ -84,7 +95,8 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start_event: dic
         "world_size": key.world_size,
         "batch_size_per_device": key.batch_size_per_device,
         "precision": precision,
-        "pfc_update": start.get("pfc_update"),
+        "pfc_update": start.pfc_update if start else None,
+        "settings": start.settings if start else None,
         "runs": runs,
         "median_samples_per_s": st.median,
         "average_samples_per_s": st.average,
@@ -94,10 +106,13 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start_event: dic
         "speedup": None,
         "scaling_efficiency": None,
         "train_flops_per_sample": flops,
+        "train_flops_by_op": start.train_flops_by_op if start else None,
         "model_flops_per_s": model_flops,
-        "mfu": model_flops / (device_peak * key.world_size) if model_flops and device_peak else None,
+        "mfu": model_flops / (peak * key.world_size) if model_flops and peak else None,
+        "mfu_peak_basis": basis,
         "peak_memory_bytes": max(peaks) if peaks else None,
         "memory_model_error": stats.median(model_errors),
+        "memory_model": start.memory_model if start else None,
         "flags": st.flags,
     }
 
@@ -107,7 +122,7 @@ def finish_cases(cases: list[dict]) -> None:
     triples = []
     for c in cases:
         s = stats.CaseStats(c["median_samples_per_s"], c["average_samples_per_s"],
-                            c["iqr_samples_per_s"], c["ok_runs"], len(c["runs"]), flags=[])
+                            c["iqr_samples_per_s"], c["ok_runs"], flags=[])
         triples.append((c["world_size"], c["batch_size_per_device"], s))
     stats.apply_scaling(triples)
     for c, (_, _, s) in zip(cases, triples):
@@ -118,10 +133,15 @@ def finish_cases(cases: list[dict]) -> None:
 
 
 def document(recipe: str, workload: dict, measure: dict, env: dict, cases: list[dict],
-             source: dict | None = None) -> dict[str, Any]:
+             source: dict | None = None, model: str | None = None,
+             tuning: dict | None = None) -> dict[str, Any]:
+    """``model`` is the key DLPerf's tables and exports use (``r100``, ``y1``, ``r50``,
+    ``rn50``); ``tuning`` the speed settings the runs asked for."""
     finish_cases(cases)
-    doc = {"schema": SCHEMA, "recipe": recipe, "workload": workload, "measure": measure,
-           "env": env, "cases": cases}
+    doc = {"schema": SCHEMA, "recipe": recipe, "model": model or workload.get("backbone") or recipe,
+           "workload": workload, "measure": measure, "env": env, "cases": cases}
+    if tuning is not None:
+        doc["tuning"] = tuning
     if source:
         doc["source"] = source
     return doc
@@ -188,13 +208,10 @@ def load(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def reference_model_name(doc: dict) -> str:
-    return doc.get("workload", {}).get("backbone", doc.get("recipe", "model"))
-
-
 def export_dlperf(doc: dict) -> dict[str, Any]:
-    """DLPerf's JSON shape: {model: {"1n8g": {average_speed, median_speed, speedup, batch}}}."""
-    model = reference_model_name(doc)
+    """DLPerf's JSON shape: {model: {"1n8g": {average_speed, median_speed, speedup, batch}}},
+    keyed by DLPerf's model name (``r100``, ``y1``, ``r50``, ``rn50``) as its tables are."""
+    model = doc.get("model") or doc.get("workload", {}).get("backbone") or doc["recipe"]
     out: dict[str, dict] = {model: {}}
     for c in doc["cases"]:
         if c["median_samples_per_s"] is None:

@@ -1,9 +1,9 @@
 """Plans the case matrix, runs each (case, run) as its own launcher subprocess, and records it.
 
-The runner imports no framework. It reads the JSON lines a run's rank 0 writes, copies them into
-the output folder's ``events.jsonl`` as they arrive (so a killed runner loses nothing measured),
-decides each run's status and rewrites ``results.json`` after every run. A crash, an
-out-of-memory and a timeout are results; the matrix goes on.
+The runner imports no framework. It reads the events a run's workers write (``protocol``),
+copies them into the output folder's ``events.jsonl`` as they arrive (so a killed runner loses
+nothing measured), decides each run's status and rewrites ``results.json`` after every run. A
+crash, an out-of-memory and a timeout are results; the matrix goes on.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
-from . import results
-from .config import Measure, Topology, Workload
+from . import protocol, results
+from .config import Measure, Topology, Tuning, Workload
 from .env import host_env
+from .protocol import End, Error, Event, ProtocolError, RunSpec, Start, Step
 
 WORKER_MODULE = "trainperf.backends.torch.worker"
 POLL_S = 0.2
@@ -47,6 +48,17 @@ class Plan:
     measure: Measure
     cases: list[Case]
     out_dir: Path
+    tuning: Tuning = field(default_factory=Tuning)
+    model: str | None = None
+    """The model's key in DLPerf's tables and exports (``r100``, ``y1``, ``r50``, ``rn50``)."""
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting that changes a run's work or limits; a folder's runs all share them."""
+        topo = self.cases[0].topology
+        return {"recipe": self.recipe, "workload": self.workload.to_dict(),
+                "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
+                "device": topo.device, "nnodes": topo.nnodes,
+                "cases": [[c.topology.devices_per_node, c.batch_size] for c in self.cases]}
 
 
 def plan_cases(devices: list[int], batch_sizes: list[int], base: Topology) -> list[Case]:
@@ -128,7 +140,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 class EventTail:
-    """Reads complete new lines of a JSON-lines file as another process appends them."""
+    """Reads complete new lines of a JSON-lines file as another process appends them (raw
+    dicts: the caller decodes them)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -163,23 +176,22 @@ def log_tail(path: Path, lines: int = 8) -> str:
     return "\n".join(useful[-lines:])
 
 
-def decide_status(events: list[dict], exit_code: int | None, timed_out: bool) -> tuple[str, str | None]:
+def decide_status(events: list[Event], timed_out: bool) -> tuple[str, str | None]:
     """The run's status and error text, from what it wrote and how it ended."""
-    errors = [e for e in events if e["event"] == "error"]
+    errors = [e for e in events if isinstance(e, Error)]
     if timed_out:
         return "timeout", "run exceeded its timeout and was killed"
-    if any(e.get("kind") == "oom" for e in errors):
-        first = next(e for e in errors if e.get("kind") == "oom")
-        return "oom", first.get("message")
-    if any(e["event"] == "end" for e in events):
+    oom = next((e for e in errors if e.kind == "oom"), None)
+    if oom is not None:
+        return "oom", oom.message
+    if any(isinstance(e, End) for e in events):
         # The window was measured and reported; a crash while the processes shut down does not
         # undo that. The runner records the exit beside the figure.
         return "ok", None
     if errors:
         # Prefer the root cause: a peer's failure shows up on the others as a broken connection.
-        rank_errors = sorted(errors, key=lambda e: ("connection" in e.get("message", "").lower(),
-                                                    e.get("rank", 0)))
-        return "failed", rank_errors[0].get("message")
+        first = min(errors, key=lambda e: ("connection" in e.message.lower(), e.rank))
+        return "failed", first.message
     return "failed", None
 
 
@@ -190,7 +202,7 @@ class Runner:
         self.out = plan.out_dir
         self.events_path = self.out / "events.jsonl"
         self.records: dict[tuple[str, int], list[dict]] = {}
-        self.start_events: dict[tuple[str, int], dict] = {}
+        self.start_events: dict[tuple[str, int], Start] = {}
         self.env: dict[str, Any] = {}
         self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
 
@@ -212,26 +224,22 @@ class Runner:
             if e.get("event") == "run_end":
                 self.records.setdefault(key, []).append(e["record"])
             elif e.get("event") == "start" and key not in self.start_events:
-                self.start_events[key] = e
+                self.start_events[key] = protocol.decode(e)
             elif e.get("event") == "runner_start":
                 self.env = e.get("env", {})
 
     def _check_same_plan(self) -> None:
         meta_path = self.out / "plan.json"
-        meta = json.loads(json.dumps({"recipe": self.plan.recipe,  # tuples as JSON has them
-                                      "workload": self.plan.workload.to_dict(),
-                                      "measure": self._measure_dict()}))
+        meta = json.loads(json.dumps(self.plan.settings()))  # tuples as JSON has them
         if meta_path.exists():
             old = json.loads(meta_path.read_text(encoding="utf-8"))
             if old != meta:
-                raise ValueError(f"{self.out} holds results of another workload or measure; "
-                                 "resume with the same options or use a new --out folder")
+                changed = sorted(k for k in meta.keys() | old.keys() if meta.get(k) != old.get(k))
+                raise ValueError(f"{self.out} holds runs of another plan (differs in "
+                                 f"{', '.join(changed)}); resume with the same options or use a "
+                                 "new --out folder")
         else:
             results.write_json_atomic(meta_path, meta)
-
-    def _measure_dict(self) -> dict:
-        m = self.plan.measure
-        return {"runs": m.runs, "iters": m.iters, "warmup": m.warmup, "timeout_s": m.timeout_s}
 
     def write_results(self) -> dict:
         cases = []
@@ -244,12 +252,13 @@ class Runner:
                                              self.start_events.get(key)))
         env = dict(self.env)
         if self.start_events:
-            env.update(next(iter(self.start_events.values())).get("env", {}))
+            env.update(next(iter(self.start_events.values())).env)
         workload = self.plan.workload.to_dict()
-        pfc_updates = {e.get("pfc_update") for e in self.start_events.values()}
+        pfc_updates = {e.pfc_update for e in self.start_events.values()}
         if len(pfc_updates) == 1:
             workload["pfc_update_ran"] = pfc_updates.pop()
-        doc = results.document(self.plan.recipe, workload, self._measure_dict(), env, cases)
+        doc = results.document(self.plan.recipe, workload, self.plan.measure.to_dict(), env,
+                               cases, model=self.plan.model, tuning=self.plan.tuning.to_dict())
         if self.is_follower:
             doc["role"] = "follower"  # rank 0 lives on node 0; this node only records exits
         results.write_json_atomic(self.out / "results.json", doc)
@@ -285,20 +294,20 @@ class Runner:
         spec_path, worker_events, log_path = (run_dir / "spec.json", run_dir / "events.jsonl",
                                               run_dir / "worker.log")
         worker_events.unlink(missing_ok=True)
-        workload = self.plan.workload.replace(batch_size=case.batch_size)
         measure = self.plan.measure
-        spec = {"workload": workload.to_dict(), "measure": asdict(measure),
-                "device": case.topology.device,
-                "threads": cpu_threads_per_process(case.topology.devices_per_node)}
-        results.write_json_atomic(spec_path, spec)
+        spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
+                       self.plan.tuning, case.topology.device,
+                       cpu_threads_per_process(case.topology.devices_per_node))
+        results.write_json_atomic(spec_path, spec.to_dict())
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+        env.setdefault("OMP_NUM_THREADS", str(spec.threads))
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         self._append_event({"event": "run_start", "t": time.time(), **tags})
         self.progress.run_started(label, measure.iters)
 
         tail = EventTail(worker_events)
-        seen: list[dict] = []
+        seen: list[Event] = []
+        warnings: list[str] = []
         timed_out = False
         deadline = time.monotonic() + measure.timeout_s
         with open(log_path, "wb") as log:
@@ -307,41 +316,46 @@ class Runner:
             try:
                 while True:
                     exited = proc.poll() is not None
-                    new = tail.read()
-                    self._take(new, seen, tags)
+                    self._take(tail.read(), seen, warnings, tags)
                     if exited:
                         break
                     if time.monotonic() > deadline:
                         timed_out = True
                         kill_tree(proc)
-                        self._take(tail.read(), seen, tags)
+                        self._take(tail.read(), seen, warnings, tags)
                         break
                     time.sleep(POLL_S)
             except BaseException:
                 kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
-                self._take(tail.read(), seen, tags)
+                self._take(tail.read(), seen, warnings, tags)
                 raise
-        status, error = decide_status(seen, proc.returncode, timed_out)
+        status, error = decide_status(seen, timed_out)
         if status == "failed" and error is None:
             error = log_tail(log_path) or f"launcher exited with code {proc.returncode}"
         if self.is_follower and status == "failed" and proc.returncode == 0:
             status = "ok"  # rank 0 is on node 0: a clean exit is all this node can report
         record = results.run_record(run, seen, status, error, proc.returncode)
         if status == "ok" and proc.returncode != 0:
-            record["warnings"] = [f"processes exited with code {proc.returncode} after the "
-                                  f"measurement: {log_tail(log_path, 3)}"]
+            warnings.append(f"processes exited with code {proc.returncode} after the "
+                            f"measurement: {log_tail(log_path, 3)}")
+        record["warnings"] += warnings
         self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
         self.progress.run_finished(label, record)
         return record
 
-    def _take(self, new: list[dict], seen: list[dict], tags: dict) -> None:
+    def _take(self, new: list[dict], seen: list[Event], warnings: list[str], tags: dict) -> None:
         steps = 0
-        for e in new:
-            seen.append(e)
-            self._append_event({**e, **tags})
-            if e["event"] == "start":
-                self.start_events.setdefault((tags["case"], tags["batch"]), {**e, **tags})
-            elif e["event"] == "step":
+        for raw in new:
+            self._append_event({**raw, **tags})  # kept as written, even if malformed
+            try:
+                event = protocol.decode(raw)
+            except ProtocolError as exc:
+                warnings.append(f"worker broke the protocol ({exc}); the event was ignored")
+                continue
+            seen.append(event)
+            if isinstance(event, Start):
+                self.start_events.setdefault((tags["case"], tags["batch"]), event)
+            elif isinstance(event, Step):
                 steps += 1
         if steps:
             self.progress.steps_done(steps)

@@ -57,7 +57,7 @@ class SearchOutcome:
                 "settings": self.settings, "probes": [asdict(p) for p in self.probes]}
 
 
-def step_for(kind: str, value: int, resolution: float) -> int:
+def step_for(value: int, resolution: float) -> int:
     """How close the fitting and the failing value must come before the search stops."""
     return max(1, math.ceil(value * resolution)) if resolution > 0 else 1
 
@@ -124,7 +124,7 @@ def run_search(kind: str, plan: Plan, start: int, resolution: float, max_probes:
             value = max(1, value // 2)
     # Bisect between the largest fit and the smallest failure.
     while lo is not None and hi is not None and len(outcome.probes) < max_probes:
-        if hi - lo <= step_for(kind, lo, resolution):
+        if hi - lo <= step_for(lo, resolution):
             break
         mid = (lo + hi) // 2
         if probe(mid).fits:
@@ -133,9 +133,26 @@ def run_search(kind: str, plan: Plan, start: int, resolution: float, max_probes:
             hi = mid
     outcome.largest_fit = lo
     outcome.smallest_fail = hi
-    outcome.step = step_for(kind, lo or 1, resolution)
+    outcome.step = step_for(lo or 1, resolution)
     outcome.answer = lo
     return outcome
+
+
+def default_resolution(kind: str) -> float:
+    """Exact for the batch; 1% for classes, where one more class changes nothing measurable."""
+    return 0.0 if kind == "max-batch" else 0.01
+
+
+def search_settings(plan: Plan, start: int, resolution: float) -> dict:
+    """What a search held fixed, kept in search.json beside its answer."""
+    topo = plan.cases[0].topology
+    w = plan.workload
+    return {"devices_per_node": topo.devices_per_node, "nnodes": topo.nnodes,
+            "world_size": topo.world_size, "device": topo.device, "fc": w.fc,
+            "sample_ratio": w.sample_ratio, "precision": w.precision,
+            "batch_size": w.batch_size, "num_classes": w.num_classes,
+            "memory_limit_bytes": plan.measure.memory_limit_bytes, "resolution": resolution,
+            "iters": plan.measure.iters, "start": start, "tuning": plan.tuning.to_dict()}
 
 
 def write_outcome(outcome: SearchOutcome, out_dir: Path) -> Path:

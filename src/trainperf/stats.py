@@ -19,14 +19,6 @@ SPREAD_LIMIT = 0.05
 CLAMPED_LOSS = 69.0776
 
 
-def window_throughput(step_times_s: Sequence[float], samples_per_step: int) -> float:
-    """Samples per second over a window of consecutive steps."""
-    total = float(np.sum(step_times_s))
-    if total <= 0:
-        raise ValueError("a window needs a positive duration")
-    return len(step_times_s) * samples_per_step / total
-
-
 def median(values: Sequence[float]) -> float | None:
     return float(np.median(values)) if len(values) else None
 
@@ -49,7 +41,6 @@ class CaseStats:
     average: float | None
     iqr: float | None
     ok_runs: int
-    total_runs: int
     speedup: float | None = None
     scaling_efficiency: float | None = None
     flags: list[str] = field(default_factory=list)
@@ -65,7 +56,7 @@ def case_stats(run_rates: Iterable[float | None]) -> CaseStats:
     """Aggregate per-run throughputs; None marks a run that produced no figure."""
     rates = list(run_rates)
     ok = [r for r in rates if r is not None]
-    stats = CaseStats(median(ok), average(ok), iqr(ok), len(ok), len(rates))
+    stats = CaseStats(median(ok), average(ok), iqr(ok), len(ok))
     if len(ok) < len(rates):
         stats.flags.append("failed_runs")
     if stats.spread is not None and stats.spread > SPREAD_LIMIT:

@@ -104,8 +104,7 @@ def matching(model: str | None, required_mode: str, fc: str | None, sample_ratio
     out = []
     for ref in refs if refs is not None else load_throughput():
         items = ref.mode_items
-        if ref.model != model and not (model.startswith("resnet50") and
-                                       ref.model.startswith("resnet50")):
+        if ref.model != model:
             continue
         if required.get("framework") and ref.framework.split("_")[0] != required["framework"]:
             continue

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .. import references
 from .markdown import gib, pct, table
 from .references import reference_model
+
+
+def write_capacity_report(doc: dict, out_dir: Path) -> str:
+    """Write ``out_dir/report.md`` for one search; returns its section."""
+    section = capacity_section(doc)
+    (out_dir / "report.md").write_text("# trainperf capacity\n\n" + section + "\n",
+                                       encoding="utf-8")
+    return section
 
 
 def _model_error(doc: dict) -> float | None:

@@ -74,14 +74,27 @@ def single_table(doc: dict) -> str:
 
 
 def failures(doc: dict) -> list[str]:
+    """A line for every run that gave no figure, or whose figure was left out, and why."""
     out = []
     for c in doc["cases"]:
         for r in c["runs"]:
+            where = f"- {c['case']} b{c['batch_size_per_device']} run {r['run']}"
             if r["status"] != "ok":
                 err = (r.get("error") or "").strip().splitlines()
-                out.append(f"- {c['case']} b{c['batch_size_per_device']} run {r['run']}: "
-                           f"**{r['status']}** {err[-1] if err else ''}")
+                out.append(f"{where}: **{r['status']}** {err[-1] if err else ''}")
+            elif r.get("flags"):
+                out.append(f"{where}: left out ({', '.join(r['flags'])}){left_out_reason(r)}")
     return out
+
+
+def left_out_reason(run: dict) -> str:
+    if "steps_skipped" in run["flags"]:
+        return (f": fp16 skipped {run.get('skipped_steps_in_window')} updates in the window "
+                f"while its loss scale settled (now {run.get('final_loss_scale'):g}); a longer "
+                "--warmup keeps them out of the window")
+    if run.get("loss_last") is not None:
+        return f": last loss {run['loss_last']:g}"
+    return ""
 
 
 def describe(doc: dict) -> str:
@@ -100,7 +113,32 @@ def describe(doc: dict) -> str:
     origin = (f"ingested from {src.get('format')} logs ({src.get('method')} method)" if src
               else f"{env.get('framework', '')} {env.get('framework_version', '')} on "
                    f"{device_text(env)}, host {env.get('host', '?')}")
-    return f"{line}.  \n{origin}. {how}".strip()
+    lines = [f"{line}.", f"{origin}. {how}".strip()]
+    speed = settings_text(doc)
+    if speed:
+        lines.append(f"Settings: {speed}.")
+    basis = next((c["mfu_peak_basis"] for c in doc["cases"] if c.get("mfu_peak_basis")), None)
+    if basis:
+        lines.append(f"MFU against the peak this work ran at: {basis}.")
+    return "  \n".join(lines)
+
+
+def settings_text(doc: dict) -> str:
+    """The speed settings that ran (from the cases' start events), in words."""
+    cases = [c.get("settings") or {} for c in doc["cases"]]
+    parts = []
+    cudnn = {c.get("cudnn_benchmark") for c in cases} - {None}
+    if cudnn:
+        parts.append("cuDNN autotuning " + ("on" if cudnn == {True} else "off"))
+    ddp = next((c["ddp"] for c in cases if c.get("ddp")), None)
+    if ddp:
+        parts.append(f"DDP buckets {ddp['bucket_cap_mb']:g} MiB, static graph "
+                     f"{'on' if ddp['static_graph'] else 'off'}, buffer broadcast "
+                     f"{'on' if ddp['broadcast_buffers'] else 'off'}")
+    scaling = next((c["loss_scaling"] for c in cases if c.get("loss_scaling")), None)
+    if scaling:
+        parts.append(f"fp16 loss scaling {scaling}")
+    return "; ".join(parts)
 
 
 def comparison_table(docs: list[dict], labels: list[str]) -> str:
@@ -132,7 +170,7 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
         parts += [f"## {label}", "", describe(doc), "", single_table(doc), ""]
         fails = failures(doc)
         if fails:
-            parts += ["Runs that did not finish:", "", *fails, ""]
+            parts += ["Runs without a figure:", "", *fails, ""]
     for section in extra_sections or []:
         parts += [section, ""]
     for plot in plots or []:
@@ -140,5 +178,6 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
     parts += ["Flags: `superlinear` speedup above 1.05 x devices; `throughput_falls` fewer "
               "samples/s than a smaller case; `high_spread` IQR above 5% of the median; "
               "`failed_runs` some runs gave no figure; `loss_nonfinite` / `loss_clamped` a run's "
-              "loss diverged (its speed is left out)."]
+              "loss diverged, `steps_skipped` fp16 skipped updates inside a run's window (such "
+              "a run's speed is left out)."]
     return "\n".join(parts) + "\n"

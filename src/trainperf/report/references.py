@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import references
-from ..devices import peak_flops
+from ..devices import mfu_peak
 from ..recipes import RECIPES
 from .markdown import fmt, pct, table
 
@@ -24,9 +24,11 @@ def references_section(doc: dict, label: str) -> str | None:
                                    c["precision"], c["batch_size_per_device"], c["world_size"])
         ours = c["median_samples_per_s"]
         flops = c.get("train_flops_per_sample")
+        by_op = c.get("train_flops_by_op") or ({"conv": flops} if flops else None)
         for ref in refs:
-            peak = peak_flops(references.DEVICE, ref.precision if ref.precision != "amp"
-                              else "fp16")
+            # V100 has no TF32: its fp32 rows ran every FLOP at the fp32 peak.
+            peak, _ = mfu_peak(references.DEVICE, "fp16" if ref.precision == "amp"
+                               else ref.precision, by_op)
             ref_mfu = ref.samples_per_s * flops / (peak * ref.world_size) if flops and peak else None
             rows.append([
                 str(c["nodes"]), str(c["world_size"]), str(c["batch_size_per_device"]),

@@ -18,6 +18,7 @@ def framework_env(device: torch.device) -> dict:
         "torch_num_threads": torch.get_num_threads(),
         "tf32_matmul": None,
         "tf32_cudnn": None,
+        "cudnn_benchmark": None,
     }
     if device.type == "cuda":
         env["cudnn_version"] = torch.backends.cudnn.version()
@@ -30,4 +31,5 @@ def framework_env(device: torch.device) -> dict:
         env["device_names"] = [torch.cuda.get_device_name(i) for i in range(count)]
         env["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
         env["tf32_cudnn"] = torch.backends.cudnn.allow_tf32
+        env["cudnn_benchmark"] = torch.backends.cudnn.benchmark
     return env

@@ -20,19 +20,19 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> int:
-    """FLOPs of one forward pass for one sample of ``input_shape`` (C, H, W)."""
-    total = 0
+def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int]:
+    """FLOPs of one forward pass for one sample of ``input_shape`` (C, H, W), by the engine that
+    runs them: ``conv`` (cuDNN) and ``matmul`` (cuBLAS). In fp32 the two can run at different
+    peaks (TF32 convolutions, fp32 matrix products), so MFU needs them apart."""
+    total = {"conv": 0, "matmul": 0}
 
     def on_conv(mod: nn.Conv2d, _inp, out: torch.Tensor) -> None:
-        nonlocal total
         kh, kw = mod.kernel_size
         macs_per_output = (mod.in_channels // mod.groups) * kh * kw
-        total += 2 * out[0].numel() * macs_per_output
+        total["conv"] += 2 * out[0].numel() * macs_per_output
 
     def on_linear(mod: nn.Linear, _inp, out: torch.Tensor) -> None:
-        nonlocal total
-        total += 2 * mod.in_features * out[0].numel()
+        total["matmul"] += 2 * mod.in_features * out[0].numel()
 
     handles = []
     for mod in model.modules():
@@ -52,8 +52,9 @@ def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> int:
     return total
 
 
-def backbone_profile(name: str, input_size: int, **kwargs) -> tuple[int, int]:
-    """(parameters, forward FLOPs per sample) of a registered backbone, built on the meta device."""
+def backbone_profile(name: str, input_size: int, **kwargs) -> tuple[int, dict[str, int]]:
+    """(parameters, forward FLOPs per sample by engine) of a registered backbone, built on the
+    meta device."""
     with torch.device("meta"):
         model = build_backbone(name, input_size=input_size, **kwargs)
     return count_params(model), forward_flops(model, (3, input_size, input_size))
@@ -64,8 +65,11 @@ def head_flops_per_sample(embedding_size: int, classes_computed: int) -> int:
     return 2 * embedding_size * classes_computed
 
 
-def train_flops_per_sample(backbone_forward_flops: int, embedding_size: int,
-                           classes_computed: int) -> int:
-    """Forward + backward FLOPs per sample: backward costs two forwards (grad of inputs and of
-    weights), the standard 3x rule used for model-FLOPs utilisation."""
-    return 3 * (backbone_forward_flops + head_flops_per_sample(embedding_size, classes_computed))
+def train_flops_per_sample(backbone_forward_flops: dict[str, int], embedding_size: int,
+                           classes_computed: int) -> dict[str, int]:
+    """Forward + backward FLOPs per sample by engine: backward costs two forwards (grad of
+    inputs and of weights), the standard 3x rule used for model-FLOPs utilisation. The class
+    matrix product is a matmul."""
+    head = head_flops_per_sample(embedding_size, classes_computed)
+    return {"conv": 3 * backbone_forward_flops["conv"],
+            "matmul": 3 * (backbone_forward_flops["matmul"] + head)}

@@ -1,7 +1,7 @@
 """Predicted peak memory of one rank's training step, by component.
 
-Backbone: fp32 parameters, gradients and SGD momentum (12 bytes a parameter), plus DDP's flat
-gradient buckets (4 more) when there are several ranks. Activations: the bytes autograd saves
+Backbone: fp32 parameters, gradients and SGD momentum (12 bytes a parameter); under DDP the
+gradients are views into its all-reduce buckets (gradient_as_bucket_view), so no more. Activations: the bytes autograd saves
 per sample, counted by a forward pass on the meta device (nothing runs); halved under fp16/bf16
 autocast, where convolution outputs are 16-bit. Head: per class of the rank's shard, the weight,
 gradient and momentum (sparse Partial FC keeps no whole-matrix gradient); per class computed in a
@@ -89,8 +89,7 @@ def estimate(workload: Workload, world_size: int, rank: int = 0,
                 workload.backbone, embedding_size=workload.embedding_size,
                 num_classes=workload.num_classes, input_size=workload.input_size,
                 output_block=workload.output_block).parameters())
-    ddp = world_size > 1
-    backbone = backbone_params * F32 * (4 if ddp else 3)
+    backbone = backbone_params * F32 * 3
     act_fp32 = activation_bytes_per_sample(workload)
     act = act_fp32 // 2 if workload.precision in ("fp16", "bf16") else act_fp32
     batch = workload.batch_size
@@ -109,8 +108,6 @@ def estimate(workload: Workload, world_size: int, rank: int = 0,
         copies = 3  # weight, gradient, momentum
         if sampling and workload.pfc_update == "sparse":
             copies = 2  # no whole-matrix gradient
-        if workload.fc == "dp" and ddp:
-            copies += 1  # DDP bucket
         head_static = copies * local * d * F32
         per_class = head_static / workload.num_classes
         row_bytes = computed * d * F32

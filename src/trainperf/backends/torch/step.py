@@ -1,12 +1,14 @@
 """The training step that trainperf measures: backbone, head, loss, backward, clip, SGD.
 
-This module owns precision and the optimizers. It does no timing, no logging and never reads a
-value back to the host (.item()), so the loop that times it decides every sync.
+This module owns precision and the optimizers. It does no timing, no logging and reads nothing
+back to the host (.item()) but, in fp16, the one skip decision of loss scaling (loss_scale.py),
+so the loop that times it decides every other sync.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -14,12 +16,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ...config import Workload
+from ...config import Tuning, Workload
 from .backbones import build_backbone, get_spec
 from .dist import DistContext
 from .heads import MarginSoftmaxHead, SampledRowsSGD
+from .loss_scale import DynamicLossScaler
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch 2.13 renamed DDP's broadcast_buffers (re-send buffers before every forward) to
+# forward_sync_buffers; the package supports releases on both sides of the rename.
+_BUFFER_SYNC_ARG = ("forward_sync_buffers"
+                    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                    else "broadcast_buffers")
 
 
 # No annotations: DDP checks them by identity and this module's are strings (future import).
@@ -53,13 +61,14 @@ def build_head(workload: Workload, ctx: DistContext) -> MarginSoftmaxHead:
 class TrainStep:
     """Call with (images, labels); returns the detached loss tensor of that step."""
 
-    def __init__(self, workload: Workload, ctx: DistContext) -> None:
+    def __init__(self, workload: Workload, ctx: DistContext, tuning: Tuning | None = None) -> None:
         spec = get_spec(workload.backbone)
         if spec.task != workload.task:
             raise ValueError(f"backbone {workload.backbone!r} is a {spec.task} backbone, "
                              f"but the workload is {workload.task}")
         self.workload = workload
         self.ctx = ctx
+        self.tuning = tuning or Tuning()
         self.step_index = 0
         device = ctx.device
         # Same seed on every rank: identical initial backbones (DDP would broadcast anyway).
@@ -88,7 +97,23 @@ class TrainStep:
                                                   workload.weight_decay))
         self.clip_params = [p for p in backbone.parameters() if p.requires_grad]
         self.amp_dtype = AMP_DTYPES[workload.precision]
-        self.scaler = torch.amp.GradScaler(device.type) if workload.precision == "fp16" else None
+        # Not torch.amp.GradScaler: it decides per rank and per optimizer, and sharded heads need
+        # one skip decision for all ranks and both optimizers (see loss_scale.py).
+        self.scaler = DynamicLossScaler(ctx) if workload.precision == "fp16" else None
+        self.skipped_steps: list[int] = []
+        """0-based indices of the steps that fp16 loss scaling skipped on every rank."""
+
+    @property
+    def ddp_settings(self) -> dict | None:
+        """The DistributedDataParallel settings this step runs with (None: one process)."""
+        if not self.ctx.distributed:
+            return None
+        t = self.tuning
+        return {"bucket_cap_mb": t.ddp_bucket_mb, "static_graph": t.ddp_static_graph,
+                "broadcast_buffers": t.ddp_broadcast_buffers,
+                # Gradients live in the all-reduce buckets: no copy in and out of them, and no
+                # second gradient-sized buffer.
+                "gradient_as_bucket_view": True}
 
     def _wrap(self, backbone: nn.Module) -> nn.Module:
         ctx, head = self.ctx, self.head
@@ -96,12 +121,14 @@ class TrainStep:
         if not ctx.distributed:
             return model
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        settings = dict(self.ddp_settings)
+        settings[_BUFFER_SYNC_ARG] = settings.pop("broadcast_buffers")
         if head is None or self.workload.fc == "dp":
-            return DDP(model, device_ids=ids, process_group=ctx.group)
+            return DDP(model, device_ids=ids, process_group=ctx.group, **settings)
         # mp / pfc: the head is sharded and stays out of DDP. Its loss is the mean over the global
         # batch and identical on every rank, so each rank's backbone gradient is one partial of
         # the true gradient: they must be summed, not averaged as DDP does by default.
-        wrapped = DDP(backbone, device_ids=ids, process_group=ctx.group)
+        wrapped = DDP(backbone, device_ids=ids, process_group=ctx.group, **settings)
         wrapped.register_comm_hook(ctx.group, _sum_allreduce_hook)
         return FaceModel(wrapped, head)
 
@@ -128,18 +155,25 @@ class TrainStep:
                 group["lr"] = lr
         loss = self.forward_loss(images, labels)
         scaler = self.scaler
-        (loss if scaler is None else scaler.scale(loss)).backward()
+        (loss if scaler is None else scaler.scale_loss(loss)).backward()
+        if scaler is not None:
+            # Every gradient any optimizer applies, before clipping reads the backbone's.
+            scaler.unscale_and_check_(self.optimizers)
         if self.workload.clip_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(self.optimizers[0])
             # foreach norm and clamp stay on the device: no sync.
             nn.utils.clip_grad_norm_(self.clip_params, self.workload.clip_grad_norm)
-        for opt in self.optimizers:
-            if scaler is None:
+        if scaler is None or scaler.should_step():
+            for opt in self.optimizers:
                 opt.step()
-            else:
-                scaler.step(opt)
+        else:
+            self.skipped_steps.append(self.step_index)
         if scaler is not None:
             scaler.update()
         self.step_index += 1
         return loss.detach()
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (None without loss scaling). Reading it syncs with the
+        device: read it after the measured window."""
+        return None if self.scaler is None else self.scaler.current_scale()

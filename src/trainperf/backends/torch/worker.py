@@ -1,17 +1,16 @@
 """Entry point of one measured run, started on every rank by torch.distributed.run.
 
-Rank 0 appends JSON lines to the events file: ``start``, ``step``, ``end``. Any rank that fails
-appends an ``error`` line (kind ``oom`` or ``exception``). The runner alone decides a run's
-status from these lines and the exit code.
+It follows ``trainperf.protocol`` (spec in, JSON-line events out): rank 0 writes ``start``, one
+``step`` per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or
+``exception``). The runner alone decides a run's status from these lines and the exit code.
 
-For tests, TRAINPERF_FAULT=KIND@STEP[:WORLD] injects a failure at a step (KIND: raise, oom,
-hang), only in runs of that world size when WORLD is given.
+For tests, TRAINPERF_FAULT injects failures at steps: comma-separated ``KIND[=ARG]@STEP[:WORLD]``
+(KIND: raise, oom, hang, or sleep=SECONDS), only in runs of that world size when WORLD is given.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import resource
@@ -22,26 +21,15 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ...config import Measure, Workload
+from ...protocol import End, Error, EventWriter, RunSpec, Start, Step
+from ...config import Tuning, Workload
 from .data import synthetic_batch
 from .dist import DistContext, all_gather, init_from_env
 from .env import framework_env
 from .flops import backbone_profile, train_flops_per_sample
 from .memory_model import estimate
 from .step import TrainStep
-from .timing import timed_loop
-
-
-class EventWriter:
-    def __init__(self, path: str, rank: int) -> None:
-        self.path = path
-        self.rank = rank
-
-    def emit(self, event: str, /, **fields) -> None:
-        line = json.dumps({"event": event, "rank": self.rank, "t": time.time(), **fields})
-        # O_APPEND and one write per line: lines from several ranks never interleave.
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+from .timing import make_timer, timed_loop
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -93,35 +81,51 @@ def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> i
     return head.num_sample * ctx.world_size
 
 
-def parse_fault(world_size: int) -> tuple[str, int] | None:
-    spec = os.environ.get("TRAINPERF_FAULT")
-    if not spec:
-        return None
-    kind_step, _, world = spec.partition(":")
-    kind, _, at = kind_step.partition("@")
-    if world and int(world) != world_size:
-        return None
-    return kind, int(at or 0)
+def parse_faults(world_size: int) -> dict[int, tuple[str, str]]:
+    """{step: (kind, argument)} of the faults TRAINPERF_FAULT asks for in this world size."""
+    faults = {}
+    for item in filter(None, os.environ.get("TRAINPERF_FAULT", "").split(",")):
+        kind_step, _, world = item.partition(":")
+        kind, _, at = kind_step.partition("@")
+        kind, _, arg = kind.partition("=")
+        if not world or int(world) == world_size:
+            faults[int(at or 0)] = (kind, arg)
+    return faults
 
 
-def inject(fault: tuple[str, int] | None, index: int, rank: int) -> None:
-    if fault is None or index != fault[1] or rank != 0:
+def inject(faults: dict[int, tuple[str, str]], index: int, rank: int) -> None:
+    if index not in faults or rank != 0:
         return
-    kind = fault[0]
+    kind, arg = faults[index]
     if kind == "raise":
         raise RuntimeError("injected failure (TRAINPERF_FAULT)")
     if kind == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory (injected by TRAINPERF_FAULT)")
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "sleep":
+        time.sleep(float(arg))
 
 
-def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
-    workload = Workload.from_dict(spec["workload"])
-    measure = Measure(**spec["measure"])
+def configure_backend(tuning: Tuning, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = tuning.cudnn_benchmark
+
+
+def step_settings(step: TrainStep, device: torch.device) -> dict:
+    """The speed settings this run's step actually runs with."""
+    return {"cudnn_benchmark": torch.backends.cudnn.benchmark if device.type == "cuda" else None,
+            "ddp": step.ddp_settings,
+            "loss_scaling": "dynamic, one overflow decision for all ranks"
+            if step.workload.precision == "fp16" else None}
+
+
+def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
+    workload, measure = spec.workload, spec.measure
     baseline = current_memory(ctx.device)
     limit_memory(measure.memory_limit_bytes, ctx.device)
-    step = TrainStep(workload, ctx)
+    configure_backend(spec.tuning, ctx.device)
+    step = TrainStep(workload, ctx, spec.tuning)
     images, labels = synthetic_batch(workload, ctx)
     global_batch = workload.batch_size * ctx.world_size
     if ctx.rank == 0:  # only rank 0 reports; rank 0 also holds the largest class shard
@@ -132,35 +136,45 @@ def run(spec: dict, events: EventWriter, ctx: DistContext) -> None:
             fwd_flops, workload.embedding_size if workload.task == "face" else 0,
             classes_computed(workload, step, ctx))
         model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
-        events.emit("start", workload=workload.to_dict(), env=framework_env(ctx.device),
-                    world_size=ctx.world_size, global_batch=global_batch,
-                    backbone_params=params, train_flops_per_sample=flops,
-                    pfc_update=step.pfc_update, device=str(ctx.device),
-                    baseline_memory_bytes=baseline, memory_model=model.to_dict(),
-                    predicted_peak_bytes=baseline + model.total_bytes)
-    fault = parse_fault(ctx.world_size)
+        events.emit(Start(
+            world_size=ctx.world_size, global_batch=global_batch, device=str(ctx.device),
+            env=framework_env(ctx.device), workload=workload.to_dict(),
+            settings=step_settings(step, ctx.device), backbone_params=params,
+            train_flops_per_sample=sum(flops.values()), train_flops_by_op=flops,
+            pfc_update=step.pfc_update, baseline_memory_bytes=baseline,
+            predicted_peak_bytes=baseline + model.total_bytes, memory_model=model.to_dict()))
+    faults = parse_faults(ctx.world_size)
 
     def one_step() -> torch.Tensor:
-        inject(fault, step.step_index, ctx.rank)
+        inject(faults, step.step_index, ctx.rank)
         return step(images, labels)
 
+    timed: list[int] = []
+
     def on_steps(done: list[tuple[int, float]]) -> None:
+        timed.extend(index for index, _ in done)
         if ctx.rank == 0:
             for index, seconds in done:
-                events.emit("step", index=index, seconds=seconds, samples=global_batch,
-                            warmup=index < measure.warmup)
+                events.emit(Step(index=index, seconds=seconds, samples=global_batch,
+                                 warmup=index < measure.warmup))
 
     barrier = (lambda: dist.barrier(group=ctx.group)) if ctx.distributed else (lambda: None)
-    window_s, losses = timed_loop(one_step, measure.iters, measure.warmup, ctx.device,
-                                  on_steps, barrier)
-    loss_values = torch.stack(losses).float().tolist()  # one read-back, after the window
+    window_s, losses = timed_loop(one_step, measure.iters, measure.warmup,
+                                  make_timer(ctx.device), on_steps, barrier)
+    assert timed == list(range(measure.iters)), "every step must have its time, in order"
+    # Read-backs after the window: the losses, and the loss scale (a device value).
+    loss_values = torch.stack(losses).float().tolist()
+    loss_scale = step.loss_scale
     memory = memory_over_ranks(peak_memory(ctx.device), ctx)
     if ctx.rank == 0:
         samples = measure.window_steps * global_batch
-        events.emit("end", samples_per_s=samples / window_s, window_s=window_s,
-                    window_samples=samples, loss_first=loss_values[0], loss_last=loss_values[-1],
-                    nonfinite_losses=sum(not math.isfinite(v) for v in loss_values),
-                    baseline_memory_bytes=baseline, **memory)
+        events.emit(End(
+            samples_per_s=samples / window_s, window_s=window_s, window_samples=samples,
+            window_steps=measure.window_steps, loss_first=loss_values[0],
+            loss_last=loss_values[-1],
+            nonfinite_losses=sum(not math.isfinite(v) for v in loss_values),
+            skipped_steps_in_window=sum(i >= measure.warmup for i in step.skipped_steps),
+            final_loss_scale=loss_scale, baseline_memory_bytes=baseline, **memory))
     if ctx.distributed:
         # No rank tears its process group down while another still talks to it.
         dist.barrier(group=ctx.group)
@@ -171,22 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="JSON file: workload, measure, device")
     parser.add_argument("--events", required=True, help="JSON-lines file to append events to")
     args = parser.parse_args(argv)
-    with open(args.spec, encoding="utf-8") as f:
-        spec = json.load(f)
     rank = int(os.environ.get("RANK", "0"))
     events = EventWriter(args.events, rank)
-    threads = spec.get("threads")
-    if threads:
-        torch.set_num_threads(threads)
     ctx = None
     try:
-        ctx = init_from_env(spec.get("device", "auto"))
+        spec = RunSpec.load(args.spec)
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        ctx = init_from_env(spec.device)
         run(spec, events, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
         kind = "oom" if is_oom(exc) else "exception"
         tail = traceback.format_exc().strip().splitlines()[-12:]
-        events.emit("error", kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000],
-                    traceback=tail)
+        events.emit(Error(kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000],
+                          traceback=tail))
         return 3 if kind == "oom" else 1
     finally:
         if ctx is not None and ctx.distributed and dist.is_initialized():

@@ -115,8 +115,8 @@ class MarginSoftmaxHead(nn.Module):
 class SampledRowsSGD(torch.optim.Optimizer):
     """SGD with momentum and weight decay on the rows a sparse Partial FC head sampled this step.
 
-    Its one parameter is ``head.rows`` so that loss scaling (GradScaler) unscales and checks it
-    like any other; ``step`` writes the updated rows and their momentum back into the shard.
+    Its one parameter is ``head.rows`` so that loss scaling (loss_scale.py) unscales and checks
+    it like any other; ``step`` writes the updated rows and their momentum back into the shard.
     Rows not sampled keep their weights and momentum untouched until they are sampled again.
     """
 

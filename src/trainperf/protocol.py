@@ -1,0 +1,262 @@
+"""The contract between the runner and a worker, version ``trainperf.protocol/v1``.
+
+This module is the whole contract: a worker written for any framework follows it from this text
+alone. It imports only the standard library and ``trainperf.config`` (which imports nothing
+else), so a framework's environment can import it without torch.
+
+How a run goes
+--------------
+1. The runner writes a **spec** (a JSON object, :class:`RunSpec`) to a file and starts the run's
+   process tree: one process per rank, each given ``--spec SPEC_PATH --events EVENTS_PATH``.
+   How ranks find each other is the backend's launch business (the torch backend uses
+   ``torch.distributed.run``); a rank learns its rank and the world size from that launch.
+2. Workers append **events** to ``EVENTS_PATH``: one JSON object per line, each line written with
+   one ``write`` to a file opened in append mode, so lines of several ranks never interleave.
+   Every event has ``event`` (its kind), ``rank`` (global rank of the writer) and ``t`` (Unix
+   time in seconds when written). Kinds, in the order rank 0 writes them:
+
+   - ``start`` (:class:`Start`, rank 0, once, before the first step): what runs, where, and what
+     the worker predicts about it.
+   - ``step`` (:class:`Step`, rank 0, one per optimizer step, warm-up steps included, in step
+     order, written as soon as the step's time is known): ``index`` (0-based), ``seconds``,
+     ``samples`` (global samples of the step), ``warmup`` (``index < measure.warmup``).
+   - ``end`` (:class:`End`, rank 0, once, after the last step): the window's figures.
+   - ``error`` (:class:`Error`, any rank, when it fails): ``kind`` is ``oom`` for an
+     out-of-memory, else ``exception``; ``message`` one line; ``traceback`` a list of lines.
+
+3. Every process exits; 0 means it finished cleanly.
+
+Timing rules every worker follows
+---------------------------------
+- Run ``measure.iters`` optimizer steps; the first ``measure.warmup`` (compilation, autotuning,
+  allocator growth) are outside the window.
+- At the window's start, wait for the device to finish and meet every rank at a barrier; at its
+  end, wait for the device once more. Between the edges: no host read-back, no sync (the
+  framework's own sync at the edges only: ``torch.cuda.synchronize``, ``mx.nd.waitall()``, ...).
+- ``End.samples_per_s`` = global samples of the window's steps / wall seconds of the window.
+  Never a mean of per-step rates, never rank 0's rate times the world size.
+- Per-step ``seconds`` come from device events where the device runs asynchronously, else from
+  the host clock. Every step of the window has its ``step`` event by the time ``end`` is written.
+
+Status
+------
+The runner alone decides a run's status, from the events and how the processes ended: ``oom``
+if any rank wrote an ``oom`` error; ``timeout`` if the run passed ``--timeout`` and was killed;
+``ok`` if ``end`` was written (a crash while shutting down after it is kept as a warning);
+otherwise ``failed``. A worker never writes a status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .config import Measure, Tuning, Workload
+
+PROTOCOL = "trainperf.protocol/v1"
+ERROR_KINDS = ("oom", "exception")
+
+
+class ProtocolError(ValueError):
+    """A spec or an event that does not follow this contract."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the runner asks one run to do (the ``--spec`` file)."""
+
+    workload: Workload
+    """Every setting that changes the work (``trainperf.config.Workload``)."""
+    measure: Measure
+    """Iterations, warm-up, memory limit (``trainperf.config.Measure``)."""
+    tuning: Tuning = field(default_factory=Tuning)
+    """Speed settings that change no result (``trainperf.config.Tuning``)."""
+    device: str = "auto"
+    """``auto``, ``cuda`` or ``cpu``."""
+    threads: int | None = None
+    """Intra-op threads per process on CPU (None: the framework's default)."""
+    protocol: str = PROTOCOL
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"protocol": self.protocol, "workload": self.workload.to_dict(),
+                "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
+                "device": self.device, "threads": self.threads}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
+        if not isinstance(d, dict):
+            raise ProtocolError(f"a spec is a JSON object, got {type(d).__name__}")
+        if d.get("protocol") != PROTOCOL:
+            raise ProtocolError(f"spec speaks {d.get('protocol')!r}; this worker speaks "
+                                f"{PROTOCOL!r}")
+        try:
+            return cls(Workload.from_dict(d["workload"]), Measure.from_dict(d["measure"]),
+                       Tuning.from_dict(d.get("tuning", {})), d.get("device", "auto"),
+                       d.get("threads"))
+        except KeyError as exc:
+            raise ProtocolError(f"spec lacks {exc.args[0]!r}") from None
+
+    @classmethod
+    def load(cls, path: str) -> "RunSpec":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+@dataclass(kw_only=True)
+class Event:
+    KIND: ClassVar[str] = ""
+    rank: int = 0
+    """Global rank of the process that wrote the event."""
+    t: float = 0.0
+    """Unix time (s) when the event was written."""
+
+    def to_dict(self) -> dict[str, Any]:
+        # Shallow on purpose: a step event is written every step, and JSON needs no copies.
+        return {"event": self.KIND,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+@dataclass(kw_only=True)
+class Start(Event):
+    """Written by rank 0 before the first step."""
+
+    KIND: ClassVar[str] = "start"
+    world_size: int
+    global_batch: int
+    """Samples per step over all ranks."""
+    device: str
+    """The device rank 0 runs on, e.g. ``cuda:0`` or ``cpu``."""
+    env: dict[str, Any]
+    """What only the framework knows: ``framework``, ``framework_version``, ``device_names``,
+    CUDA / cuDNN / NCCL versions, ``cudnn_benchmark``, TF32 flags, thread counts."""
+    workload: dict[str, Any]
+    """The workload as the worker understood it (``Workload.to_dict()``)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Speed settings in effect: ``cudnn_benchmark``, ``ddp`` (DDP's arguments, None in one
+    process), ``loss_scaling``..."""
+    backbone_params: int | None = None
+    train_flops_per_sample: float | None = None
+    """Forward + backward FLOPs of one sample (a multiply-add is 2 FLOPs)."""
+    train_flops_by_op: dict[str, float] | None = None
+    """The same split by the engine that runs it: ``conv`` (cuDNN) and ``matmul`` (cuBLAS);
+    MFU weighs each by the peak it ran at."""
+    pfc_update: str | None = None
+    """``full``, ``sparse`` or ``dense``: which class-matrix update ran."""
+    baseline_memory_bytes: int | None = None
+    """Memory in use before the model was built."""
+    predicted_peak_bytes: int | None = None
+    memory_model: dict[str, Any] | None = None
+
+
+@dataclass(kw_only=True)
+class Step(Event):
+    """Written by rank 0 for every step, in order."""
+
+    KIND: ClassVar[str] = "step"
+    index: int
+    seconds: float
+    samples: int
+    warmup: bool
+
+
+@dataclass(kw_only=True)
+class End(Event):
+    """Written by rank 0 after the last step."""
+
+    KIND: ClassVar[str] = "end"
+    samples_per_s: float
+    window_s: float
+    window_samples: int
+    window_steps: int
+    loss_first: float
+    loss_last: float
+    nonfinite_losses: int = 0
+    """Steps (of all ``iters``) whose loss was NaN or infinite."""
+    skipped_steps_in_window: int = 0
+    """Window steps whose update was skipped (fp16 overflow): their time holds no update."""
+    final_loss_scale: float | None = None
+    peak_memory_bytes: int | None = None
+    """Largest peak over ranks: allocated device memory on a GPU, resident set on CPU."""
+    peak_reserved_bytes: int | None = None
+    peak_memory_bytes_per_rank: list[int] | None = None
+    baseline_memory_bytes: int | None = None
+
+
+@dataclass(kw_only=True)
+class Error(Event):
+    """Written by any rank that fails."""
+
+    KIND: ClassVar[str] = "error"
+    kind: str
+    message: str
+    traceback: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ERROR_KINDS:
+            raise ProtocolError(f"error kind must be one of {ERROR_KINDS}, got {self.kind!r}")
+
+
+EVENT_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (Start, Step, End, Error)}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """A shallow check of a JSON value against a field's annotation."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or hint)
+
+
+def decode(obj: dict[str, Any]) -> Event:
+    """The typed event of one decoded JSON line. Fields this version does not know are ignored
+    (a later v1 worker may add some); a missing or ill-typed field is a ProtocolError."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"an event is a JSON object, got {type(obj).__name__}")
+    cls = EVENT_TYPES.get(obj.get("event"))
+    if cls is None:
+        raise ProtocolError(f"unknown event {obj.get('event')!r}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in obj:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.KIND} event lacks {f.name!r}")
+            continue
+        if not _type_ok(obj[f.name], hints[f.name]):
+            raise ProtocolError(f"{cls.KIND} event field {f.name!r} is not "
+                                f"{hints[f.name]}: {obj[f.name]!r}")
+        values[f.name] = obj[f.name]
+    return cls(**values)
+
+
+def encode(event: Event) -> str:
+    """One JSON line (without the newline)."""
+    return json.dumps(event.to_dict())
+
+
+class EventWriter:
+    """Appends a rank's events to the events file."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+
+    def emit(self, event: Event) -> None:
+        event.rank = self.rank
+        event.t = time.time()
+        # Append mode and one write per line: lines from several ranks never interleave.
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(encode(event) + "\n")

@@ -1,0 +1,38 @@
+"""One report.md (and plots) over result folders and capacity-search folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import results
+from .capacity import capacity_section
+from .markdown import render_report, unique_labels
+from .plots import plot_scaling
+from .references import references_section
+
+
+def is_search_dir(path: str | Path) -> bool:
+    """A capacity search's folder: search.json and no results of its own (its probes have)."""
+    p = Path(path)
+    return (p / "search.json").exists() and not (p / "results.json").exists()
+
+
+def write_report(dirs: list[str], out: Path, with_references: bool = False) -> Path:
+    """Write ``out/report.md`` (and plots beside it) for result and search folders."""
+    searches = [d for d in dirs if is_search_dir(d)]
+    docs = [results.load(d) for d in dirs if d not in searches]
+    labels = unique_labels(docs)
+    plots = plot_scaling(docs, labels, out) if docs else []
+    extra = [] if plots or not docs else [
+        "(No plots: install the `plot` extra, matplotlib, to get them.)"]
+    for d in searches:
+        extra.append(capacity_section(json.loads((Path(d) / "search.json").read_text())))
+    if with_references:
+        sections = [references_section(d, label) for d, label in zip(docs, labels)]
+        extra += [s for s in sections if s] or ["(No published figure matches these results.)"]
+    text = render_report(docs, plots, extra)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.md"
+    path.write_text(text, encoding="utf-8")
+    return path
