@@ -138,8 +138,9 @@ def document(recipe: str, workload: dict, measure: dict, env: dict, cases: list[
     """``model`` is the key DLPerf's tables and exports use (``r100``, ``y1``, ``r50``,
     ``rn50``); ``tuning`` the speed settings the runs asked for."""
     finish_cases(cases)
-    doc = {"schema": SCHEMA, "recipe": recipe, "model": model or workload.get("backbone") or recipe,
-           "workload": workload, "measure": measure, "env": env, "cases": cases}
+    doc = {"schema": SCHEMA, "recipe": recipe, "model": model, "workload": workload,
+           "measure": measure, "env": env, "cases": cases}
+    doc["model"] = model_key(doc)
     if tuning is not None:
         doc["tuning"] = tuning
     if source:
@@ -208,10 +209,17 @@ def load(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def model_key(doc: dict) -> str:
+    """The document's model name in DLPerf's shape: its DLPerf key where it has one, else the
+    backbone (ingested logs name their model there), else the recipe. Documents written before
+    the ``model`` field existed fall back the same way."""
+    return doc.get("model") or doc.get("workload", {}).get("backbone") or doc["recipe"]
+
+
 def export_dlperf(doc: dict) -> dict[str, Any]:
     """DLPerf's JSON shape: {model: {"1n8g": {average_speed, median_speed, speedup, batch}}},
     keyed by DLPerf's model name (``r100``, ``y1``, ``r50``, ``rn50``) as its tables are."""
-    model = doc.get("model") or doc.get("workload", {}).get("backbone") or doc["recipe"]
+    model = model_key(doc)
     out: dict[str, dict] = {model: {}}
     for c in doc["cases"]:
         if c["median_samples_per_s"] is None:

@@ -10,16 +10,16 @@ methods then make a run's figure:
   are to github.com/Oneflow-Inc/DLPerf at c89430b unless another commit is named. Where the log
   ends before the script's window is complete and the script would print 0 or nan, there is no
   dlperf figure, and the run's note says why.
-- ``exact`` (exact.py): samples over elapsed wall time across the same window. The window opens at the
-  print just before its first print (the end of the previous interval) and closes at its last
+- ``exact`` (exact.py): samples over elapsed wall time across the same window. The window opens at
+  the print just before its first print (the end of the previous interval) and closes at its last
   print, so it holds the steps of every window print; with no print before it, it opens at its
-  first print and holds the steps of the others. Elapsed time comes from, in this order: the
-  line timestamps, where every print involved has one with sub-second resolution (the
-  wall-clock span, logging included, as DLPerf's ``*_time.py`` scripts compute it); the seconds
-  printed for each interval; else the printed rates, a print of rate r over k steps of g samples
-  having taken k*g/r seconds (a steps-weighted harmonic mean of the rates, which is wall-clock
-  throughput only where each printed rate was itself samples over wall time). The run's note
-  says which was used and what the format's printed rate leaves out.
+  first print and holds the steps of the others. Elapsed time comes from, in this order: the line
+  timestamps, where every print involved has one with sub-second resolution (the wall-clock span,
+  logging included, as DLPerf's ``*_time.py`` scripts compute it); the seconds printed for each
+  interval; else the printed rates, a print of rate r over k steps of g samples having taken
+  k*g/r seconds (a steps-weighted harmonic mean of the rates, which is wall-clock throughput only
+  where each printed rate was itself samples over wall time). The run's note says which was used
+  and what the format's printed rate leaves out.
 """
 
 from __future__ import annotations

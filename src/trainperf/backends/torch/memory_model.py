@@ -1,14 +1,14 @@
 """Predicted peak memory of one rank's training step, by component.
 
 Backbone: fp32 parameters, gradients and SGD momentum (12 bytes a parameter); under DDP the
-gradients are views into its all-reduce buckets (gradient_as_bucket_view), so no more. Activations: the bytes autograd saves
-per sample, counted by a forward pass on the meta device (nothing runs); halved under fp16/bf16
-autocast, where convolution outputs are 16-bit. Head: per class of the rank's shard, the weight,
-gradient and momentum (sparse Partial FC keeps no whole-matrix gradient); per class computed in a
-step, the normalised (or sampled) rows, their gradients and the temporaries of normalisation's
-backward and the optimizer, and the [N, C] logits and probabilities. The CPU adds the process's
-resident baseline (interpreter, libraries), measured before the model is built, and a runtime
-workspace.
+gradients are views into its all-reduce buckets (gradient_as_bucket_view), so no more.
+Activations: the bytes autograd saves per sample, counted by a forward pass on the meta device
+(nothing runs); halved under fp16/bf16 autocast, where convolution outputs are 16-bit. Head: per
+class of the rank's shard, the weight, gradient and momentum (sparse Partial FC keeps no
+whole-matrix gradient); per class computed in a step, the normalised (or sampled) rows, their
+gradients and the temporaries of normalisation's backward and the optimizer, and the [N, C]
+logits and probabilities. The CPU adds the process's resident baseline (interpreter, libraries),
+measured before the model is built, and a runtime workspace.
 
 The constants marked "calibrated" were fitted to measured peaks of tiny-arcface on a CPU with
 torch 2.13 (benchmarks/memory_model.py records the table); elsewhere the report shows how far
