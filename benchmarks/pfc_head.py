@@ -21,7 +21,11 @@ import torch
 
 from trainperf.backends.torch.dist import DistContext, resolve_device
 from trainperf.backends.torch.heads import MarginSoftmaxHead, SampledRowsSGD
-from trainperf.backends.torch.timing import synchronize
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 VARIANTS = {"sparse": ("pfc", "sparse"), "dense": ("pfc", "dense"), "full": ("mp", "sparse")}
 

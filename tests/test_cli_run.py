@@ -46,7 +46,9 @@ def test_results_follow_the_schema(e2e):
     assert doc["measure"] == {"runs": 2, "iters": 30, "warmup": 10, "timeout_s": 1800.0,
                               "memory_limit_bytes": None}
     assert doc["tuning"] == {"cudnn_benchmark": True, "ddp_bucket_mb": 25.0,
-                             "ddp_static_graph": True, "ddp_broadcast_buffers": False}
+                             "ddp_static_graph": True, "ddp_broadcast_buffers": False,
+                             "mxnet_kvstore": "dist_sync"}
+    assert doc["framework"] == "torch"
     assert doc["model"] == "iresnet_tiny"  # no DLPerf key for the tiny recipe
     env = doc["env"]
     for key in ("framework_version", "python", "host", "cpu_model", "trainperf_version",

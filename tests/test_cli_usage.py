@@ -15,6 +15,11 @@ from trainperf.cli import main
     (["run", "tiny-arcface", "--fc", "mp", "--sample-ratio", "0.5"], "sample-ratio"),
     (["run", "tiny-arcface", "--memory-limit", "lots"], "size"),
     (["report", "/nonexistent/folder"], "no results.json"),
+    (["run", "tiny-arcface", "--framework", "caffe"], "unknown framework 'caffe'"),
+    (["run", "tiny-arcface", "--framework", "torch,torch"], "twice"),
+    (["run", "tiny-arcface", "--framework", "mxnet", "--nnodes", "2"], "one node"),
+    (["align", "tiny-arcface", "--framework", "torch"], "another framework"),
+    (["env", "create", "caffe"], "unknown framework"),
 ])
 def test_usage_errors(argv, needle, capsys):
     assert main(argv) == 2

@@ -11,13 +11,20 @@ import time
 from pathlib import Path
 
 from . import results
-from .config import Measure, Topology, Tuning, parse_bytes, parse_int_list
+from .backends import BACKENDS, get_backend
+from .config import MXNET_KVSTORES, Measure, Topology, Tuning, parse_bytes, parse_int_list
 from .recipes import RECIPES, get_recipe
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--framework", default="torch",
+                   help=f"backend(s) to run: {', '.join(BACKENDS)}; a list sweeps them "
+                        "side by side (default torch)")
+    p.add_argument("--mxnet-kvstore", choices=list(MXNET_KVSTORES), default="dist_sync",
+                   help="mxnet on several devices: one process per rank with a parameter "
+                        "server (dist_sync, default) or one process for all (device)")
     p.add_argument("--devices", default="1", help="processes per node; a list sweeps cases "
                    "(default 1)")
     p.add_argument("--nnodes", type=int, default=1)
@@ -90,6 +97,25 @@ def build_parser() -> argparse.ArgumentParser:
     ing.add_argument("--method", default="exact", choices=["exact", "dlperf"],
                      help="which figure fills samples_per_s (both are kept)")
     ing.add_argument("--out", help="output folder (default results/ingest-<logdir name>)")
+    env = sub.add_parser("env", help="per-framework environments")
+    env_sub = env.add_subparsers(dest="env_command", required=True)
+    create = env_sub.add_parser("create", help="build a framework's environment")
+    create.add_argument("names", nargs="+", metavar="FRAMEWORK")
+    create.add_argument("--force", action="store_true", help="rebuild even if it is ready")
+    create.add_argument("--cpu", action="store_true",
+                        help="install the CPU build even on a machine with a GPU")
+    env_sub.add_parser("list", help="each framework's environment and versions")
+    align = sub.add_parser("align", help="check that a framework trains the same numbers as "
+                           "PyTorch from the same weights and batch")
+    align.add_argument("recipe")
+    align.add_argument("--framework", required=True)
+    align.add_argument("--devices", default="1,2", help="rank counts to check (default 1,2)")
+    align.add_argument("--fc", default="dp,mp", help="head modes to check (default dp,mp)")
+    align.add_argument("--steps", type=int, default=5, help="SGD steps (default 5)")
+    align.add_argument("--batch-size", type=int, help="per device (default: the recipe's)")
+    align.add_argument("--num-classes", type=int)
+    align.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    align.add_argument("--out", help="folder for the weights, runs and align.json")
     bench = sub.add_parser("bench", help="the default suite, sized to this machine")
     bench.add_argument("--out", default="bench-results")
     return parser
@@ -135,14 +161,32 @@ def plan_from_args(args: argparse.Namespace):
     tuning = Tuning(cudnn_benchmark=not args.no_cudnn_benchmark,
                     ddp_bucket_mb=args.ddp_bucket_mb,
                     ddp_static_graph=not args.no_ddp_static_graph,
-                    ddp_broadcast_buffers=args.ddp_broadcast_buffers)
+                    ddp_broadcast_buffers=args.ddp_broadcast_buffers,
+                    mxnet_kvstore=args.mxnet_kvstore)
     base = Topology(1, args.nnodes, args.node_rank, args.master_addr, args.master_port,
                     args.device)
     devices = parse_int_list(args.devices, "--devices")
     cases = plan_cases(devices, batches, base)
     out = Path(getattr(args, "resume", None) or args.out or
                f"results/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return Plan(recipe.name, workload, measure, cases, out, tuning, recipe.reference_model)
+    frameworks = parse_frameworks(args.framework)
+    for name in frameworks:
+        get_backend(name).check(workload.fc, base.nnodes)
+    # One framework writes into the folder itself; several each into a folder of their own,
+    # and the report beside them compares them.
+    return [Plan(recipe.name, workload, measure, cases, out if len(frameworks) == 1
+                 else out / name, tuning, recipe.reference_model, name) for name in frameworks]
+
+
+def parse_frameworks(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--framework needs at least one name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--framework names a framework twice: {text!r}")
+    for name in names:
+        get_backend(name)
+    return names
 
 
 def _interrupt_on_sigterm() -> None:
@@ -162,19 +206,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .report.assemble import write_report
     from .runner import Runner
 
-    plan = plan_from_args(args)
+    plans = plan_from_args(args)
+    runners = [Runner(plan) for plan in plans]  # every environment checked before any run
     _interrupt_on_sigterm()
     progress = make_progress()
+    docs = []
     try:
-        doc = Runner(plan, progress).run(resume=bool(args.resume))
+        for runner in runners:
+            runner.progress = progress
+            resume = bool(args.resume) and (runner.out / "events.jsonl").exists()
+            docs.append(runner.run(resume=resume))
     finally:
         close = getattr(progress, "close", None)
         if close:
             close()
-    path = write_report([str(plan.out_dir)], plan.out_dir)
+    out = Path(args.resume or plans[0].out_dir) if len(plans) == 1 else plans[0].out_dir.parent
+    path = write_report([str(p.out_dir) for p in plans], out, with_references=len(plans) > 1)
     print(path.read_text(encoding="utf-8"))
-    print(f"results: {plan.out_dir / 'results.json'}")
-    all_ok = all(r["status"] == "ok" for c in doc["cases"] for r in c["runs"])
+    for plan in plans:
+        print(f"results: {plan.out_dir / 'results.json'}")
+    all_ok = all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
     return EXIT_OK if all_ok else EXIT_RUN_FAILED
 
 
@@ -255,7 +306,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise ValueError("a search probes each value once (--runs 1)")
     if not args.out:
         args.out = f"results/search-{args.kind}-{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
-    plan = plan_from_args(args)
+    plans = plan_from_args(args)
+    if len(plans) > 1:
+        raise ValueError("search takes one --framework")
+    plan = plans[0]
     if (plan.out_dir / "search.json").exists():
         raise ValueError(f"{plan.out_dir} already holds a search; choose another --out")
     field_name = KINDS[args.kind]
@@ -278,6 +332,55 @@ def cmd_search(args: argparse.Namespace) -> int:
     return EXIT_OK if outcome.answer is not None else EXIT_RUN_FAILED
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import envs
+
+    if args.env_command == "create":
+        for name in args.names:
+            get_backend(name)
+        for name in args.names:
+            st = envs.create(name, force=args.force, cuda=False if args.cpu else None)
+            versions = ", ".join(f"{k} {v}" for k, v in st.versions.items())
+            print(f"{name}: {st.state} at {st.path} ({versions or st.detail})")
+        return EXIT_OK
+    tbl = Table(title="trainperf framework environments")
+    for col in ("framework", "state", "versions", "where"):
+        tbl.add_column(col, overflow="fold")
+    for st in envs.states():
+        versions = ", ".join(f"{k} {v}" for k, v in st.versions.items()) or st.detail
+        tbl.add_row(st.name, st.state, versions, st.path)
+    Console().print(tbl)
+    return EXIT_OK
+
+
+def cmd_align(args: argparse.Namespace) -> int:
+    from .align import AlignRequest, render_table, run_alignment
+
+    recipe = get_recipe(args.recipe)
+    workload = recipe.workload
+    if args.batch_size:
+        workload = workload.replace(batch_size=args.batch_size)
+    if args.num_classes:
+        workload = workload.replace(num_classes=args.num_classes)
+    framework = get_backend(args.framework).name
+    if framework == "torch":
+        raise ValueError("align compares another framework with torch: pass --framework mxnet")
+    out = Path(args.out or f"results/align-{recipe.name}-{framework}-"
+                           f"{time.strftime('%Y%m%d-%H%M%S')}")
+    req = AlignRequest(recipe.name, workload, framework,
+                       parse_int_list(args.devices, "--devices"),
+                       [m.strip() for m in args.fc.split(",") if m.strip()],
+                       args.steps, args.timeout, out)
+    _interrupt_on_sigterm()
+    outcome = run_alignment(req)
+    print(render_table(outcome))
+    print(f"alignment: {out / 'align.json'}")
+    return EXIT_OK if outcome["aligned"] else EXIT_RUN_FAILED
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench_arguments
     from .env import gpu_count
@@ -293,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commands = {"list": lambda _: cmd_list(), "run": cmd_run, "report": cmd_report,
                 "export": cmd_export, "search": cmd_search, "references": cmd_references,
-                "ingest": cmd_ingest, "bench": cmd_bench}
+                "ingest": cmd_ingest, "bench": cmd_bench, "env": cmd_env, "align": cmd_align}
     try:
         return commands[args.command](args)
     except ValueError as exc:

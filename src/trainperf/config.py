@@ -18,6 +18,7 @@ LOSSES = ("arcface", "cosface", "softmax", "combined")
 TASKS = ("face", "classification")
 PFC_UPDATES = ("sparse", "dense")
 DEVICE_KINDS = ("auto", "cuda", "cpu")
+MXNET_KVSTORES = ("dist_sync", "device")
 
 # (m1, m2, m3) of the combined margin cos(m1 * theta + m2) - m3.
 MARGINS = {
@@ -166,9 +167,17 @@ class Tuning:
     Off, as in arcface_torch: training-mode BatchNorm uses batch statistics, so the running ones
     change no step; they only stay per rank, as without SyncBN."""
 
+    mxnet_kvstore: str = "dist_sync"
+    """MXNet with several devices on a node: ``dist_sync``, one process per rank with a
+    parameter server (as torch runs one process per rank), or ``device``, one process driving
+    every device (as insightface's MXNet ArcFace and gluon-cv ran). The same arithmetic."""
+
     def __post_init__(self) -> None:
         if not self.ddp_bucket_mb > 0:
             raise ValueError(f"--ddp-bucket-mb must be > 0, got {self.ddp_bucket_mb}")
+        if self.mxnet_kvstore not in MXNET_KVSTORES:
+            raise ValueError(f"--mxnet-kvstore must be one of {', '.join(MXNET_KVSTORES)}, "
+                             f"got {self.mxnet_kvstore!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import types
 import typing
@@ -80,12 +81,19 @@ class RunSpec:
     """``auto``, ``cuda`` or ``cpu``."""
     threads: int | None = None
     """Intra-op threads per process on CPU (None: the framework's default)."""
+    init: str | None = None
+    """Alignment (``trainperf.align``): an ``.npz`` of initial weights and per-rank batches
+    that the worker loads instead of drawing its own. Layout: ``backbone/<torch state_dict
+    name>`` (torch layouts: OIHW convolutions, [out, in] linear weights, BatchNorm
+    ``weight``/``bias``/``running_mean``/``running_var``), ``head/weight`` (the whole class
+    matrix [classes, embedding]; a sharded head takes its rows), ``images/<rank>`` (float32
+    NCHW) and ``labels/<rank>`` (int64)."""
     protocol: str = PROTOCOL
 
     def to_dict(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
-                "device": self.device, "threads": self.threads}
+                "device": self.device, "threads": self.threads, "init": self.init}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
@@ -97,7 +105,7 @@ class RunSpec:
         try:
             return cls(Workload.from_dict(d["workload"]), Measure.from_dict(d["measure"]),
                        Tuning.from_dict(d.get("tuning", {})), d.get("device", "auto"),
-                       d.get("threads"))
+                       d.get("threads"), d.get("init"))
         except KeyError as exc:
             raise ProtocolError(f"spec lacks {exc.args[0]!r}") from None
 
@@ -175,6 +183,8 @@ class End(Event):
     window_steps: int
     loss_first: float
     loss_last: float
+    losses: list[float] | None = None
+    """Every step's loss on rank 0, warm-up included (what alignment compares)."""
     nonfinite_losses: int = 0
     """Steps (of all ``iters``) whose loss was NaN or infinite."""
     skipped_steps_in_window: int = 0
@@ -185,6 +195,19 @@ class End(Event):
     peak_reserved_bytes: int | None = None
     peak_memory_bytes_per_rank: list[int] | None = None
     baseline_memory_bytes: int | None = None
+
+    @classmethod
+    def of_window(cls, window_s: float, measure: Measure, global_batch: int,
+                  losses: list[float], skipped_steps: list[int], **extra: Any) -> "End":
+        """The end event of a finished loop: the window's rate by the rule above, from every
+        step's loss and the indices of the steps whose update was skipped."""
+        samples = measure.window_steps * global_batch
+        return cls(samples_per_s=samples / window_s, window_s=window_s, window_samples=samples,
+                   window_steps=measure.window_steps, loss_first=losses[0],
+                   loss_last=losses[-1], losses=losses,
+                   nonfinite_losses=sum(not math.isfinite(v) for v in losses),
+                   skipped_steps_in_window=sum(i >= measure.warmup for i in skipped_steps),
+                   **extra)
 
 
 @dataclass(kw_only=True)

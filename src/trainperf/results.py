@@ -65,6 +65,7 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
         "predicted_peak_bytes": start.predicted_peak_bytes if start else None,
         "loss_first": end.loss_first if end else None,
         "loss_last": end.loss_last if end else None,
+        "losses": end.losses if end else None,
         "skipped_steps_in_window": end.skipped_steps_in_window if end else None,
         "final_loss_scale": end.final_loss_scale if end else None,
         "error": error,

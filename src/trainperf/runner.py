@@ -20,12 +20,13 @@ from typing import Any, Protocol
 
 import psutil
 
-from . import protocol, results
+from . import envs, protocol, results
+from .backends import get_backend
+from .backends.base import LaunchRequest
 from .config import Measure, Topology, Tuning, Workload
 from .env import host_env
 from .protocol import End, Error, Event, ProtocolError, RunSpec, Start, Step
 
-WORKER_MODULE = "trainperf.backends.torch.worker"
 POLL_S = 0.2
 KILL_GRACE_S = 5.0
 
@@ -51,11 +52,16 @@ class Plan:
     tuning: Tuning = field(default_factory=Tuning)
     model: str | None = None
     """The model's key in DLPerf's tables and exports (``r100``, ``y1``, ``r50``, ``rn50``)."""
+    framework: str = "torch"
+    """The backend that runs it (``trainperf.backends``)."""
+    init: str | None = None
+    """Alignment: the ``.npz`` every run loads its weights and batches from (``RunSpec.init``)."""
 
     def settings(self) -> dict[str, Any]:
         """Every setting that changes a run's work or limits; a folder's runs all share them."""
         topo = self.cases[0].topology
-        return {"recipe": self.recipe, "workload": self.workload.to_dict(),
+        return {"recipe": self.recipe, "framework": self.framework,
+                "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
                 "device": topo.device, "nnodes": topo.nnodes,
                 "cases": [[c.topology.devices_per_node, c.batch_size] for c in self.cases]}
@@ -95,18 +101,6 @@ class QuietProgress(NullProgress):
         rate = record.get("samples_per_s")
         figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
         print(f"{label}: {record['status']} {figure}", file=self.stream or sys.stderr, flush=True)
-
-
-def launch_command(case: Case, spec_path: Path, events_path: Path) -> list[str]:
-    topo = case.topology
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           f"--nproc-per-node={topo.devices_per_node}"]
-    if topo.nnodes == 1:
-        cmd.append("--standalone")
-    else:
-        cmd += [f"--nnodes={topo.nnodes}", f"--node-rank={topo.node_rank}",
-                f"--master-addr={topo.master_addr}", f"--master-port={topo.master_port}"]
-    return cmd + ["-m", WORKER_MODULE, "--spec", str(spec_path), "--events", str(events_path)]
 
 
 def cpu_threads_per_process(devices_per_node: int) -> int:
@@ -205,6 +199,8 @@ class Runner:
         self.start_events: dict[tuple[str, int], Start] = {}
         self.env: dict[str, Any] = {}
         self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
+        self.backend = get_backend(plan.framework)
+        self.python = envs.interpreter(plan.framework)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _append_event(self, event: dict) -> None:
@@ -259,6 +255,7 @@ class Runner:
             workload["pfc_update_ran"] = pfc_updates.pop()
         doc = results.document(self.plan.recipe, workload, self.plan.measure.to_dict(), env,
                                cases, model=self.plan.model, tuning=self.plan.tuning.to_dict())
+        doc["framework"] = self.plan.framework
         if self.is_follower:
             doc["role"] = "follower"  # rank 0 lives on node 0; this node only records exits
         results.write_json_atomic(self.out / "results.json", doc)
@@ -297,10 +294,18 @@ class Runner:
         measure = self.plan.measure
         spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
                        self.plan.tuning, case.topology.device,
-                       cpu_threads_per_process(case.topology.devices_per_node))
+                       cpu_threads_per_process(case.topology.devices_per_node), self.plan.init)
         results.write_json_atomic(spec_path, spec.to_dict())
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        launch = self.backend.launch(LaunchRequest(self.python, case.topology, self.plan.tuning,
+                                                   spec_path, worker_events))
+        # Every process of the run inherits the tag, helpers such as a parameter server
+        # included, so what a run left behind can be found.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINPERF_RUN_ID=str(run_dir.resolve()),
+                   **launch.env)
         env.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        if self.backend.env is not None:
+            # The worker imports this trainperf and, from its own environment, nothing else.
+            env["PYTHONPATH"] = str(envs.package_link_dir(self.out / "runs"))
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         self._append_event({"event": "run_start", "t": time.time(), **tags})
         self.progress.run_started(label, measure.iters)
@@ -311,7 +316,7 @@ class Runner:
         timed_out = False
         deadline = time.monotonic() + measure.timeout_s
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(launch_command(case, spec_path, worker_events), stdout=log,
+            proc = subprocess.Popen(launch.argv, stdout=log,
                                     stderr=subprocess.STDOUT, env=env)
             try:
                 while True:

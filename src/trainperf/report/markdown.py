@@ -25,7 +25,9 @@ def gib(n: int | None) -> str:
 def doc_label(doc: dict) -> str:
     w = doc.get("workload", {})
     env = doc.get("env", {})
-    parts = [env.get("framework", doc.get("source", {}).get("framework", "")), doc["recipe"],
+    framework = (env.get("framework") or doc.get("framework")
+                 or doc.get("source", {}).get("framework", ""))
+    parts = [framework, doc["recipe"],
              w.get("precision", ""), f"fc={w['fc']}" if w.get("fc") else ""]
     if w.get("fc") == "pfc":
         parts.append(f"r={w.get('sample_ratio')}")
@@ -149,13 +151,18 @@ def comparison_table(docs: list[dict], labels: list[str]) -> str:
     header = ["node_num", "gpu_num", "batch/device"]
     for label in labels:
         header += [f"{label} samples/s", f"{label} speedup"]
+    # Each later document against the first, as the seeds put one framework against another.
+    header += [f"{label} / {labels[0]}" for label in labels[1:]]
     rows = []
     for key in keys:
         row = [str(key[0]), str(key[1]), str(key[2])]
+        medians = []
         for cases in by_doc:
             c = cases.get(key)
-            row += [fmt(c["median_samples_per_s"]) if c else "-",
-                    fmt(c["speedup"]) if c else "-"]
+            medians.append(c["median_samples_per_s"] if c else None)
+            row += [fmt(medians[-1]), fmt(c["speedup"]) if c else "-"]
+        first = medians[0]
+        row += [fmt(m / first, 3) if m and first else "-" for m in medians[1:]]
         rows.append(row)
     return table(header, rows)
 

@@ -4,25 +4,24 @@ It follows ``trainperf.protocol`` (spec in, JSON-line events out): rank 0 writes
 ``step`` per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or
 ``exception``). The runner alone decides a run's status from these lines and the exit code.
 
-For tests, TRAINPERF_FAULT injects failures at steps: comma-separated ``KIND[=ARG]@STEP[:WORLD]``
-(KIND: raise, oom, hang, or sleep=SECONDS), only in runs of that world size when WORLD is given.
+For tests, TRAINPERF_FAULT injects failures at steps (``trainperf.faults``).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import resource
 import sys
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
+from ...faults import inject, parse_faults
 from ...protocol import End, Error, EventWriter, RunSpec, Start, Step
 from ...config import Tuning, Workload
+from .alignment import load_start
 from .data import synthetic_batch
 from .dist import DistContext, all_gather, init_from_env
 from .env import framework_env
@@ -81,32 +80,6 @@ def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> i
     return head.num_sample * ctx.world_size
 
 
-def parse_faults(world_size: int) -> dict[int, tuple[str, str]]:
-    """{step: (kind, argument)} of the faults TRAINPERF_FAULT asks for in this world size."""
-    faults = {}
-    for item in filter(None, os.environ.get("TRAINPERF_FAULT", "").split(",")):
-        kind_step, _, world = item.partition(":")
-        kind, _, at = kind_step.partition("@")
-        kind, _, arg = kind.partition("=")
-        if not world or int(world) == world_size:
-            faults[int(at or 0)] = (kind, arg)
-    return faults
-
-
-def inject(faults: dict[int, tuple[str, str]], index: int, rank: int) -> None:
-    if index not in faults or rank != 0:
-        return
-    kind, arg = faults[index]
-    if kind == "raise":
-        raise RuntimeError("injected failure (TRAINPERF_FAULT)")
-    if kind == "oom":
-        raise torch.OutOfMemoryError("CUDA out of memory (injected by TRAINPERF_FAULT)")
-    if kind == "hang":
-        time.sleep(10**6)
-    if kind == "sleep":
-        time.sleep(float(arg))
-
-
 def configure_backend(tuning: Tuning, device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = tuning.cudnn_benchmark
@@ -126,7 +99,10 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     limit_memory(measure.memory_limit_bytes, ctx.device)
     configure_backend(spec.tuning, ctx.device)
     step = TrainStep(workload, ctx, spec.tuning)
-    images, labels = synthetic_batch(workload, ctx)
+    if spec.init:
+        images, labels = load_start(step, spec.init, ctx)
+    else:
+        images, labels = synthetic_batch(workload, ctx)
     global_batch = workload.batch_size * ctx.world_size
     if ctx.rank == 0:  # only rank 0 reports; rank 0 also holds the largest class shard
         params, fwd_flops = backbone_profile(
@@ -146,7 +122,8 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     faults = parse_faults(ctx.world_size)
 
     def one_step() -> torch.Tensor:
-        inject(faults, step.step_index, ctx.rank)
+        inject(faults, step.step_index, ctx.rank,
+               lambda msg: torch.OutOfMemoryError(f"CUDA {msg}"))
         return step(images, labels)
 
     timed: list[int] = []
@@ -167,14 +144,9 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     loss_scale = step.loss_scale
     memory = memory_over_ranks(peak_memory(ctx.device), ctx)
     if ctx.rank == 0:
-        samples = measure.window_steps * global_batch
-        events.emit(End(
-            samples_per_s=samples / window_s, window_s=window_s, window_samples=samples,
-            window_steps=measure.window_steps, loss_first=loss_values[0],
-            loss_last=loss_values[-1],
-            nonfinite_losses=sum(not math.isfinite(v) for v in loss_values),
-            skipped_steps_in_window=sum(i >= measure.warmup for i in step.skipped_steps),
-            final_loss_scale=loss_scale, baseline_memory_bytes=baseline, **memory))
+        events.emit(End.of_window(window_s, measure, global_batch, loss_values,
+                                  step.skipped_steps, final_loss_scale=loss_scale,
+                                  baseline_memory_bytes=baseline, **memory))
     if ctx.distributed:
         # No rank tears its process group down while another still talks to it.
         dist.barrier(group=ctx.group)

@@ -1,0 +1,208 @@
+"""The distributed layout of one MXNet worker process, and its collectives.
+
+The launcher (``launch.py``) chooses one of three layouts and says which through the environment:
+
+- ``TRAINPERF_KVSTORE=local``: one process, one context, one rank.
+- ``TRAINPERF_KVSTORE=device``: one process driving ``TRAINPERF_CONTEXTS`` contexts, gradients
+  summed by kvstore ``device`` (as insightface's MXNet ArcFace and gluon-cv trained on one
+  machine). Context ``i`` is rank ``i``; data parallel only (no sharded head).
+- ``TRAINPERF_KVSTORE=dist_sync``: one process per rank, talking through a parameter server
+  (the launcher runs the scheduler and the server and sets the ``DMLC_*`` variables); the rank is
+  the kvstore's. ``TRAINPERF_LOCAL_RANK`` is the launch index on the node (the GPU it uses).
+
+Collectives run over the ``dist_sync`` kvstore with integer keys, all drawn from one counter so
+that gradient keys and collective keys never collide. All-reduce-sum is a pushpull: the server
+sums every worker's push and everyone pulls the sum (on a CPU context the kvstore receives it
+into the pushed array itself, so it is an in-place operation). All-gather is a pushpull of a
+zero-padded buffer in which each rank has written its own rows (the sum is the concatenation,
+exactly: adding zeros rounds nothing); max is an all-gather followed by a max. Every one is
+pushed to MXNet's engine and returns at once: none reads anything back to the host. In one
+process (``local`` and ``device``) they are the identity.
+
+Rounds: in ``dist_sync`` the server completes a key's round when it has as many pushes of that
+key as there are workers; it does not look at who sent them. A rank must therefore not push a
+key for round k + 1 before every rank's round-k push of it has arrived. MXNet orders operations
+only by the arrays they touch, so a collective must depend, through its data, on the previous
+round's result: every collective of a training step does (through the weights the previous
+step updated), which is why the head gathers labels inside the embeddings' buffer instead of on
+their own (constant labels would be pushed as soon as the step is issued).
+
+The server only sums (no optimizer runs on it: ``update_on_kvstore`` is off in Trainer terms),
+so the worker decides exactly how gradients are scaled and clipped (``step.py``). The server
+accepts floating-point arrays only: integers (labels) travel as float64, exact up to 2**53.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mxnet as mx
+
+KVSTORES = ("local", "device", "dist_sync")
+
+
+def resolve_device(kind: str) -> str:
+    """``gpu`` or ``cpu`` for a spec's ``device`` (``auto``, ``cuda`` or ``cpu``)."""
+    gpus = mx.context.num_gpus()
+    if kind == "auto":
+        return "gpu" if gpus > 0 else "cpu"
+    if kind == "cuda":
+        if gpus == 0:
+            raise ValueError("--device cuda was asked for but MXNet sees no GPU (is the "
+                             "environment's mxnet a CUDA build?)")
+        return "gpu"
+    if kind == "cpu":
+        return "cpu"
+    raise ValueError(f"unknown device {kind!r}; expected auto, cuda or cpu")
+
+
+def _context(device_type: str, index: int) -> mx.Context:
+    return mx.gpu(index) if device_type == "gpu" else mx.cpu(index)
+
+
+@dataclass
+class Comm:
+    """The layout of this process and the collectives between ranks."""
+
+    mode: str = "local"
+    """``local``, ``device`` or ``dist_sync``."""
+    rank: int = 0
+    """Global rank of this process (``device``: 0, the rank of its first context)."""
+    world_size: int = 1
+    """Ranks in the run: processes in ``dist_sync``, contexts in ``device``."""
+    local_rank: int = 0
+    device_type: str = "cpu"
+    """``gpu`` or ``cpu``."""
+    contexts: list = field(default_factory=lambda: [mx.cpu()])
+    """The contexts this process drives, one per rank it holds (``device``: all of them)."""
+    kv: object | None = None
+    """The kvstore that sums gradients (``device`` and ``dist_sync``), else None."""
+    _keys: dict = field(default_factory=dict)
+    _next_key: int = 0
+
+    # ----------------------------------------------------------------------------- layout
+
+    @property
+    def ranks(self) -> list[int]:
+        """Global rank of each of this process's contexts, in context order."""
+        if self.mode == "device":
+            return list(range(len(self.contexts)))
+        return [self.rank]
+
+    @property
+    def distributed(self) -> bool:
+        """Whether ranks live in other processes (then the collectives below talk)."""
+        return self.mode == "dist_sync" and self.world_size > 1
+
+    @property
+    def device(self) -> str:
+        """The first context as the protocol spells devices (as the torch worker): ``cuda:0``
+        for MXNet's ``gpu(0)``, or ``cpu``."""
+        ctx = self.contexts[0]
+        return f"cuda:{ctx.device_id}" if ctx.device_type == "gpu" else "cpu"
+
+    def new_key(self) -> int:
+        """A fresh integer kvstore key; every rank draws the same keys in the same order."""
+        key = self._next_key
+        self._next_key += 1
+        return key
+
+    # ---------------------------------------------------------------------- gradients
+
+    def register(self, arrays: Sequence[Sequence[mx.nd.NDArray]]) -> list[int]:
+        """Give each entry (one array per context, e.g. a parameter's copies) a kvstore key
+        and make every copy equal to rank 0's first one: in ``dist_sync`` the store keeps
+        the value rank 0 initialises a key with and every rank pulls it back (as Gluon's
+        Trainer broadcasts parameters). Call at set-up, on every rank, in the same order.
+        Returns the keys, to pass to :meth:`sum_`."""
+        keys = [self.new_key() for _ in arrays]
+        if self.kv is None or not keys:
+            return keys
+        self.kv.init(keys, [copies[0] for copies in arrays])
+        if self.mode == "dist_sync":
+            self.kv.pull(keys, out=[list(copies) for copies in arrays])
+        else:  # device: copy context 0's value to the others
+            for copies in arrays:
+                for other in copies[1:]:
+                    copies[0].copyto(other)
+        return keys
+
+    def sum_(self, keys: Sequence[int], arrays: Sequence[Sequence[mx.nd.NDArray]]) -> None:
+        """Replace every copy of each entry by the sum over all ranks and contexts (in place,
+        asynchronous). Nothing to do with one rank in total."""
+        if self.kv is None or self.world_size == 1 or not keys:
+            return
+        lists = [list(copies) for copies in arrays]
+        self.kv.pushpull(list(keys), lists, out=lists)
+
+    # -------------------------------------------------- collectives of the sharded head
+
+    def _key(self, name: str, like: mx.nd.NDArray) -> int:
+        """The key of a named collective buffer of ``like``'s shape and dtype (the server fixes
+        a key's size), initialised on first use (a collective call: every rank makes it)."""
+        ident = (name, tuple(like.shape), str(like.dtype))
+        key = self._keys.get(ident)
+        if key is None:
+            key = self.new_key()
+            self.kv.init(key, mx.nd.zeros(like.shape, ctx=like.context, dtype=like.dtype))
+            self._keys[ident] = key
+        return key
+
+    def allreduce_sum_(self, name: str, x: mx.nd.NDArray) -> mx.nd.NDArray:
+        """Sum ``x`` over ranks, in place; returns ``x``. ``name`` (with the shape and dtype)
+        picks the kvstore key: every rank makes the same calls in the same order."""
+        if not self.distributed:
+            return x
+        self.kv.pushpull(self._key(name, x), x, out=x)
+        return x
+
+    def all_gather(self, name: str, x: mx.nd.NDArray) -> mx.nd.NDArray:
+        """Every rank's ``x`` (same shape on each) concatenated along axis 0 in rank order."""
+        if not self.distributed:
+            return x
+        rows = x.shape[0]
+        # A fresh zeroed buffer each call: on a CPU context the dist kvstore sends the pushed
+        # array itself and receives the sum into it, so last call's buffer holds every row.
+        pad = mx.nd.zeros((self.world_size * rows, *x.shape[1:]), ctx=x.context, dtype=x.dtype)
+        pad[self.rank * rows:(self.rank + 1) * rows] = x
+        self.kv.pushpull(self._key(name, pad), pad, out=pad)
+        return pad
+
+    def allreduce_max(self, name: str, x: mx.nd.NDArray) -> mx.nd.NDArray:
+        """Elementwise max of ``x`` over ranks."""
+        if not self.distributed:
+            return x
+        gathered = self.all_gather(name, x.expand_dims(0))
+        return mx.nd.max(gathered, axis=0)
+
+    def barrier(self) -> None:
+        """Block until every rank got here (and, before it, finished pushing): a one-number
+        pushpull that every rank waits for. Deliberate host sync: call only at the edges."""
+        if not self.distributed:
+            return
+        self.allreduce_sum_("barrier", mx.nd.ones((1,), ctx=mx.cpu())).wait_to_read()
+
+
+def comm_from_env(device_kind: str) -> Comm:
+    """The layout the launcher set up through ``TRAINPERF_*`` (and ``DMLC_*``) variables."""
+    mode = os.environ.get("TRAINPERF_KVSTORE", "local")
+    if mode not in KVSTORES:
+        raise ValueError(f"TRAINPERF_KVSTORE must be one of {KVSTORES}, got {mode!r}")
+    count = int(os.environ.get("TRAINPERF_CONTEXTS", "1"))
+    local_rank = int(os.environ.get("TRAINPERF_LOCAL_RANK", "0"))
+    device_type = resolve_device(device_kind)
+    gpus = mx.context.num_gpus()
+    if mode == "device":
+        if device_type == "gpu" and count > gpus:
+            raise ValueError(f"kvstore device asks for {count} GPUs; MXNet sees {gpus}")
+        contexts = [_context(device_type, i) for i in range(count)]
+        kv = mx.kv.create("device") if count > 1 else None
+        return Comm("device", 0, count, 0, device_type, contexts, kv)
+    index = local_rank % gpus if device_type == "gpu" else 0
+    contexts = [_context(device_type, index)]
+    if mode == "local":
+        return Comm("local", 0, 1, local_rank, device_type, contexts, None)
+    kv = mx.kv.create("dist_sync")
+    return Comm("dist_sync", kv.rank, kv.num_workers, local_rank, device_type, contexts, kv)

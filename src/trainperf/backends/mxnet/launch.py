@@ -1,0 +1,135 @@
+"""Starts the processes of one MXNet run and takes them all down together (stdlib only).
+
+``python -m trainperf.backends.mxnet.launch --nproc N --kvstore KIND -- WORKER_ARGS...``
+
+- ``local``: one worker process on one context.
+- ``device``: one worker process with N contexts and kvstore ``device`` (how insightface's MXNet
+  ArcFace and gluon-cv trained on one machine).
+- ``dist_sync``: a scheduler, one server and N workers over loopback, each worker one rank.
+  (``mxnet.tools.launch`` does this too, but it breaks on Python 3.11.)
+
+The launcher exits with the first failing worker's code, or 0. When a worker fails, the others
+(waiting on it forever in a push or pull) and the scheduler and server are stopped; when all
+workers have finished, so are the scheduler and server. SIGTERM stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+WORKER_MODULE = "trainperf.backends.mxnet.worker"
+KVSTORES = ("local", "device", "dist_sync")
+POLL_S = 0.1
+# After the workers have finished, the server and scheduler shut down on their own within a
+# moment; past this they are stopped.
+SHUTDOWN_GRACE_S = 10.0
+# A failing rank writes its error event before it exits; its peers may be mid-way through
+# writing theirs, so they get a moment before they are stopped.
+PEER_GRACE_S = 2.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dmlc_env(role: str, port: int, workers: int) -> dict[str, str]:
+    return {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+            "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": str(workers),
+            "DMLC_NODE_HOST": "127.0.0.1", "DMLC_INTERFACE": "lo"}
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL whatever is still running after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def start_all(nproc: int, kvstore: str, worker_args: list[str], module: str = WORKER_MODULE
+              ) -> tuple[list[subprocess.Popen], list[subprocess.Popen]]:
+    """(workers, helpers): the processes of the run, helpers being the scheduler and server."""
+    python = sys.executable
+    worker_cmd = [python, "-m", module, *worker_args]
+    base = dict(os.environ)
+    if kvstore != "dist_sync":
+        env = dict(base, TRAINPERF_KVSTORE=kvstore, TRAINPERF_CONTEXTS=str(nproc),
+                   TRAINPERF_LOCAL_RANK="0")
+        return [subprocess.Popen(worker_cmd, env=env)], []
+    port = free_port()
+    # The scheduler and server only route and sum: one thread each leaves the cores to workers.
+    quiet = dict(base, OMP_NUM_THREADS="1", MXNET_CPU_WORKER_NTHREADS="1")
+    helpers = [subprocess.Popen([python, "-c", "import mxnet"],
+                                env=dict(quiet, **dmlc_env(role, port, nproc)))
+               for role in ("scheduler", "server")]
+    workers = [subprocess.Popen(worker_cmd, env=dict(
+        base, **dmlc_env("worker", port, nproc), TRAINPERF_KVSTORE="dist_sync",
+        TRAINPERF_CONTEXTS="1", TRAINPERF_LOCAL_RANK=str(i))) for i in range(nproc)]
+    return workers, helpers
+
+
+def supervise(workers: list[subprocess.Popen], helpers: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in workers]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            stop(workers, PEER_GRACE_S)
+            stop(helpers, 0.5)
+            return failed[0]
+        if all(c == 0 for c in codes):
+            stop(helpers, SHUTDOWN_GRACE_S)
+            return 0
+        if any(h.poll() not in (None, 0) for h in helpers):
+            # A crashed scheduler or server leaves the workers waiting forever. (A clean exit
+            # is the end of the run: the workers have all said goodbye and are exiting too.)
+            stop(workers, PEER_GRACE_S)
+            stop(helpers, 0.5)
+            return 1
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, required=True, help="ranks (contexts for device)")
+    parser.add_argument("--kvstore", choices=KVSTORES, required=True)
+    parser.add_argument("--module", default=WORKER_MODULE, help="the worker's module (tests)")
+    parser.add_argument("worker_args", nargs=argparse.REMAINDER,
+                        help="after --: the worker's arguments (--spec ... --events ...)")
+    args = parser.parse_args(argv)
+    worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
+    if args.nproc < 1:
+        parser.error("--nproc must be >= 1")
+    if args.kvstore == "local" and args.nproc != 1:
+        parser.error("kvstore local runs one rank")
+
+    workers: list[subprocess.Popen] = []
+    helpers: list[subprocess.Popen] = []
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        workers, helpers = start_all(args.nproc, args.kvstore, worker_args, args.module)
+        return supervise(workers, helpers)
+    except KeyboardInterrupt:
+        stop(workers + helpers, 2.0)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The training step that trainperf measures in MXNet, equal to torch's ``TrainStep``.
+
+Backbone (a hybridized Gluon block, recorded by autograd), head (``heads.py``, forward and
+backward by hand, its embedding gradient injected with ``backward(out_grad)``), gradient
+all-reduce over the kvstore, clipping, SGD with momentum and weight decay. Nothing is read back
+to the host inside a step except, in fp16, the one overflow decision of loss scaling.
+
+Gradients, as torch's DDP set-up:
+
+- ``dp`` and classification: every gradient (backbone and the whole class matrix) is the mean
+  over ranks: the kvstore sums, the update divides by the world size (``rescale_grad``).
+- ``mp``: the loss is the mean over the gathered global batch and the same on every rank, so each
+  rank's backbone gradient is one partial of the true gradient: they are summed, not averaged.
+  The class-matrix shard's gradient stays local.
+- kvstore ``device`` (several contexts in one process) combines per-context gradients like
+  ``dp`` over processes; each context then updates its own copy, as Gluon's Trainer does
+  without ``update_on_kvstore``.
+
+Clipping: the backbone's gradient (the reduced one) is scaled by ``min(1, max_norm / (norm +
+1e-6))`` with ``norm`` its global L2 norm, as ``torch.nn.utils.clip_grad_norm_``. The norm, the
+coefficient and their use stay on the device: the fused update takes per-array learning rates
+and weight decays as device arrays (``preloaded_multi_sgd_mom_update``), so the clipped update
+``lr * (coef * g + wd * w)`` runs as ``(lr * coef) * (g + (wd / coef) * w)``.
+
+SGD: torch's ``buf = m * buf + g + wd * w; w -= lr * buf``. MXNet's fused op keeps ``mom = m *
+mom - lr * (g + wd * w); w += mom``, which is the same with ``mom = -lr * buf`` while the rate is
+constant; when the rate changes (``lr_steps``) the momentum is rescaled by ``new / old`` before
+the update, so the two stay identical at every step (this needs a nonzero rate at every step).
+
+Precision: ``fp16`` uses MXNet AMP (``mxnet.contrib.amp.init``: convolutions and fully
+connected layers in half precision, fp32 master weights and gradients) with dynamic loss scaling
+of torch's policy (start 2**16, halve on an overflow, double after 2000 clean steps). The head
+runs its three class-matrix products in half precision with the loss scale folded into its
+gradient (as torch's autocast head does), its margin and softmax in fp32. The overflow check
+covers every gradient of every rank and is one decision for all of them; it is read back to the
+host (the skip is host control flow), so the scale lives on the host and unscaling is folded
+into the update's ``rescale_grad``. GPU only: MXNet has no half-precision GEMM on a CPU.
+``bf16`` is refused everywhere: MXNet 1.9's bfloat16 AMP is a oneDNN CPU feature with no CUDA
+path, and the CPU path has not been made to run the same head (untried).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd
+
+from ...config import Tuning, Workload
+from . import models
+from .comm import Comm
+from .heads import MarginSoftmaxHead, check_fc
+
+UPDATE_CHUNK = 45
+"""Arrays per fused update / sum-of-squares call (MXNet's multi-tensor kernels take a bounded
+number; its own LAMB optimizer uses 45)."""
+LOSS_SCALE_INIT = 2.0 ** 16
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_INTERVAL = 2000
+
+_AMP_ON = False
+
+
+def _chunks(n: int) -> list[slice]:
+    return [slice(i, min(i + UPDATE_CHUNK, n)) for i in range(0, n, UPDATE_CHUNK)]
+
+
+def check_precision(precision: str, device_type: str) -> None:
+    if precision == "fp16" and device_type != "gpu":
+        raise ValueError("fp16 needs a GPU in the mxnet backend")
+    if precision == "bf16":
+        raise ValueError("bf16 is not supported by the mxnet backend (MXNet 1.9's bfloat16 AMP "
+                         "is CPU-only, through oneDNN)")
+
+
+def enable_amp() -> None:
+    """Turn on MXNet AMP (float16) once per process, before any network runs."""
+    global _AMP_ON
+    if not _AMP_ON:
+        from mxnet.contrib import amp
+        amp.init(target_dtype="float16")
+        _AMP_ON = True
+
+
+def synthetic_batch(workload: Workload, rank: int, ctx: mx.Context
+                    ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+    """One batch per rank, seeded by (seed, rank) so ranks see different samples: normal images
+    [B, 3, H, W] and uniform labels, made once with numpy (float64 labels: exact class ids for
+    the head's float64 label all-gather; classification takes them as float32)."""
+    rs = np.random.RandomState(workload.seed * 1000 + rank + 1)
+    side = workload.input_size
+    images = rs.standard_normal((workload.batch_size, 3, side, side)).astype(np.float32)
+    labels = rs.randint(0, workload.num_classes, workload.batch_size)
+    return to_device(workload, images, labels, ctx)
+
+
+def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, ctx: mx.Context
+              ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+    label_dtype = "float64" if workload.task == "face" else "float32"
+    return (mx.nd.array(np.asarray(images, dtype=np.float32), ctx=ctx, dtype="float32"),
+            mx.nd.array(np.asarray(labels), ctx=ctx, dtype=label_dtype))
+
+
+def init_batch(workload: Workload, arrays: Any, rank: int, ctx: mx.Context
+               ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+    """Rank ``rank``'s batch from an alignment file (``RunSpec.init``)."""
+    images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
+    side = workload.input_size
+    if tuple(images.shape) != (workload.batch_size, 3, side, side):
+        raise ValueError(f"images/{rank} has shape {tuple(images.shape)}, expected "
+                         f"{(workload.batch_size, 3, side, side)}")
+    if tuple(labels.shape) != (workload.batch_size,):
+        raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
+    return to_device(workload, images, labels, ctx)
+
+
+class TrainStep:
+    """Call with one (images, labels) pair per context of ``comm``; returns the loss NDArray of
+    the first context (rank 0's loss in ``device`` mode) without waiting for it."""
+
+    def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
+                 init: Any = None) -> None:
+        task = models.backbone_task(workload.backbone)
+        if task != workload.task:
+            raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
+                             f"but the workload is {workload.task}")
+        if workload.task == "face":
+            check_fc(workload.fc)
+            if workload.fc == "mp" and comm.mode == "device":
+                raise ValueError("kvstore device runs data parallel only (--fc dp); use "
+                                 "dist_sync for --fc mp")
+        check_precision(workload.precision, comm.device_type)
+        rates = [workload.lr * f for f in (1.0, *workload.lr_scales)]
+        if workload.momentum and any(r == 0 for r in rates):
+            raise ValueError("the mxnet step keeps momentum in MXNet's lr-scaled form and "
+                             "needs a nonzero learning rate at every step")
+        self.workload = workload
+        self.comm = comm
+        self.tuning = tuning or Tuning()
+        self.contexts = list(comm.contexts)
+        self.step_index = 0
+        self.fp16 = workload.precision == "fp16"
+        if self.fp16:
+            enable_amp()
+
+        # Same seed on every rank; register() below makes every copy rank 0's anyway.
+        mx.random.seed(workload.seed)
+        net = models.build_backbone(
+            workload.backbone, embedding_size=workload.embedding_size,
+            num_classes=workload.num_classes, input_size=workload.input_size,
+            output_block=workload.output_block, dropout=workload.dropout)
+        net.initialize(ctx=self.contexts)
+        if init is not None:
+            models.load_torch_arrays(net, init, ctx=self.contexts)
+        net.hybridize(static_alloc=True, static_shape=True)
+        self.net = net
+        self.params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+
+        self.heads: list[MarginSoftmaxHead] = []
+        if workload.task == "face":
+            mm_dtype = "float16" if self.fp16 else "float32"
+            self.heads = [MarginSoftmaxHead(
+                workload.num_classes, workload.embedding_size, workload.resolved_margins,
+                workload.scale, comm, ctx, mode=workload.fc, rank=rank, seed=workload.seed,
+                mm_dtype=mm_dtype) for ctx, rank in zip(self.contexts, comm.ranks)]
+            if init is not None:
+                for head in self.heads:
+                    head.set_weight(np.asarray(init["head/weight"]))
+        self.sharded = workload.task == "face" and workload.fc == "mp"
+
+        # Per context: the backbone's arrays, then (dp) the head's; all in one update group
+        # order. Reduced over ranks: the backbone, and the head unless it is sharded.
+        bb_data = [p.list_data() for p in self.params]
+        bb_grad = [p.list_grad() for p in self.params]
+        head_data = [[h.weight for h in self.heads]] if self.heads else []
+        head_grad = [[h.grad for h in self.heads]] if self.heads else []
+        reduced_data = bb_data + ([] if self.sharded else head_data)
+        self._reduced_grads = bb_grad + ([] if self.sharded else head_grad)
+        self._keys = comm.register(reduced_data)
+        n_ctx = len(self.contexts)
+        self._bb = [([d[c] for d in bb_data], [g[c] for g in bb_grad]) for c in range(n_ctx)]
+        self._head = [(h.weight, h.grad) for h in self.heads]
+        self._bb_mom = [[mx.nd.zeros(w.shape, ctx=w.context, dtype="float32") for w in ws]
+                        for ws, _ in self._bb]
+        self._head_mom = [mx.nd.zeros(w.shape, ctx=w.context, dtype="float32")
+                          for w, _ in self._head]
+        self._mom_lr: float | None = None
+        """The rate the MXNet-form momentum is expressed in (mom = -lr * torch's buf)."""
+        world = comm.world_size
+        # Average (dp, classification) or sum (mp backbone) of the summed gradients.
+        self._bb_rescale = 1.0 if self.sharded else 1.0 / world
+        self._head_rescale = 1.0 if self.sharded else 1.0 / world
+        self._consts: dict[tuple, mx.nd.NDArray] = {}
+
+        self.loss_scale: float | None = LOSS_SCALE_INIT if self.fp16 else None
+        self._clean_steps = 0
+        self.skipped_steps: list[int] = []
+        """0-based indices of the steps that fp16 loss scaling skipped on every rank."""
+        self.markers: list[mx.nd.NDArray] = []
+        """Per context, a small fresh array that is ready when the last step has finished on
+        that context (its update included): what the timing watcher waits on."""
+
+    @property
+    def settings(self) -> dict:
+        return {"kvstore": self.comm.mode, "contexts": len(self.contexts),
+                "hybridize": {"static_alloc": True, "static_shape": True},
+                "update": "fused preloaded_multi_sgd_mom_update, update_on_kvstore off",
+                "amp": "float16" if self.fp16 else None,
+                "loss_scaling": "dynamic, one overflow decision for all ranks"
+                if self.fp16 else None}
+
+    # ------------------------------------------------------------------------------ step
+
+    def _const(self, c: int, n: int, value: float) -> mx.nd.NDArray:
+        key = (c, n, value)
+        arr = self._consts.get(key)
+        if arr is None:
+            arr = self._consts[key] = mx.nd.full((n,), value, ctx=self.contexts[c],
+                                                 dtype="float32")
+        return arr
+
+    def _forward_backward(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]],
+                          grad_scale: float) -> list[mx.nd.NDArray]:
+        if len(batches) != len(self.contexts):
+            raise ValueError(f"{len(batches)} batches for {len(self.contexts)} contexts")
+        with autograd.record():
+            outs = [self.net(images) for images, _ in batches]
+            if not self.heads:
+                losses = [-mx.nd.mean(mx.nd.pick(mx.nd.log_softmax(out.astype("float32"),
+                                                                   axis=1), labels, axis=1))
+                          for out, (_, labels) in zip(outs, batches)]
+                scaled = [loss * grad_scale for loss in losses] if grad_scale != 1.0 else losses
+        if not self.heads:
+            autograd.backward(scaled)
+            return losses
+        results = [head.forward_backward(out, labels, grad_scale)
+                   for head, out, (_, labels) in zip(self.heads, outs, batches)]
+        autograd.backward(outs, head_grads=[grad for _, grad in results])
+        return [loss for loss, _ in results]
+
+    def _all_finite(self) -> bool:
+        """Whether every gradient of every rank is finite: one decision for all ranks, read
+        back to the host (the one sync of an fp16 step)."""
+        flags = []
+        for c, (_, grads) in enumerate(self._bb):
+            arrays = list(grads) + ([self._head[c][1]] if self._head else [])
+            for part in _chunks(len(arrays)):
+                chunk = arrays[part]
+                flags.append(mx.nd.multi_all_finite(*chunk, num_arrays=len(chunk),
+                                                    init_output=True)
+                             .as_in_context(self.contexts[0]))
+        finite = mx.nd.min(mx.nd.concat(*flags, dim=0)).reshape((1,))
+        bad = self.comm.allreduce_sum_("loss_scale/overflow", 1.0 - finite)
+        return float(bad.asscalar()) == 0.0
+
+    def _update_scale(self, finite: bool) -> None:
+        if not finite:
+            self.loss_scale *= LOSS_SCALE_BACKOFF
+            self._clean_steps = 0
+            return
+        self._clean_steps += 1
+        if self._clean_steps == LOSS_SCALE_INTERVAL:
+            self.loss_scale *= LOSS_SCALE_GROWTH
+            self._clean_steps = 0
+
+    def _sgd(self, weights: list, grads: list, moms: list, lrs_of, wds_of, rescale: float
+             ) -> list[mx.nd.NDArray]:
+        """Fused momentum SGD of one context's arrays; returns a view of one updated element
+        per fused call (for the step's marker)."""
+        done = []
+        for part in _chunks(len(weights)):
+            n = part.stop - part.start
+            args = []
+            for w, g, m in zip(weights[part], grads[part], moms[part]):
+                args += [w, g, m]
+            mx.nd.preloaded_multi_sgd_mom_update(
+                *args, lrs_of(n), wds_of(n), momentum=self.workload.momentum,
+                rescale_grad=rescale, num_weights=n, out=weights[part])
+            done.append(weights[part][0].reshape((-1,))[0:1])
+        return done
+
+    def _update(self, lr: float, grad_scale: float) -> None:
+        wl = self.workload
+        if self._mom_lr is not None and lr != self._mom_lr:
+            ratio = lr / self._mom_lr
+            for mom in [m for ms in self._bb_mom for m in ms] + self._head_mom:
+                mom *= ratio
+        self._mom_lr = lr
+        wd = wl.weight_decay
+        self.markers = []
+        for c, (weights, grads) in enumerate(self._bb):
+            rescale = self._bb_rescale / grad_scale
+            if wl.clip_grad_norm is not None and weights:
+                sums = [mx.nd.multi_sum_sq(*grads[part], num_arrays=part.stop - part.start)
+                        for part in _chunks(len(grads))]
+                norm = mx.nd.sqrt(mx.nd.sum(mx.nd.concat(*sums, dim=0))) * rescale
+                coef = mx.nd.minimum(wl.clip_grad_norm / (norm + 1e-6), 1.0)
+                lr_coef, wd_coef = coef * lr, wd / coef
+
+                def lrs_of(n, v=lr_coef):
+                    return mx.nd.broadcast_to(v, shape=(n,))
+
+                def wds_of(n, v=wd_coef):
+                    return mx.nd.broadcast_to(v, shape=(n,))
+            else:
+                def lrs_of(n, c=c):
+                    return self._const(c, n, lr)
+
+                def wds_of(n, c=c):
+                    return self._const(c, n, wd)
+            done = self._sgd(weights, grads, self._bb_mom[c], lrs_of, wds_of, rescale)
+            if self._head:
+                weight, grad = self._head[c]
+                done += self._sgd([weight], [grad], [self._head_mom[c]],
+                                  lambda n, c=c: self._const(c, n, lr),
+                                  lambda n, c=c: self._const(c, n, wd),
+                                  self._head_rescale / grad_scale)
+            self.markers.append(mx.nd.add_n(*done) if len(done) > 1 else done[0].copy())
+
+    def compute_gradients(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]]
+                          ) -> list[mx.nd.NDArray]:
+        """Forward, backward and the gradient sum over ranks (no update); returns each context's
+        loss. The summed gradients are in the parameters' ``grad()`` and the heads' ``grad``,
+        times the loss scale in fp16; ``apply`` turns them into the update."""
+        grad_scale = self.loss_scale if self.fp16 else 1.0
+        losses = self._forward_backward(batches, grad_scale)
+        self.comm.sum_(self._keys, self._reduced_grads)
+        return losses
+
+    def apply(self, losses: list[mx.nd.NDArray]) -> None:
+        """Clip and step (or, in fp16 after an overflow anywhere, skip) with this step's rate."""
+        lr = self.workload.lr_at(self.step_index)
+        step = True
+        if self.fp16:
+            grad_scale = self.loss_scale
+            step = self._all_finite()
+            self._update_scale(step)
+        else:
+            grad_scale = 1.0
+        if step:
+            self._update(lr, grad_scale)
+        else:
+            self.skipped_steps.append(self.step_index)
+            self.markers = [loss.copy() for loss in losses]
+        self.step_index += 1
+
+    def __call__(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]]
+                 ) -> mx.nd.NDArray:
+        losses = self.compute_gradients(batches)
+        self.apply(losses)
+        return losses[0]

@@ -1,0 +1,190 @@
+"""Per-framework environments: each framework other than torch runs from its own venv, because
+each pins its own numpy (MXNet 1.9.1 needs numpy < 1.24) and none may see another's packages.
+
+An environment lives in ``$TRAINPERF_ENV_DIR/<name>`` (default ``~/.cache/trainperf/envs``) and
+holds only the framework and numpy. trainperf's own code is not installed there: each run puts a
+folder holding a link to the running ``trainperf`` package on the worker's ``PYTHONPATH``, so a
+worker always runs the same trainperf as the runner that started it, never a stale copy, and
+sees nothing else of the runner's environment. ``trainperf-env.json`` in the folder records
+what was installed; it is written last, so a folder without it is an unfinished build.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from .backends import BACKENDS, get_backend
+from .backends.base import Backend
+from .env import gpu_count
+
+MANIFEST = "trainperf-env.json"
+
+
+def env_root() -> Path:
+    return Path(os.environ.get("TRAINPERF_ENV_DIR") or Path.home() / ".cache/trainperf/envs")
+
+
+def env_dir(name: str) -> Path:
+    return env_root() / name
+
+
+def wanted_packages(backend: Backend, cuda: bool) -> list[str]:
+    assert backend.env is not None, f"{backend.name} runs in trainperf's own interpreter"
+    return list(backend.env.cuda_packages if cuda else backend.env.packages)
+
+
+@dataclass(frozen=True)
+class EnvState:
+    name: str
+    state: str
+    """``built-in`` (trainperf's own interpreter), ``ready``, ``missing``, ``outdated``
+    (built for other packages than this trainperf asks for) or ``broken``."""
+    path: str
+    versions: dict
+    detail: str = ""
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        return json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _own_versions(backend: Backend) -> dict:
+    """Versions in trainperf's own environment, read without importing the framework."""
+    out = {}
+    for dist in (backend.name, "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def state(name: str) -> EnvState:
+    backend = get_backend(name)
+    if backend.env is None:
+        return EnvState(name, "built-in", sys.executable, _own_versions(backend),
+                        "trainperf's own interpreter")
+    path = env_dir(name)
+    manifest = _read_manifest(path)
+    if manifest is None:
+        what = "unfinished build" if path.exists() else "not created"
+        return EnvState(name, "missing", str(path), {}, what)
+    python = path / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        return EnvState(name, "broken", str(path), {}, "no interpreter in the folder")
+    versions = manifest.get("versions", {})
+    if manifest.get("packages") != wanted_packages(backend, manifest.get("cuda", False)):
+        return EnvState(name, "outdated", str(path), versions,
+                        f"built with {manifest.get('packages')}")
+    return EnvState(name, "ready", str(path), versions)
+
+
+def interpreter(name: str) -> str:
+    """The Python that runs this backend's workers; a clear one-line ValueError if there is
+    none yet."""
+    st = state(name)
+    if st.state in ("built-in", "ready"):
+        return sys.executable if st.state == "built-in" else str(Path(st.path) / "bin/python")
+    raise ValueError(f"the {name} environment is {st.state} ({st.detail}); create it with "
+                     f"`trainperf env create {name}`")
+
+
+def _pip_index_args() -> list[str]:
+    """pip's index settings for uv, which does not read pip's configuration."""
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
+                         text=True).stdout
+    args = []
+    flags = {"index-url": "--index-url", "extra-index-url": "--extra-index-url",
+             "find-links": "--find-links"}
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        option = flags.get(key.rsplit(".", 1)[-1])
+        if option:
+            for v in value.strip().strip("'\"").split():
+                args += [option, v]
+    return args
+
+
+def _build(path: Path, packages: list[str], log) -> None:
+    uv = shutil.which("uv")
+    if uv:
+        # uv creates and fills a venv several times faster than pip and shares one wheel cache.
+        subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(path)],
+                       check=True, stdout=log, stderr=log)
+        subprocess.run([uv, "pip", "install", "--quiet", "--python", str(path / "bin/python"),
+                        *_pip_index_args(), *packages], check=True, stdout=log, stderr=log)
+    else:
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, stdout=log,
+                       stderr=log)
+        subprocess.run([str(path / "bin/python"), "-m", "pip", "install", "--quiet",
+                        *packages], check=True, stdout=log, stderr=log)
+
+
+def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -> EnvState:
+    """Build (or rebuild) the environment of backend ``name``; returns its state. Several
+    processes asking at once build it once (a lock file beside it)."""
+    backend = get_backend(name)
+    if backend.env is None:
+        return state(name)
+    cuda = gpu_count() > 0 if cuda is None else cuda
+    packages = wanted_packages(backend, cuda)
+    root = env_root()
+    root.mkdir(parents=True, exist_ok=True)
+    log = log or sys.stderr
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = state(name)
+        if current.state == "ready" and not force:
+            return current
+        path = env_dir(name)
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"creating the {name} environment in {path}: {' '.join(packages)}", file=log,
+              flush=True)
+        try:
+            _build(path, packages, log)
+            probe = subprocess.run([str(path / "bin/python"), "-c", backend.env.probe],
+                                   capture_output=True, text=True, check=True)
+        except subprocess.CalledProcessError as exc:
+            raise ValueError(f"building the {name} environment failed ({exc.cmd[0]} exited "
+                             f"with {exc.returncode}): {(exc.stderr or '').strip()[-300:]}"
+                             ) from None
+        manifest = {"backend": name, "packages": packages, "cuda": cuda,
+                    "python": sys.version.split()[0],
+                    "versions": json.loads(probe.stdout.strip().splitlines()[-1]),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path / MANIFEST)
+    return state(name)
+
+
+def states() -> list[EnvState]:
+    return [state(name) for name in BACKENDS]
+
+
+def package_link_dir(where: Path) -> Path:
+    """A folder holding only a link named ``trainperf`` to the running package: put on a
+    worker's PYTHONPATH, it gives the worker this trainperf and nothing else of this
+    environment."""
+    import trainperf
+
+    package = Path(trainperf.__file__).resolve().parent
+    folder = where / "pythonpath"
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "trainperf"
+    if not (link.is_symlink() and link.resolve() == package):
+        link.unlink(missing_ok=True)
+        link.symlink_to(package, target_is_directory=True)
+    return folder

@@ -1,0 +1,84 @@
+"""Per-framework environments: states, the one-line error for a missing one, and how a worker
+gets this trainperf on its path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from trainperf import envs
+from trainperf.backends import BACKENDS, get_backend
+from trainperf.cli import main
+
+
+@pytest.fixture
+def env_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINPERF_ENV_DIR", str(tmp_path / "envs"))
+    return tmp_path / "envs"
+
+
+def test_torch_runs_in_trainperfs_own_interpreter(env_root):
+    st = envs.state("torch")
+    assert st.state == "built-in" and "torch" in st.versions
+
+
+def test_missing_environment_says_how_to_create_it(env_root):
+    assert envs.state("mxnet").state == "missing"
+    with pytest.raises(ValueError, match=r"create it with `trainperf env create mxnet`"):
+        envs.interpreter("mxnet")
+
+
+def test_unfinished_and_outdated_environments_are_not_used(env_root):
+    folder = env_root / "mxnet"
+    (folder / "bin").mkdir(parents=True)
+    assert envs.state("mxnet").detail == "unfinished build"  # no manifest: the build stopped
+    python = folder / "bin" / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    manifest = {"packages": ["mxnet==1.8.0"], "cuda": False, "versions": {"mxnet": "1.8.0"}}
+    (folder / envs.MANIFEST).write_text(json.dumps(manifest))
+    assert envs.state("mxnet").state == "outdated"
+    with pytest.raises(ValueError, match="outdated"):
+        envs.interpreter("mxnet")
+    manifest["packages"] = envs.wanted_packages(get_backend("mxnet"), cuda=False)
+    (folder / envs.MANIFEST).write_text(json.dumps(manifest))
+    assert envs.interpreter("mxnet") == str(python)
+
+
+def test_run_with_a_missing_environment_is_a_usage_error(env_root, tmp_path, capsys):
+    code = main(["run", "tiny-arcface", "--framework", "torch,mxnet", "--out",
+                 str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "trainperf env create mxnet" in err[0]
+    assert not (tmp_path / "out").exists()  # nothing ran: every environment is checked first
+
+
+def test_env_list_names_every_backend(env_root, capsys):
+    assert main(["env", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in BACKENDS:
+        assert name in out
+
+
+def test_package_link_gives_this_trainperf_and_nothing_else(tmp_path):
+    folder = envs.package_link_dir(tmp_path)
+    assert [p.name for p in folder.iterdir()] == ["trainperf"]
+    assert envs.package_link_dir(tmp_path) == folder  # a second run reuses the link
+    # -I: no PYTHONPATH, no user site; the folder is the only way to trainperf.
+    code = (f"import sys; sys.path.insert(0, {str(folder)!r}); import trainperf.protocol as p; "
+            "print(p.__file__)")
+    out = subprocess.run(["python3", "-I", "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == str(folder / "trainperf" / "protocol.py")
+
+
+def test_mxnet_environment_holds_only_the_framework_and_numpy(mxnet_python):
+    out = subprocess.run([mxnet_python, "-c", "import json, importlib.metadata as m; print("
+                          "json.dumps(sorted(d.metadata['Name'].lower() for d in "
+                          "m.distributions())))"], capture_output=True, text=True,
+                         check=True).stdout
+    installed = set(json.loads(out))
+    assert {"mxnet", "numpy"} <= installed
+    assert not installed & {"torch", "trainperf", "rich", "psutil"}

@@ -1,0 +1,424 @@
+"""The MXNet head and training step (``trainperf.backends.mxnet``) against the float64 oracle.
+
+MXNet runs in its own environment (``mxnet_python``): each test runs a script there that writes
+``.npz`` files, and the comparisons happen here, against ``tests/oracle.py`` in float64.
+
+Tolerances: MXNet computes in float32 from the same float32 inputs the oracle casts to float64.
+The loss agrees to a relative 1e-5; the logits (scaled by s = 64) to 1e-4 absolute; gradients
+to 1e-5 of the largest entry of the same gradient (measured: 1e-6 and below). The clamp of the
+margin is compared with ``oracle.FP32_COS_EPS``, the bound a float32 backend really applies.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import oracle
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
+SCALE = 64.0
+GRAD_RTOL = 1e-5
+
+
+def mx_env(*extra: Path) -> dict[str, str]:
+    paths = [str(ROOT / "src"), str(ROOT / "tests"), *map(str, extra)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
+    env.pop("TRAINPERF_FAULT", None)
+    return env
+
+
+def run_mx(mxnet_python: str, argv: list[str], env: dict[str, str], timeout: float = 120
+           ) -> None:
+    proc = subprocess.run([mxnet_python, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+def close_to_max(got, want, rtol=GRAD_RTOL) -> None:
+    """Every entry within ``rtol`` of the largest entry of ``want``."""
+    want = np.asarray(want, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == want.shape
+    scale = max(np.abs(want).max(), 1e-30)
+    err = np.abs(got - want).max() / scale
+    assert err <= rtol, f"max error {err:.3g} of the largest entry"
+
+
+def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
+    """Embeddings, an unnormalised class matrix and labels, with one target at cos = 1 (the
+    clamped band), one at cos = -1 (past theta_max) and one class shared by two samples."""
+    rng = np.random.RandomState(seed)
+    emb = rng.randn(n, d).astype(np.float32)
+    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
+    labels = rng.choice(c, size=n, replace=False)
+    labels[3] = labels[2]
+    weight[labels[0]] = emb[0] * 0.03
+    weight[labels[1]] = -emb[1] * 0.04
+    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
+
+
+# ------------------------------------------------------------------------- dp, one process
+
+DP_SIDE = r"""
+import sys
+import mxnet as mx
+import numpy as np
+from trainperf.backends.mxnet.comm import Comm
+from trainperf.backends.mxnet.heads import MarginSoftmaxHead
+
+folder = sys.argv[1]
+for name in sys.argv[2:]:
+    x = np.load(f"{folder}/{name}_in.npz")
+    c, d = x["weight"].shape
+    head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), Comm(), mx.cpu())
+    head.set_weight(x["weight"])
+    loss, grad = head.forward_backward(mx.nd.array(x["emb"]),
+                                       mx.nd.array(x["labels"], dtype="float64"),
+                                       keep_logits=True)
+    np.savez(f"{folder}/{name}_out.npz", loss=loss.asnumpy(), grad_emb=grad.asnumpy(),
+             grad_weight=head.grad.asnumpy(), logits=head.logits.asnumpy())
+"""
+
+
+@pytest.fixture(scope="module")
+def dp_heads(tmp_path_factory, mxnet_python):
+    folder = tmp_path_factory.mktemp("mx_dp_head")
+    for i, (name, margins) in enumerate(MARGINS.items()):
+        np.savez(folder / f"{name}_in.npz", **head_inputs(i, 12, 8, 37), margins=margins,
+                 scale=SCALE)
+    run_mx(mxnet_python, ["-c", DP_SIDE, str(folder), *MARGINS], mx_env())
+    return folder
+
+
+@pytest.mark.parametrize("loss", list(MARGINS))
+def test_dp_head_equals_the_oracle(dp_heads, loss):
+    x = np.load(dp_heads / f"{loss}_in.npz")
+    got = np.load(dp_heads / f"{loss}_out.npz")
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS[loss], SCALE,
+                                       cos_eps=oracle.FP32_COS_EPS)
+    assert float(got["loss"][0]) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    close_to_max(got["grad_emb"], ref["grad_emb"])
+    close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
+# ---------------------------------------------------------------- mp, 2 ranks in dist_sync
+
+# Each rank of a dist_sync launch: (1) the sharded head on the oracle's inputs, twice (the
+# second call must repeat the first: buffers of the collectives must not carry over), and
+# (2) a TrainStep with fc mp on a BN backbone, its reduced gradients before the update and its
+# weights after it.
+MP_RANK = r"""
+import sys
+import mxnet as mx
+import numpy as np
+from trainperf.config import Workload
+from trainperf.backends.mxnet import models
+from trainperf.backends.mxnet.comm import comm_from_env
+from trainperf.backends.mxnet.heads import MarginSoftmaxHead
+from trainperf.backends.mxnet.step import TrainStep, synthetic_batch
+
+folder = sys.argv[1]
+comm = comm_from_env("cpu")
+r, ctx = comm.rank, comm.contexts[0]
+x = np.load(f"{folder}/head_in.npz")
+c, d = x["weight"].shape
+rows = x["emb"].shape[0] // comm.world_size
+head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), comm, ctx, mode="mp")
+head.set_weight(x["weight"])
+out = {"start": head.start, "count": head.count}
+for call in (1, 2):
+    loss, grad = head.forward_backward(
+        mx.nd.array(x["emb"][r * rows:(r + 1) * rows], ctx=ctx),
+        mx.nd.array(x["labels"][r * rows:(r + 1) * rows], ctx=ctx, dtype="float64"),
+        keep_logits=True)
+    out.update({f"loss{call}": loss.asnumpy(), f"grad_emb{call}": grad.asnumpy(),
+                f"grad_weight{call}": head.grad.asnumpy(), f"logits{call}": head.logits.asnumpy()})
+np.savez(f"{folder}/head_rank{r}.npz", **out)
+
+wl = Workload(**eval(open(f"{folder}/workload.txt").read()))
+step = TrainStep(wl, comm)
+step.heads[0].set_weight(np.load(f"{folder}/step_in.npz")["head"])
+names = models.torch_names(step.net)
+if r == 0:
+    np.savez(f"{folder}/init.npz",
+             **{"backbone/" + k: p.data().asnumpy() for k, p in names.items()})
+losses = step.compute_gradients([synthetic_batch(wl, r, ctx)])
+grads = {"grad/" + k: p.grad().asnumpy() for k, p in names.items() if p.grad_req != "null"}
+head_grad = step.heads[0].grad.asnumpy()
+step.apply(losses)
+after = {"after/" + k: p.data().asnumpy() for k, p in names.items()}
+# Three more steps issued back to back, nothing read in between (as the worker runs them):
+# every rank's collectives must still meet in the right rounds.
+batch = [synthetic_batch(wl, r, ctx)]
+later = [step(batch) for _ in range(3)]
+np.savez(f"{folder}/step_rank{r}.npz", loss=losses[0].asnumpy(), head_grad=head_grad,
+         start=step.heads[0].start, later=np.concatenate([l.asnumpy() for l in later]),
+         **grads, **after)
+mx.nd.waitall()
+comm.barrier()
+"""
+
+# One process, the same step by hand: each rank's half of the batch through the backbone on
+# its own (so BatchNorm sees the same per-rank batch statistics as the two ranks do), the
+# whole softmax head on the concatenated embeddings, one backward through both halves.
+MP_REFERENCE = r"""
+import sys
+import mxnet as mx
+import numpy as np
+from mxnet import autograd
+from trainperf.config import Workload
+from trainperf.backends.mxnet import models
+from trainperf.backends.mxnet.comm import Comm
+from trainperf.backends.mxnet.step import TrainStep, synthetic_batch
+
+folder = sys.argv[1]
+wl = Workload(**eval(open(f"{folder}/workload.txt").read())).replace(fc="dp")
+init = dict(np.load(f"{folder}/init.npz"))
+init["head/weight"] = np.load(f"{folder}/step_in.npz")["head"]
+step = TrainStep(wl, Comm(), init=init)
+head = step.heads[0]
+net = step.net
+net.hybridize(active=False)  # two calls in one recording: plain imperative graphs
+batches = [synthetic_batch(wl, r, mx.cpu()) for r in range(2)]
+with autograd.record():
+    halves = [net(images) for images, _ in batches]
+emb = mx.nd.concat(*halves, dim=0)
+labels = mx.nd.concat(*[labels for _, labels in batches], dim=0)
+loss, grad = head.forward_backward(emb, labels)
+b = wl.batch_size
+autograd.backward(halves, head_grads=[grad[:b], grad[b:]])
+names = models.torch_names(net)
+grads = {"grad/" + k: p.grad().asnumpy() for k, p in names.items() if p.grad_req != "null"}
+first, head_grad = loss.asnumpy(), head.grad.asnumpy()
+later = []
+for _ in range(3):
+    step.apply([loss])
+    with autograd.record():
+        halves = [net(images) for images, _ in batches]
+    loss, grad = head.forward_backward(mx.nd.concat(*halves, dim=0), labels)
+    autograd.backward(halves, head_grads=[grad[:b], grad[b:]])
+    later.append(float(loss.asscalar()))
+np.savez(f"{folder}/reference.npz", loss=first, head_grad=head_grad, later=np.array(later),
+         **grads)
+"""
+
+
+@pytest.fixture(scope="module")
+def mp_two_ranks(tmp_path_factory, mxnet_python):
+    folder = tmp_path_factory.mktemp("mx_mp")
+    np.savez(folder / "head_in.npz", **head_inputs(7, 12, 8, 37), margins=MARGINS["arcface"],
+             scale=SCALE)
+    workload = dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
+                    input_size=16, dropout=0.0, fc="mp", clip_grad_norm=None,
+                    lr_steps=(1,), lr_scales=(0.01,))
+    # No clipping here: a clipped update is the same whatever the gradient's scale, so it
+    # would hide a mean taken where a sum belongs (the update test covers clipping). The rate
+    # drops after the first step so that the later steps compared stay well conditioned.
+    (folder / "workload.txt").write_text(repr(workload))
+    rng = np.random.RandomState(3)
+    np.savez(folder / "step_in.npz", head=(rng.randn(37, 8) * 0.05).astype(np.float32))
+    (folder / "mp_rank.py").write_text(MP_RANK)
+    run_mx(mxnet_python, ["-m", "trainperf.backends.mxnet.launch", "--nproc", "2", "--kvstore",
+                          "dist_sync", "--module", "mp_rank", "--", str(folder)],
+           mx_env(folder), timeout=240)
+    run_mx(mxnet_python, ["-c", MP_REFERENCE, str(folder)], mx_env())
+    return folder
+
+
+def test_mp_head_shards_equal_the_oracle(mp_two_ranks):
+    x = np.load(mp_two_ranks / "head_in.npz")
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS["arcface"],
+                                       SCALE, world_size=2, cos_eps=oracle.FP32_COS_EPS)
+    rows = x["emb"].shape[0] // 2
+    for rank, shard in enumerate(ref["shards"]):
+        got = np.load(mp_two_ranks / f"head_rank{rank}.npz")
+        assert (int(got["start"]), int(got["count"])) == (shard["start"], shard["count"])
+        for call in (1, 2):
+            assert float(got[f"loss{call}"][0]) == pytest.approx(ref["loss"], rel=1e-5)
+            np.testing.assert_allclose(got[f"logits{call}"], shard["logits"], rtol=0, atol=1e-4)
+            close_to_max(got[f"grad_weight{call}"], shard["grad_weight"])
+            # This rank's rows of the embedding gradient, summed over both ranks' partials.
+            close_to_max(got[f"grad_emb{call}"], ref["grad_emb"][rank * rows:(rank + 1) * rows])
+    shards = [np.load(mp_two_ranks / f"head_rank{r}.npz") for r in range(2)]
+    assert (shards[0]["count"], shards[1]["count"]) == (19, 18)  # 37 classes: uneven shards
+
+
+def test_mp_step_sums_backbone_gradients_over_ranks(mp_two_ranks):
+    """The 2-rank mp step has the loss and the backbone gradient of one process running the
+    full softmax on the concatenated batch (the sum, not the mean, of the ranks' partials)."""
+    ref = np.load(mp_two_ranks / "reference.npz")
+    ranks = [np.load(mp_two_ranks / f"step_rank{r}.npz") for r in range(2)]
+    grad_names = [k for k in ref.files if k.startswith("grad/")]
+    assert len(grad_names) > 10
+    for got in ranks:
+        assert float(got["loss"][0]) == pytest.approx(float(ref["loss"][0]), rel=1e-5)
+        largest = max(np.abs(ref[k]).max() for k in grad_names)
+        for k in grad_names:
+            err = np.abs(got[k].astype(np.float64) - ref[k]).max() / largest
+            assert err <= 1e-4, f"{k}: {err:.3g} of the largest backbone gradient"
+        # The shard's class-matrix gradient is its rows of the full one, not reduced.
+        start = int(got["start"])
+        close_to_max(got["head_grad"], ref["head_grad"][start:start + got["head_grad"].shape[0]],
+                     rtol=1e-4)
+    # Later steps, issued without a sync in between, keep training as the reference does. The
+    # unclipped first step leaves a badly conditioned net in which the rounding difference of a
+    # two-rank sum grows about tenfold a step (2e-6, 3e-5, 2e-4 here): a collective that met
+    # the wrong round would be off by tens of percent.
+    for got in ranks:
+        np.testing.assert_allclose(got["later"], ref["later"], rtol=2e-3)
+    # The update applies that sum, not a mean over ranks.
+    init = np.load(mp_two_ranks / "init.npz")
+    moves = {}
+    for k in grad_names:
+        name = k[len("grad/"):]
+        w0 = init["backbone/" + name].astype(np.float64)
+        moves[name] = (ranks[0]["after/" + name] - w0, -0.1 * (ref[k] + 5e-4 * w0))
+    largest = max(np.abs(want).max() for _, want in moves.values())
+    for name, (got, want) in moves.items():
+        err = np.abs(got - want).max() / largest
+        assert err <= 1e-4, f"{name}: update off by {err:.3g} of the largest update"
+    # Both ranks pulled the same sum and applied the same update: identical trained weights
+    # (BatchNorm running statistics stay per rank, as in torch without SyncBN).
+    for k in grad_names:
+        after = "after/" + k[len("grad/"):]
+        np.testing.assert_array_equal(ranks[0][after], ranks[1][after], err_msg=after)
+
+
+# --------------------------------------------------------------- the update, one process
+
+STEP_SIDE = r"""
+import sys
+import mxnet as mx
+import numpy as np
+from trainperf.config import Workload
+from trainperf.backends.mxnet.comm import Comm
+from trainperf.backends.mxnet.step import TrainStep, synthetic_batch
+
+folder = sys.argv[1]
+cases = {
+    # A tiny clip norm so clipping acts on every step; the rate drops after step 1.
+    "face": Workload(backbone="iresnet_tiny", num_classes=10, batch_size=4, embedding_size=8,
+                     input_size=16, dropout=0.0, clip_grad_norm=0.05, lr_steps=(1,),
+                     lr_scales=(0.1,)),
+    "classification": Workload(backbone="resnet_v1b_tiny", task="classification",
+                               num_classes=10, batch_size=4, input_size=16, lr=0.05,
+                               clip_grad_norm=None, lr_steps=(2,), lr_scales=(0.2,)),
+}
+for name, wl in cases.items():
+    step = TrainStep(wl, Comm())
+    batch = [synthetic_batch(wl, 0, mx.cpu())]
+    def values(kind):
+        if kind == "data":
+            return ([p.data().asnumpy() for p in step.params]
+                    + [h.weight.asnumpy() for h in step.heads])
+        return [p.grad().asnumpy() for p in step.params] + [h.grad.asnumpy() for h in step.heads]
+    out = {"backbone_count": len(step.params)}
+    for i in range(3):
+        before = values("data")
+        losses = step.compute_gradients(batch)
+        grads = values("grad")
+        step.apply(losses)
+        after = values("data")
+        for j, (b, g, a) in enumerate(zip(before, grads, after)):
+            out[f"{i}/{j}/before"], out[f"{i}/{j}/grad"], out[f"{i}/{j}/after"] = b, g, a
+    out["arrays"] = len(before)
+    np.savez(f"{folder}/{name}.npz", **out)
+
+refused = []
+base = dict(backbone="iresnet_tiny", num_classes=10, batch_size=4, embedding_size=8, input_size=16)
+for change in ({"fc": "pfc"}, {"precision": "fp16"}, {"precision": "bf16"}):
+    try:
+        TrainStep(Workload(**base, **change), Comm())
+        refused.append("accepted")
+    except ValueError as exc:
+        refused.append(str(exc))
+with open(f"{folder}/refused.txt", "w") as f:
+    f.write("\n".join(refused))
+
+# fp16's loss-scaling bookkeeping on CPU, where half-precision kernels do not exist: AMP off and
+# the head's products in fp32, so only the scaling, the overflow check and the skip remain.
+from trainperf.backends.mxnet import step as step_module
+step_module.check_precision = lambda precision, device_type: None
+step_module.enable_amp = lambda: None
+scaled = {}
+for precision in ("fp32", "fp16"):
+    wl = Workload(**base, precision=precision, dropout=0.0)
+    step = TrainStep(wl, Comm())
+    step.heads[0].mm_dtype = "float32"
+    batch = [synthetic_batch(wl, 0, mx.cpu())]
+    losses = []
+    for i in range(5):
+        got = step.compute_gradients(batch)
+        if precision == "fp16" and i == 2:
+            step.params[3].grad()[:] = float("inf")  # an overflow in one gradient
+        step.apply(got)
+        losses.append(float(got[0].asscalar()))
+    scaled[precision] = losses
+    scaled[precision + "_scale"] = -1.0 if step.loss_scale is None else step.loss_scale
+    scaled[precision + "_skipped"] = step.skipped_steps
+np.savez(f"{folder}/loss_scaling.npz", **scaled)
+"""
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory, mxnet_python):
+    folder = tmp_path_factory.mktemp("mx_step")
+    run_mx(mxnet_python, ["-c", STEP_SIDE, str(folder)], mx_env())
+    return folder
+
+
+@pytest.mark.parametrize("case,clip,rates", [
+    ("face", 0.05, (0.1, 0.01, 0.01)),
+    ("classification", None, (0.05, 0.05, 0.01)),
+])
+def test_update_is_torch_sgd_with_clipping_and_rate_changes(updates, case, clip, rates):
+    """Three steps of the fused MXNet update equal torch's SGD (oracle.sgd_momentum_step) on
+    the step's own gradients, with the backbone's global-norm clipping and a change of rate
+    (which MXNet's momentum form needs rescaled to stay equal)."""
+    got = np.load(updates / f"{case}.npz")
+    count, backbone = int(got["arrays"]), int(got["backbone_count"])
+    bufs = [None] * count
+    coefs = []
+    for i, lr in enumerate(rates):
+        grads = [got[f"{i}/{j}/grad"].astype(np.float64) for j in range(count)]
+        if clip is not None:
+            norm = np.sqrt(sum(float((g * g).sum()) for g in grads[:backbone]))
+            coef = min(clip / (norm + 1e-6), 1.0)
+            coefs.append(coef)
+            grads = [g * coef for g in grads[:backbone]] + grads[backbone:]
+        for j in range(count):
+            want, bufs[j] = oracle.sgd_momentum_step(got[f"{i}/{j}/before"], grads[j], bufs[j],
+                                                     lr, 0.9, 5e-4)
+            np.testing.assert_allclose(got[f"{i}/{j}/after"], want, rtol=1e-5,
+                                       atol=1e-6 * max(np.abs(want).max(), 1.0),
+                                       err_msg=f"step {i} array {j}")
+    if clip is not None:
+        assert max(coefs) < 1.0  # clipping acted
+
+
+def test_unsupported_settings_are_refused_up_front(updates):
+    pfc, fp16, bf16 = (updates / "refused.txt").read_text().splitlines()
+    assert pfc == "the mxnet backend runs --fc dp and mp; pfc is not implemented"
+    assert fp16 == "fp16 needs a GPU in the mxnet backend"
+    assert bf16.startswith("bf16 is not supported by the mxnet backend")
+
+
+def test_fp16_loss_scaling_scales_checks_and_skips(updates):
+    """Without an overflow the scaled step trains exactly as fp32 (the scale is a power of
+    two); an overflow skips that step's update (the next loss repeats it) and halves the
+    scale from 2**16."""
+    got = np.load(updates / "loss_scaling.npz")
+    fp32, fp16 = list(got["fp32"]), list(got["fp16"])
+    np.testing.assert_allclose(fp16[:3], fp32[:3], rtol=1e-6)
+    assert fp16[3] == fp16[2]
+    np.testing.assert_allclose(fp16[4], fp32[3], rtol=1e-5)
+    assert float(got["fp16_scale"]) == 2.0 ** 15
+    assert list(got["fp16_skipped"]) == [2]

@@ -1,0 +1,122 @@
+"""The MXNet backend end to end through the CLI: the same runner, results and report as torch,
+frameworks side by side, and failures (a raised error, a killed rank, an out-of-memory, a hang)
+recorded as results with no process of the run left behind, the scheduler and server included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from trainperf import results
+from trainperf.cli import main
+
+pytestmark = pytest.mark.slow
+SHORT = ["--runs", "1", "--iters", "6", "--warmup", "2", "--device", "cpu"]
+
+
+def left_behind(folder: Path) -> list[psutil.Process]:
+    """Live processes of runs under ``folder``: every process of a run, parameter server and
+    scheduler included, inherits TRAINPERF_RUN_ID from the runner."""
+    root = str(folder.resolve())
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory, mxnet_python):
+    out = tmp_path_factory.mktemp("frameworks") / "tiny"
+    code = main(["run", "tiny-arcface", "--framework", "torch,mxnet", "--devices", "1,2",
+                 *SHORT, "--out", str(out)])
+    return code, out
+
+
+def test_torch_and_mxnet_run_side_by_side(side_by_side):
+    code, out = side_by_side
+    assert code == 0
+    docs = {name: results.load(out / name) for name in ("torch", "mxnet")}
+    for name, doc in docs.items():
+        assert doc["framework"] == name
+        assert [c["world_size"] for c in doc["cases"]] == [1, 2]
+        assert all(c["median_samples_per_s"] > 0 for c in doc["cases"])
+        assert doc["cases"][1]["speedup"] is not None
+    env = docs["mxnet"]["env"]
+    assert env["framework"] == "mxnet" and env["framework_version"] == "1.9.1"
+    assert docs["torch"]["env"]["framework"] == "pytorch"
+    # One step's samples are the same global batch in both frameworks.
+    for t, m in zip(docs["torch"]["cases"], docs["mxnet"]["cases"]):
+        assert t["runs"][0]["samples_per_step"] == m["runs"][0]["samples_per_step"]
+        assert len(m["runs"][0]["step_times_s"]) == 4 and len(m["runs"][0]["losses"]) == 6
+
+
+def test_the_report_compares_the_frameworks(side_by_side):
+    _, out = side_by_side
+    text = (out / "report.md").read_text()
+    assert "## Comparison" in text
+    header = next(line for line in text.splitlines() if line.startswith("| node_num"))
+    assert "mxnet tiny-arcface fp32 fc=dp samples/s" in header
+    assert "/ pytorch tiny-arcface fp32 fc=dp" in header  # the ratio column
+    ratio_rows = [line for line in text.splitlines() if line.startswith("| 1 | 1 | 8 |")]
+    ratio = float(ratio_rows[0].strip("| \n").split(" | ")[-1])
+    docs = {n: results.load(out / n) for n in ("torch", "mxnet")}
+    expected = (docs["mxnet"]["cases"][0]["median_samples_per_s"]
+                / docs["torch"]["cases"][0]["median_samples_per_s"])
+    assert ratio == pytest.approx(expected, abs=1e-3)
+    assert "mxnet 1.9.1 on" in text and "pytorch" in text  # each framework's environment
+    assert (out / "throughput.png").exists()
+
+
+def test_rn50_and_the_device_kvstore(tmp_path, mxnet_python):
+    """ResNet50 v1b on 1 and 2 ranks, the 2 ranks as one process with two contexts (kvstore
+    device, as gluon-cv ran)."""
+    out = tmp_path / "rn50"
+    code = main(["run", "rn50-v1b-imagenet", "--framework", "mxnet", "--devices", "1,2",
+                 "--batch-size", "2", "--runs", "1", "--iters", "3", "--warmup", "1",
+                 "--device", "cpu", "--mxnet-kvstore", "device", "--out", str(out)])
+    assert code == 0
+    doc = results.load(out)
+    assert [c["runs"][0]["samples_per_step"] for c in doc["cases"]] == [2, 4]
+    assert doc["tuning"]["mxnet_kvstore"] == "device"
+    assert left_behind(tmp_path) == []
+
+
+@pytest.mark.parametrize("fault,status,words", [
+    ("raise@3:2", "failed", "injected"),
+    ("kill@3:2", "failed", None),
+    ("oom@3:2", "oom", "out of memory"),
+])
+def test_a_failing_rank_is_a_result_and_leaves_nothing(fault, status, words, tmp_path,
+                                                       monkeypatch, mxnet_python):
+    monkeypatch.setenv("TRAINPERF_FAULT", fault)  # on rank 0; rank 1 is left waiting on it
+    code = main(["run", "tiny-arcface", "--framework", "mxnet", "--devices", "2", "--fc",
+                 "mp", *SHORT, "--out", str(tmp_path / "r")])
+    assert code == 1
+    run = results.load(tmp_path / "r")["cases"][0]["runs"][0]
+    assert run["status"] == status and run["samples_per_s"] is None
+    if words:
+        assert words in run["error"]
+    assert left_behind(tmp_path) == []
+
+
+def test_a_hung_rank_times_out_and_leaves_nothing(tmp_path, monkeypatch, mxnet_python):
+    """The hang sleeps far past the limit, so the outcome cannot depend on the machine's load."""
+    monkeypatch.setenv("TRAINPERF_FAULT", "hang@3")
+    code = main(["run", "tiny-arcface", "--framework", "mxnet", "--devices", "2", *SHORT,
+                 "--timeout", "10", "--out", str(tmp_path / "r")])
+    assert code == 1
+    run = results.load(tmp_path / "r")["cases"][0]["runs"][0]
+    assert run["status"] == "timeout"
+    assert left_behind(tmp_path) == []
+
+
+def test_mxnet_refuses_what_it_does_not_run(tmp_path, capsys):
+    assert main(["run", "tiny-arcface", "--framework", "mxnet", "--fc", "pfc",
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "the mxnet backend runs --fc dp, mp" in capsys.readouterr().err
