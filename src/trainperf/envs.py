@@ -181,7 +181,7 @@ def package_link_dir(where: Path) -> Path:
     import trainperf
 
     package = Path(trainperf.__file__).resolve().parent
-    folder = where / "pythonpath"
+    folder = where / ".pythonpath"
     folder.mkdir(parents=True, exist_ok=True)
     link = folder / "trainperf"
     if not (link.is_symlink() and link.resolve() == package):

@@ -44,6 +44,14 @@ def unique_labels(docs: list[dict]) -> list[str]:
     return out
 
 
+def distinct_parts(labels: list[str]) -> list[str]:
+    """Each label without the words every label shares (``pytorch tiny fp32`` and ``mxnet tiny
+    fp32`` become ``pytorch`` and ``mxnet``), so that table headers name only the difference."""
+    shared = set.intersection(*(set(label.split()) for label in labels)) if labels else set()
+    short = [" ".join(w for w in label.split() if w not in shared) for label in labels]
+    return short if all(short) and len(set(short)) == len(short) else labels
+
+
 def table(header: list[str], rows: Iterable[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -148,6 +156,7 @@ def comparison_table(docs: list[dict], labels: list[str]) -> str:
                    for d in docs for c in d["cases"]}, key=lambda k: (k[2], k[1], k[0]))
     by_doc = [{(c["nodes"], c["world_size"], c["batch_size_per_device"]): c for c in d["cases"]}
               for d in docs]
+    labels = distinct_parts(labels)
     header = ["node_num", "gpu_num", "batch/device"]
     for label in labels:
         header += [f"{label} samples/s", f"{label} speedup"]
@@ -172,7 +181,10 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
     labels = unique_labels(docs)
     parts = ["# trainperf report", ""]
     if len(docs) > 1:
-        parts += ["## Comparison", "", comparison_table(docs, labels), ""]
+        shared = set.intersection(*(set(label.split()) for label in labels))
+        what = " ".join(w for w in labels[0].split() if w in shared)
+        parts += ["## Comparison" + (f": {what}" if what else ""), "",
+                  comparison_table(docs, labels), ""]
     for doc, label in zip(docs, labels):
         parts += [f"## {label}", "", describe(doc), "", single_table(doc), ""]
         fails = failures(doc)
