@@ -49,6 +49,9 @@ def main() -> int:
             argv += ["--num-classes", classes[0]]
         print("trainperf " + " ".join(argv), file=sys.stderr, flush=True)
         trainperf(argv)
+        for name in ("torch", "mxnet"):
+            # Per-run specs and worker logs stay out of the record; results and events remain.
+            shutil.rmtree(folder / name / "runs", ignore_errors=True)
         summary[case] = {name: {c["case"]: c["median_samples_per_s"]
                                 for c in results.load(folder / name)["cases"]}
                          for name in ("torch", "mxnet")}
