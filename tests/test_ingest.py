@@ -501,11 +501,13 @@ def test_report_mixes_ingested_and_measured(tmp_path, mxnet_seed_dir):
     assert main(["report", str(tmp_path / "mx"), str(tmp_path / "of"), str(tmp_path / "tp"),
                  "--out", str(rep)]) == 0
     text = (rep / "report.md").read_text()
-    comparison = text.split("## Comparison")[1].split("\n## ")[0]
-    assert "mxnet r100 fp32 samples/s" in comparison and "oneflow r100 fp32 samples/s" in comparison
-    assert "pytorch tiny-arcface fp32 fc=dp samples/s" in comparison
-    assert "| 1 | 8 | 64 | 756.96 | 3.24 | - | - | - | - |" in comparison
-    assert "| 1 | 2 | 64 | 450.40 | 1.93 | 480.00 | 1.96 |" in comparison
+    comparison = text.split("## Comparison: fp32")[1].split("\n## ")[0]  # what all share
+    assert "mxnet r100 samples/s" in comparison and "oneflow r100 samples/s" in comparison
+    assert "pytorch tiny-arcface fc=dp samples/s" in comparison
+    assert "| oneflow r100 / mxnet r100 | pytorch tiny-arcface fc=dp / mxnet r100 |" in comparison
+    assert "| 1 | 8 | 64 | 756.96 | 3.24 | - | - | - | - | - | - |" in comparison
+    # 480.00 / 450.40: OneFlow against MXNet, as the seeds put them
+    assert "| 1 | 2 | 64 | 450.40 | 1.93 | 480.00 | 1.96 | - | - | 1.066 | - |" in comparison
     assert (rep / "throughput.png").stat().st_size > 1000
     json.loads((tmp_path / "of" / "results.json").read_text())
 
