@@ -95,3 +95,14 @@ def test_runner_keeps_a_malformed_event_as_a_warning(tmp_path: Path):
     assert len(warnings) == 1 and "broke the protocol" in warnings[0]
     kept = (tmp_path / "events.jsonl").read_text().splitlines()
     assert len(kept) == 2  # what the worker wrote is kept as written
+
+
+def test_error_of_the_exception_being_handled():
+    try:
+        raise MemoryError("no room")
+    except MemoryError as exc:
+        oom = Error.of_exception(exc, oom=True)
+        other = Error.of_exception(exc, oom=False)
+    assert (oom.kind, oom.exit_code, other.kind, other.exit_code) == ("oom", 3, "exception", 1)
+    assert oom.message == "MemoryError: no room"
+    assert any("raise MemoryError" in line for line in oom.traceback)

@@ -9,7 +9,6 @@ Dropout is off (random masks cannot match across frameworks); everything else is
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +133,3 @@ def render_table(outcome: dict) -> str:
             f"dropout off): {verdict}\n"
             f"tolerance: first loss {tol['first_loss_rtol']:g}, later losses "
             f"{tol['later_loss_rtol']:g} (relative, on |loss| >= 1)\n\n" + "\n".join(lines))
-
-
-def load(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -52,6 +52,7 @@ import dataclasses
 import json
 import math
 import time
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -222,6 +223,18 @@ class Error(Event):
     def __post_init__(self) -> None:
         if self.kind not in ERROR_KINDS:
             raise ProtocolError(f"error kind must be one of {ERROR_KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def of_exception(cls, exc: BaseException, oom: bool) -> "Error":
+        """The event of the exception being handled (call it inside ``except``)."""
+        return cls(kind="oom" if oom else "exception",
+                   message=f"{type(exc).__name__}: {exc}"[:2000],
+                   traceback=traceback.format_exc().strip().splitlines()[-12:])
+
+    @property
+    def exit_code(self) -> int:
+        """What the failed process exits with: 3 for an out-of-memory, 1 otherwise."""
+        return 3 if self.kind == "oom" else 1
 
 
 EVENT_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (Start, Step, End, Error)}

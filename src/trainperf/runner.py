@@ -201,6 +201,9 @@ class Runner:
         self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
         self.backend = get_backend(plan.framework)
         self.python = envs.interpreter(plan.framework)
+        self.pythonpath: str | None = None
+        """A backend in its own environment gets this trainperf, and nothing else of trainperf's
+        environment, through this folder (made once, when running starts)."""
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _append_event(self, event: dict) -> None:
@@ -268,6 +271,8 @@ class Runner:
             raise ValueError(f"{self.out} already holds a run; pass --resume to finish it or "
                              "choose another --out")
         self._check_same_plan()
+        if self.backend.env is not None:
+            self.pythonpath = str(envs.package_link_dir(self.out / "runs"))
         if resume:
             self._restore()
         if not self.env:
@@ -303,9 +308,8 @@ class Runner:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINPERF_RUN_ID=str(run_dir.resolve()),
                    **launch.env)
         env.setdefault("OMP_NUM_THREADS", str(spec.threads))
-        if self.backend.env is not None:
-            # The worker imports this trainperf and, from its own environment, nothing else.
-            env["PYTHONPATH"] = str(envs.package_link_dir(self.out / "runs"))
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         self._append_event({"event": "run_start", "t": time.time(), **tags})
         self.progress.run_started(label, measure.iters)

@@ -44,10 +44,14 @@ def unique_labels(docs: list[dict]) -> list[str]:
     return out
 
 
+def shared_words(labels: list[str]) -> set[str]:
+    return set.intersection(*(set(label.split()) for label in labels)) if labels else set()
+
+
 def distinct_parts(labels: list[str]) -> list[str]:
     """Each label without the words every label shares (``pytorch tiny fp32`` and ``mxnet tiny
     fp32`` become ``pytorch`` and ``mxnet``), so that table headers name only the difference."""
-    shared = set.intersection(*(set(label.split()) for label in labels)) if labels else set()
+    shared = shared_words(labels)
     short = [" ".join(w for w in label.split() if w not in shared) for label in labels]
     return short if all(short) and len(set(short)) == len(short) else labels
 
@@ -181,7 +185,7 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
     labels = unique_labels(docs)
     parts = ["# trainperf report", ""]
     if len(docs) > 1:
-        shared = set.intersection(*(set(label.split()) for label in labels))
+        shared = shared_words(labels)
         what = " ".join(w for w in labels[0].split() if w in shared)
         parts += ["## Comparison" + (f": {what}" if what else ""), "",
                   comparison_table(docs, labels), ""]

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from typing import Callable, Sequence
 
 import mxnet as mx
@@ -359,11 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         events.rank = comm.rank
         run(spec, events, comm)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
-        kind = "oom" if is_oom(exc) else "exception"
-        tail = traceback.format_exc().strip().splitlines()[-12:]
-        events.emit(Error(kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000],
-                          traceback=tail))
-        code = 3 if kind == "oom" else 1
+        error = Error.of_exception(exc, is_oom(exc))
+        events.emit(error)
+        code = error.exit_code
         if comm is not None and comm.distributed:
             # Leaving normally would finalize the kvstore, which waits for every other rank:
             # a failed rank exits at once and the launcher stops the rest.

@@ -13,7 +13,6 @@ import argparse
 import os
 import resource
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -167,11 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_from_env(spec.device)
         run(spec, events, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
-        kind = "oom" if is_oom(exc) else "exception"
-        tail = traceback.format_exc().strip().splitlines()[-12:]
-        events.emit(Error(kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000],
-                          traceback=tail))
-        return 3 if kind == "oom" else 1
+        error = Error.of_exception(exc, is_oom(exc))
+        events.emit(error)
+        return error.exit_code
     finally:
         if ctx is not None and ctx.distributed and dist.is_initialized():
             dist.destroy_process_group()
