@@ -17,47 +17,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
+
+from ..spawn import free_ports, run_supervised
 
 WORKER_MODULE = "trainperf.backends.mxnet.worker"
 KVSTORES = ("local", "device", "dist_sync")
-POLL_S = 0.1
 # After the workers have finished, the server and scheduler shut down on their own within a
 # moment; past this they are stopped.
 SHUTDOWN_GRACE_S = 10.0
-# A failing rank writes its error event before it exits; its peers may be mid-way through
-# writing theirs, so they get a moment before they are stopped.
-PEER_GRACE_S = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dmlc_env(role: str, port: int, workers: int) -> dict[str, str]:
     return {"DMLC_ROLE": role, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
             "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": str(workers),
             "DMLC_NODE_HOST": "127.0.0.1", "DMLC_INTERFACE": "lo"}
-
-
-def stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM, then SIGKILL whatever is still running after ``grace_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def start_all(nproc: int, kvstore: str, worker_args: list[str], module: str = WORKER_MODULE
@@ -70,7 +45,7 @@ def start_all(nproc: int, kvstore: str, worker_args: list[str], module: str = WO
         env = dict(base, TRAINPERF_KVSTORE=kvstore, TRAINPERF_CONTEXTS=str(nproc),
                    TRAINPERF_LOCAL_RANK="0")
         return [subprocess.Popen(worker_cmd, env=env)], []
-    port = free_port()
+    port = free_ports(1)[0]
     # The scheduler and server only route and sum: one thread each leaves the cores to workers.
     quiet = dict(base, OMP_NUM_THREADS="1", MXNET_CPU_WORKER_NTHREADS="1")
     helpers = [subprocess.Popen([python, "-c", "import mxnet"],
@@ -80,26 +55,6 @@ def start_all(nproc: int, kvstore: str, worker_args: list[str], module: str = WO
         base, **dmlc_env("worker", port, nproc), TRAINPERF_KVSTORE="dist_sync",
         TRAINPERF_CONTEXTS="1", TRAINPERF_LOCAL_RANK=str(i))) for i in range(nproc)]
     return workers, helpers
-
-
-def supervise(workers: list[subprocess.Popen], helpers: list[subprocess.Popen]) -> int:
-    while True:
-        codes = [p.poll() for p in workers]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            stop(workers, PEER_GRACE_S)
-            stop(helpers, 0.5)
-            return failed[0]
-        if all(c == 0 for c in codes):
-            stop(helpers, SHUTDOWN_GRACE_S)
-            return 0
-        if any(h.poll() not in (None, 0) for h in helpers):
-            # A crashed scheduler or server leaves the workers waiting forever. (A clean exit
-            # is the end of the run: the workers have all said goodbye and are exiting too.)
-            stop(workers, PEER_GRACE_S)
-            stop(helpers, 0.5)
-            return 1
-        time.sleep(POLL_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,19 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kvstore == "local" and args.nproc != 1:
         parser.error("kvstore local runs one rank")
 
-    workers: list[subprocess.Popen] = []
-    helpers: list[subprocess.Popen] = []
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        workers, helpers = start_all(args.nproc, args.kvstore, worker_args, args.module)
-        return supervise(workers, helpers)
-    except KeyboardInterrupt:
-        stop(workers + helpers, 2.0)
-        return 130
+    return run_supervised(
+        lambda: start_all(args.nproc, args.kvstore, worker_args, args.module))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Pieces every non-torch worker shares (stdlib only): out-of-memory recognition, CPU memory
+figures and limits, GPU names, and the protocol's entry point with its failure handling."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+from typing import Any, Callable
+
+from ..protocol import Error, EventWriter, RunSpec
+from .loop import use_short_switch_interval
+
+OOM_TEXTS = ("out of memory", "std::bad_alloc", "failed to allocate", "cannot allocate memory",
+             "memory allocation failed", "cudaerrormemoryallocation", "resource_exhausted",
+             "resourceexhaustederror", "resource exhausted")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An allocation failure, by type or by the words frameworks put in their messages."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(t in text for t in OOM_TEXTS)
+
+
+def limit_cpu_memory(limit_bytes: int | None) -> None:
+    """Cap this process's data segment (as the torch worker does on CPU): a run that needs
+    more fails with an allocation error instead of taking the machine down."""
+    if limit_bytes:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
+
+
+def rss_now_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def gpu_names() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def worker_main(argv: list[str] | None, doc: str,
+                run: Callable[[RunSpec, EventWriter], Any],
+                hard_exit: Callable[[], bool] = lambda: False) -> int:
+    """Parse ``--spec``/``--events``, call ``run(spec, events)``, and turn any failure into an
+    ``error`` event and the protocol's exit code. ``hard_exit()`` true (a distributed run has
+    started): leave with ``os._exit``, because a framework's normal shutdown would wait on
+    peers that will never answer; the launcher stops the rest."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--spec", required=True, help="JSON file: workload, measure, device")
+    parser.add_argument("--events", required=True, help="JSON-lines file to append events to")
+    args = parser.parse_args(argv)
+    use_short_switch_interval()
+    events = EventWriter(args.events, int(os.environ.get("TRAINPERF_LOCAL_RANK", "0")))
+    try:
+        run(RunSpec.load(args.spec), events)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
+        error = Error.of_exception(exc, is_oom(exc))
+        events.emit(error)
+        if hard_exit():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(error.exit_code)
+        return error.exit_code
+    return 0
