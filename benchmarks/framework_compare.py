@@ -1,12 +1,14 @@
-"""Frameworks side by side: torch and MXNet on the same recipes, 1 and 2 ranks.
+"""Frameworks side by side: torch, MXNet, Paddle, JAX and TensorFlow on the same recipes, 1 and
+2 ranks.
 
-Each (recipe, fc) pair is one ``trainperf run --framework torch,mxnet`` into
-benchmarks/results/framework_compare-<device>/<recipe>-<fc>/, whose report.md holds the
-comparison table (samples/s per framework, speedups, the MXNet / torch ratio). Sizes default to
-what a 2-core CPU finishes in minutes; on a GPU pass the recipes' own batch sizes.
+Each (recipe, fc) pair is one ``trainperf run --framework A,B,...`` (the frameworks whose backend
+runs that head) into benchmarks/results/framework_compare-<device>/<recipe>-<fc>/, whose
+report.md holds the comparison table (samples/s per framework, speedups, each framework's ratio
+to torch). Sizes default to what a 2-core CPU finishes in minutes; on a GPU pass the recipes'
+own batch sizes.
 
     python benchmarks/framework_compare.py [--device cpu] [--runs 3] [--iters 12] [--warmup 4]
-        [--case tiny-arcface:dp:8] [--case r50-arcface-plsc:mp:4] ...
+        [--frameworks torch,mxnet,paddle,jax,tf] [--case tiny-arcface:dp:8] ...
 
 A case is RECIPE:FC:BATCH[:CLASSES] (CLASSES: override the recipe's class count).
 """
@@ -20,9 +22,20 @@ import sys
 from pathlib import Path
 
 from trainperf import results
+from trainperf.backends import get_backend
 from trainperf.cli import main as trainperf
 
-CPU_CASES = ["tiny-arcface:dp:8", "tiny-arcface:mp:8", "r50-arcface-plsc:mp:4"]
+CPU_CASES = ["tiny-arcface:dp:8", "tiny-arcface:mp:8", "tiny-arcface:pfc:8",
+             "r50-arcface-plsc:mp:4", "rn50-v1b-imagenet:dp:2"]
+FRAMEWORKS = "torch,mxnet,paddle,jax,tf"
+
+
+def runs_case(framework: str, fc: str) -> bool:
+    try:
+        get_backend(framework).check(fc, 1)
+        return True
+    except ValueError:
+        return False
 
 
 def main() -> int:
@@ -32,6 +45,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--frameworks", default=FRAMEWORKS)
     parser.add_argument("--case", action="append", help="RECIPE:FC:BATCH[:CLASSES]")
     parser.add_argument("--out", help="default benchmarks/results/framework_compare-<device>")
     args = parser.parse_args()
@@ -39,9 +53,10 @@ def main() -> int:
     summary = {}
     for case in args.case or CPU_CASES:
         recipe, fc, batch, *classes = case.split(":")
+        names = [n for n in args.frameworks.split(",") if runs_case(n, fc)]
         folder = out / f"{recipe}-{fc}"
         shutil.rmtree(folder, ignore_errors=True)
-        argv = ["run", recipe, "--framework", "torch,mxnet", "--devices", args.devices,
+        argv = ["run", recipe, "--framework", ",".join(names), "--devices", args.devices,
                 "--device", args.device, "--fc", fc, "--batch-size", batch,
                 "--runs", str(args.runs), "--iters", str(args.iters),
                 "--warmup", str(args.warmup), "--out", str(folder)]
@@ -49,12 +64,12 @@ def main() -> int:
             argv += ["--num-classes", classes[0]]
         print("trainperf " + " ".join(argv), file=sys.stderr, flush=True)
         trainperf(argv)
-        for name in ("torch", "mxnet"):
+        summary[case] = {}
+        for name in names:
             # Per-run specs and worker logs stay out of the record; results and events remain.
             shutil.rmtree(folder / name / "runs", ignore_errors=True)
-        summary[case] = {name: {c["case"]: c["median_samples_per_s"]
-                                for c in results.load(folder / name)["cases"]}
-                         for name in ("torch", "mxnet")}
+            summary[case][name] = {c["case"]: c["median_samples_per_s"]
+                                   for c in results.load(folder / name)["cases"]}
     print(json.dumps(summary, indent=1))
     return 0
 

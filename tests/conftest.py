@@ -9,6 +9,21 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_torch_alignment_runs(tmp_path_factory):
+    """Every framework's alignment test checks against the same torch runs (same start, same
+    steps): torch runs each case once per session (``trainperf.align.CACHE_ENV``)."""
+    from trainperf import align
+
+    old = os.environ.get(align.CACHE_ENV)
+    os.environ[align.CACHE_ENV] = str(tmp_path_factory.mktemp("torch-alignment"))
+    yield
+    if old is None:
+        os.environ.pop(align.CACHE_ENV, None)
+    else:
+        os.environ[align.CACHE_ENV] = old
+
+
 @pytest.fixture(scope="session")
 def mxnet_python() -> str:
     """The MXNet environment's interpreter, built on first use and cached across sessions
@@ -17,3 +32,39 @@ def mxnet_python() -> str:
 
     envs.create("mxnet", cuda=False)
     return envs.interpreter("mxnet")
+
+
+def _framework_python(name: str) -> str:
+    """A framework environment's interpreter, built on first use and cached across sessions."""
+    from trainperf import envs
+
+    envs.create(name, cuda=False)
+    return envs.interpreter(name)
+
+
+@pytest.fixture(scope="session")
+def paddle_python() -> str:
+    return _framework_python("paddle")
+
+
+@pytest.fixture(scope="session")
+def jax_python() -> str:
+    return _framework_python("jax")
+
+
+@pytest.fixture(scope="session")
+def tf_python() -> str:
+    return _framework_python("tf")
+
+
+@pytest.fixture(scope="session")
+def oneflow_python() -> str:
+    """OneFlow's environment is opt-in (a 3.9 GB CUDA build for Python 3.8-3.10): its tests run
+    where ``trainperf env create oneflow`` has been run, and say so where not."""
+    from trainperf import envs
+
+    st = envs.state("oneflow")
+    if st.state != "ready":
+        pytest.skip(f"the opt-in oneflow environment is {st.state} ({st.detail}); "
+                    f"`trainperf env create oneflow` builds it")
+    return envs.interpreter("oneflow")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_mxnet_is_aligned_with_torch_on_1_and_2_ranks(tmp_path, mxnet_python, capsys):
     out = tmp_path / "align"
     code = main(["align", "tiny-arcface", "--framework", "mxnet", "--devices", "1,2",
-                 "--fc", "dp,mp", "--steps", "4", "--out", str(out)])
+                 "--fc", "dp,mp", "--steps", "3", "--out", str(out)])
     printed = capsys.readouterr().out
     outcome = json.loads((out / "align.json").read_text())
     assert code == 0, printed
@@ -27,7 +27,7 @@ def test_mxnet_is_aligned_with_torch_on_1_and_2_ranks(tmp_path, mxnet_python, ca
         ("dp", 1), ("dp", 2), ("mp", 1), ("mp", 2)}
     for c in outcome["checks"]:
         assert c["params"]["torch"] == c["params"]["other"] > 0
-        assert len(c["losses"]["torch"]) == len(c["losses"]["other"]) == 4
+        assert len(c["losses"]["torch"]) == len(c["losses"]["other"]) == 3
         # The losses move (the steps update the weights), and both sides move alike.
         assert c["losses"]["torch"][-1] < c["losses"]["torch"][0] / 2
         assert c["first_loss_rel_diff"] <= align.FIRST_LOSS_RTOL
@@ -71,3 +71,34 @@ def test_the_verdict(torch_losses, other_losses, params, problem):
     assert check["aligned"] == (problem is None)
     if problem:
         assert any(problem in p for p in check["problems"])
+
+
+def test_torchs_side_is_run_once_per_start_and_reused(tmp_path, monkeypatch):
+    """With TRAINPERF_ALIGN_CACHE set, a check from the same start, workload, ranks and steps
+    reuses torch's earlier run; any change (here the start's contents) runs torch again, and a
+    failed torch run is never kept."""
+    from trainperf.backends.torch.alignment import write_start
+
+    calls = []
+
+    def fake_run(req, workload, framework, devices, init, out):
+        calls.append(out)
+        status = "failed" if workload.lr == 0.5 else "ok"
+        return {"status": status, "losses": [1.0, 0.5]}, 42
+
+    monkeypatch.setattr(align, "_run", fake_run)
+    monkeypatch.setenv(align.CACHE_ENV, str(tmp_path / "cache"))
+    workload = get_recipe("tiny-arcface").workload.replace(dropout=0.0)
+    init = tmp_path / "start.npz"
+    write_start(workload, 2, init)
+    req = AlignRequest("tiny-arcface", workload, "paddle", [2], ["mp"], 3, 60.0, tmp_path)
+    first = align._torch_reference(req, workload, 2, init, tmp_path / "a")
+    again = align._torch_reference(req, workload, 2, init, tmp_path / "b")
+    assert first == again and len(calls) == 1
+    write_start(workload.replace(seed=1), 2, init)  # other weights: torch runs again
+    align._torch_reference(req, workload, 2, init, tmp_path / "c")
+    assert len(calls) == 2
+    failing = workload.replace(lr=0.5)
+    for _ in range(2):
+        align._torch_reference(req, failing, 2, init, tmp_path / "d")
+    assert len(calls) == 4

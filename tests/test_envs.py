@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -82,3 +83,37 @@ def test_mxnet_environment_holds_only_the_framework_and_numpy(mxnet_python):
     installed = set(json.loads(out))
     assert {"mxnet", "numpy"} <= installed
     assert not installed & {"torch", "trainperf", "rich", "psutil"}
+
+
+def test_a_framework_tied_to_other_pythons_gets_one_or_a_one_line_error(monkeypatch, tmp_path):
+    """OneFlow's wheels exist for Python 3.8-3.10 only: its environment is made from such an
+    interpreter when one starts (on PATH, or installed by pyenv), and otherwise the user is told
+    in one line, before anything is built."""
+    from dataclasses import replace
+
+    backend = get_backend("oneflow")
+    here = ".".join(sys.version.split()[0].split(".")[:2])
+    assert envs.base_python(replace(backend, env=replace(backend.env, pythons=(here,)))) \
+        == sys.executable
+    monkeypatch.setenv("PATH", str(tmp_path))  # no interpreter of any version on PATH
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "no-pyenv"))
+    with pytest.raises(ValueError, match=r"needs Python 3.10 or 3.9 or 3.8 .* none is on PATH"):
+        envs.base_python(backend)
+    # A pyenv install of a wanted version is found although its shim is not on PATH.
+    fake = tmp_path / "no-pyenv" / "versions" / "3.9.1" / "bin" / "python3.9"
+    fake.parent.mkdir(parents=True)
+    fake.symlink_to(sys.executable)
+    assert envs.base_python(backend) == str(fake)
+
+
+def test_the_frameworks_environments_hold_their_own_numpy(paddle_python, jax_python, tf_python):
+    """Each framework pins its own numpy; the environments keep them apart and hold no torch."""
+    for python, framework in ((paddle_python, "paddlepaddle"), (jax_python, "jax"),
+                              (tf_python, "tensorflow-cpu")):
+        out = subprocess.run([python, "-c", "import json, importlib.metadata as m; print("
+                              "json.dumps(sorted(d.metadata['Name'].lower() for d in "
+                              "m.distributions())))"], capture_output=True, text=True,
+                             check=True).stdout
+        installed = {name.replace("_", "-") for name in json.loads(out)}
+        assert {framework, "numpy"} <= installed
+        assert not installed & {"torch", "trainperf", "mxnet"}

@@ -117,19 +117,53 @@ def _pip_index_args() -> list[str]:
     return args
 
 
-def _build(path: Path, packages: list[str], log) -> None:
+def base_python(backend: Backend) -> str:
+    """The interpreter the environment is made from: trainperf's own, or the first of the
+    framework's Python versions found on PATH; a one-line ValueError when there is none."""
+    assert backend.env is not None
+    wanted = backend.env.pythons
+    if not wanted or sys.version.split()[0].rsplit(".", 1)[0] in wanted:
+        return sys.executable
+    for version in wanted:
+        for found in _interpreters(version):
+            return found
+    raise ValueError(f"the {backend.name} environment needs Python {' or '.join(wanted)} "
+                     f"(its wheels exist for no other), and none is on PATH; install one "
+                     f"(e.g. `uv python install {wanted[0]}` or your distribution's "
+                     f"python{wanted[0]}) and run again")
+
+
+def _interpreters(version: str) -> list[str]:
+    """Interpreters of Python ``version`` that start: on PATH, or installed by pyenv (whose
+    shims on PATH refuse to run a version that is not selected)."""
+    pyenv_root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    candidates = [shutil.which(f"python{version}")]
+    candidates += [str(p) for p in sorted(pyenv_root.glob(f"versions/{version}.*/bin/"
+                                                          f"python{version}"), reverse=True)]
+    out = []
+    for exe in filter(None, candidates):
+        ok = subprocess.run([exe, "-c", "import venv"], capture_output=True).returncode == 0
+        if ok:
+            out.append(exe)
+    return out
+
+
+def _build(path: Path, python: str, packages: list[str], no_deps: list[str], log) -> None:
     uv = shutil.which("uv")
+    steps = [(packages, [])] + ([(no_deps, ["--no-deps"])] if no_deps else [])
     if uv:
         # uv creates and fills a venv several times faster than pip and shares one wheel cache.
-        subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(path)],
+        subprocess.run([uv, "venv", "--quiet", "--python", python, str(path)],
                        check=True, stdout=log, stderr=log)
-        subprocess.run([uv, "pip", "install", "--quiet", "--python", str(path / "bin/python"),
-                        *_pip_index_args(), *packages], check=True, stdout=log, stderr=log)
+        for wanted, flags in steps:
+            subprocess.run([uv, "pip", "install", "--quiet", "--python",
+                            str(path / "bin/python"), *_pip_index_args(), *flags, *wanted],
+                           check=True, stdout=log, stderr=log)
     else:
-        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, stdout=log,
-                       stderr=log)
-        subprocess.run([str(path / "bin/python"), "-m", "pip", "install", "--quiet",
-                        *packages], check=True, stdout=log, stderr=log)
+        subprocess.run([python, "-m", "venv", str(path)], check=True, stdout=log, stderr=log)
+        for wanted, flags in steps:
+            subprocess.run([str(path / "bin/python"), "-m", "pip", "install", "--quiet",
+                            *flags, *wanted], check=True, stdout=log, stderr=log)
 
 
 def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -> EnvState:
@@ -140,6 +174,7 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
         return state(name)
     cuda = gpu_count() > 0 if cuda is None else cuda
     packages = wanted_packages(backend, cuda)
+    python = base_python(backend)
     root = env_root()
     root.mkdir(parents=True, exist_ok=True)
     log = log or sys.stderr
@@ -153,7 +188,7 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
         print(f"creating the {name} environment in {path}: {' '.join(packages)}", file=log,
               flush=True)
         try:
-            _build(path, packages, log)
+            _build(path, python, packages, list(backend.env.no_deps_packages), log)
             probe = subprocess.run([str(path / "bin/python"), "-c", backend.env.probe],
                                    capture_output=True, text=True, check=True)
         except subprocess.CalledProcessError as exc:
@@ -161,7 +196,7 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
                              f"with {exc.returncode}): {(exc.stderr or '').strip()[-300:]}"
                              ) from None
         manifest = {"backend": name, "packages": packages, "cuda": cuda,
-                    "python": sys.version.split()[0],
+                    "python": python,
                     "versions": json.loads(probe.stdout.strip().splitlines()[-1]),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         tmp = path / (MANIFEST + ".tmp")

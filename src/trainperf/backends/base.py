@@ -23,6 +23,12 @@ class EnvSpec:
     """The same on a machine with an NVIDIA GPU (the framework's CUDA build)."""
     probe: str
     """Python run in the environment that prints a JSON object of the versions it holds."""
+    pythons: tuple[str, ...] = ()
+    """Python versions the framework's wheels exist for (``3.10``...), best first; empty: any,
+    and the environment uses trainperf's own interpreter."""
+    no_deps_packages: tuple[str, ...] = ()
+    """Installed after ``packages`` without their dependencies (libraries a wheel loads but
+    does not declare)."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +68,13 @@ class Backend:
     fc_modes: tuple[str, ...] = ("dp", "mp", "pfc")
     max_nodes: int | None = None
     """Most nodes the backend's launch can span (None: no limit)."""
+    cannot_run: str | None = None
+    """Why this backend's environment can be built but no run started (None: it runs)."""
 
     def check(self, fc: str, nnodes: int) -> None:
         """ValueError when this backend cannot run the asked workload and layout."""
+        if self.cannot_run:
+            raise ValueError(f"the {self.name} backend cannot run yet: {self.cannot_run}")
         if fc not in self.fc_modes:
             raise ValueError(f"the {self.name} backend runs --fc {', '.join(self.fc_modes)}; "
                              f"not {fc}")

@@ -146,9 +146,19 @@ def settings_text(doc: dict) -> str:
         parts.append("cuDNN autotuning " + ("on" if cudnn == {True} else "off"))
     ddp = next((c["ddp"] for c in cases if c.get("ddp")), None)
     if ddp:
-        parts.append(f"DDP buckets {ddp['bucket_cap_mb']:g} MiB, static graph "
-                     f"{'on' if ddp['static_graph'] else 'off'}, buffer broadcast "
-                     f"{'on' if ddp['broadcast_buffers'] else 'off'}")
+        words = []
+        if ddp.get("bucket_cap_mb") is not None:
+            words.append(f"buckets {ddp['bucket_cap_mb']:g} MiB")
+        for key, name in (("static_graph", "static graph"),
+                          ("broadcast_buffers", "buffer broadcast")):
+            if key in ddp:
+                words.append(f"{name} {'on' if ddp[key] else 'off'}")
+        parts.append("DDP " + ", ".join(words) if words else "DDP")
+    compile_s = [c["compile_s"] for c in cases if c.get("compile_s") is not None]
+    if compile_s:
+        # Compilation falls in the warm-up, outside the measured window; said so it is seen.
+        parts.append(f"compilation (in the warm-up, not measured) {min(compile_s):.1f}-"
+                     f"{max(compile_s):.1f} s per case")
     scaling = next((c["loss_scaling"] for c in cases if c.get("loss_scaling")), None)
     if scaling:
         parts.append(f"fp16 loss scaling {scaling}")

@@ -1,0 +1,601 @@
+"""flax (linen) backbones equal to the PyTorch ones in ``trainperf.backends.torch.backbones``.
+
+Why linen: a linen model is a pure function of explicit variable collections, so the whole
+training step (backbone, head, reductions, update) is one function of plain pytrees that
+``jax.jit`` and ``jax.shard_map`` take as they are, whose buffers can be donated, and whose
+nested names are the torch ``state_dict`` keys (see below). NNX would need a split/merge around
+every jitted call to get the same.
+
+Layout: activations are NHWC and convolution kernels HWIO ([kh, kw, in / groups, out]), dense
+kernels [in, out] (XLA's native layouts on every backend). Every torch layer has a twin here
+with the same kernel, stride, padding and groups, and the same operations in the same order.
+The one place that converts torch's layouts (OIHW convolutions, [out, in] linear weights) is
+:func:`from_torch_layout`, used by :func:`load_torch_arrays`. IResNet's flatten before its
+fully connected layer transposes the NHWC map to NCHW first, so the dense kernel's rows are in
+torch's (C, H, W) order and its weight is torch's transposed, nothing more.
+
+The layers are written here (not flax's ``nn.Conv`` / ``nn.BatchNorm``) for three reasons:
+their variables carry torch's leaf names (``weight``, ``bias``, ``running_mean``,
+``running_var``), so a variable's path joined with dots *is* its torch name; BatchNorm keeps
+torch's semantics exactly (momentum 0.1 on the new value, i.e. flax's 0.9, running variance
+updated with the *unbiased* batch variance, batch variance computed in two passes as torch does,
+where flax's default ``E[x^2] - E[x]^2`` loses digits); and a compute dtype (bf16, fp16)
+applies to convolutions and dense layers only, BatchNorm statistics staying fp32.
+
+Collections: ``params`` (trained), ``batch_stats`` (BN running statistics, torch buffers) and
+``frozen``: IResNet's embedding-BN gamma, fixed at 1 (torch: a parameter with
+``requires_grad=False``, MXNet's ``fix_gamma``). It is counted as a parameter, as torch counts
+it, but no optimizer ever sees it (weight decay would otherwise shrink it).
+
+BatchNorm runs in training mode only (batch statistics), which is all trainperf measures.
+
+Initialisation (throughput runs; alignment loads torch's weights instead): convolution and
+dense weights and dense biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as torch's default
+``kaiming_uniform_(a=sqrt(5))``; BN gamma 1 (0 for ResNet v1b's last BN of a bottleneck), beta
+0, running mean 0, running variance 1; PReLU 0.25. Same distributions as torch, not the same
+numbers. Every variable is declared with an :class:`Init`, which flax's ``model.init`` calls
+as usual and :func:`init_variables` draws on the host instead (no compilation).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax.core import unfreeze
+
+__all__ = [
+    "backbone_names", "backbone_task", "build_backbone", "init_variables", "param_count",
+    "torch_names", "torch_shape", "from_torch_layout", "load_torch_arrays", "BN_EPS", "BN_MOMENTUM",
+]
+
+BN_EPS = 1e-5
+BN_MOMENTUM = 0.1
+"""torch's convention: running = (1 - momentum) * running + momentum * batch (flax's 0.9)."""
+COLLECTIONS = ("params", "frozen", "batch_stats")
+
+Dtype = Any
+
+
+@dataclass(frozen=True)
+class Init:
+    """An initializer that flax calls (``kind`` ``uniform``: U(-value, value) by jax.random;
+    ``const``: filled with ``value``) and that :func:`init_variables` draws on the host with
+    numpy instead: drawing the weights inside a jitted ``model.init`` costs a compilation of
+    the forward pass and of one random-bits kernel per parameter shape (about 20 s for
+    ``iresnet_tiny`` on a loaded 2-core machine), the host draw nothing."""
+
+    kind: str
+    value: float
+
+    def __call__(self, key: Any, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+        if self.kind == "uniform":
+            return jax.random.uniform(key, shape, dtype, -self.value, self.value)
+        return jnp.full(shape, self.value, dtype)
+
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        if self.kind == "uniform":
+            return rng.uniform(-self.value, self.value, shape).astype(np.float32)
+        return np.full(shape, self.value, np.float32)
+
+
+def _fan_in_uniform(fan_in: int) -> Init:
+    return Init("uniform", 1.0 / math.sqrt(fan_in))
+
+
+_RECORDER: contextvars.ContextVar[dict | None] = contextvars.ContextVar("trainperf_inits",
+                                                                         default=None)
+
+
+def _note(module: nn.Module, collection: str, name: str, init: Init) -> None:
+    """Remember which initializer made a variable (while :func:`init_variables` traces)."""
+    record = _RECORDER.get()
+    if record is not None:
+        record[(collection, *module.scope.path, name)] = init
+
+
+def _param(module: nn.Module, name: str, init: Init, shape: tuple[int, ...]) -> jax.Array:
+    _note(module, "params", name, init)
+    return module.param(name, init, shape)
+
+
+def _variable(module: nn.Module, collection: str, name: str, init: Init,
+              shape: tuple[int, ...]) -> Any:
+    _note(module, collection, name, init)
+    return module.variable(collection, name, lambda: init(None, shape))
+
+
+ONES, ZEROS = Init("const", 1.0), Init("const", 0.0)
+
+
+class Conv(nn.Module):
+    """Bias-free 2-D convolution, NHWC input, HWIO kernel named ``weight``."""
+
+    features: int
+    kernel: int
+    stride: int = 1
+    padding: int = 0
+    groups: int = 1
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cin = x.shape[-1]
+        if cin % self.groups or self.features % self.groups:
+            raise ValueError(f"channels {cin}->{self.features} are not divisible by "
+                             f"groups={self.groups}")
+        k = self.kernel
+        weight = _param(self, "weight", _fan_in_uniform(cin // self.groups * k * k),
+                        (k, k, cin // self.groups, self.features))
+        p = self.padding
+        return jax.lax.conv_general_dilated(
+            x.astype(self.dtype), weight.astype(self.dtype), (self.stride, self.stride),
+            [(p, p), (p, p)], dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=self.groups)
+
+
+class Dense(nn.Module):
+    """Fully connected layer, kernel ``weight`` [in, out] (torch's transposed)."""
+
+    features: int
+    use_bias: bool = True
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cin = x.shape[-1]
+        weight = _param(self, "weight", _fan_in_uniform(cin), (cin, self.features))
+        y = jnp.dot(x.astype(self.dtype), weight.astype(self.dtype))
+        if self.use_bias:
+            y = y + _param(self, "bias", _fan_in_uniform(cin), (self.features,)).astype(y.dtype)
+        return y
+
+
+class BatchNorm(nn.Module):
+    """Training-mode BatchNorm over the last axis with torch's arithmetic (see the module
+    docstring). ``gamma``: ``learn`` (init 1), ``zero`` (learned, init 0) or ``fixed`` (held
+    at 1 in the ``frozen`` collection). The output has the input's dtype; statistics and
+    normalisation run in fp32."""
+
+    momentum: float = BN_MOMENTUM
+    eps: float = BN_EPS
+    gamma: str = "learn"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = x.shape[-1]
+        if self.gamma == "fixed":
+            weight = _variable(self, "frozen", "weight", ONES, (c,)).value
+        else:
+            weight = _param(self, "weight", ZEROS if self.gamma == "zero" else ONES, (c,))
+        bias = _param(self, "bias", ZEROS, (c,))
+        running_mean = _variable(self, "batch_stats", "running_mean", ZEROS, (c,))
+        running_var = _variable(self, "batch_stats", "running_var", ONES, (c,))
+        xf = x.astype(jnp.float32)
+        axes = tuple(range(x.ndim - 1))
+        mean = jnp.mean(xf, axis=axes)
+        centered = xf - mean
+        var = jnp.mean(jnp.square(centered), axis=axes)
+        if not self.is_initializing():
+            n = math.prod(x.shape[:-1])
+            m = self.momentum
+            unbiased = jax.lax.stop_gradient(var) * (n / max(n - 1, 1))
+            running_mean.value = (1 - m) * running_mean.value + m * jax.lax.stop_gradient(mean)
+            running_var.value = (1 - m) * running_var.value + m * unbiased
+        y = centered * (jax.lax.rsqrt(var + self.eps) * weight) + bias
+        return y.astype(x.dtype)
+
+
+class PReLU(nn.Module):
+    """Per-channel PReLU (last axis), slopes ``weight`` starting at 0.25 as ``nn.PReLU(C)``."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = _param(self, "weight", Init("const", 0.25), (x.shape[-1],))
+        return jnp.where(x > 0, x, weight.astype(x.dtype) * x)
+
+
+# --------------------------------------------------------------------------------- IResNet
+
+IRESNET_WIDTHS = (64, 128, 256, 512)
+IRESNET_LAYERS = {
+    "iresnet18": (2, 2, 2, 2),
+    "iresnet34": (3, 4, 6, 3),
+    "iresnet50": (3, 4, 14, 3),
+    "iresnet100": (3, 13, 30, 3),
+    "iresnet200": (6, 26, 60, 6),
+}
+
+
+class IBasicBlock(nn.Module):
+    """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
+
+    features: int
+    stride: int
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = self.dtype
+        out = BatchNorm(name="bn1")(x)
+        out = Conv(self.features, 3, 1, 1, dtype=d, name="conv1")(out)
+        out = BatchNorm(name="bn2")(out)
+        out = PReLU(name="prelu")(out)
+        out = Conv(self.features, 3, self.stride, 1, dtype=d, name="conv2")(out)
+        out = BatchNorm(name="bn3")(out)
+        shortcut = x
+        if self.stride != 1 or x.shape[-1] != self.features:
+            shortcut = Conv(self.features, 1, self.stride, dtype=d, name="downsample.0")(x)
+            shortcut = BatchNorm(name="downsample.1")(shortcut)
+        return out + shortcut.astype(out.dtype)
+
+
+class IResNet(nn.Module):
+    """InsightFace's IResNet with output block "E" (BN, dropout, FC, BN with gamma fixed at 1)
+    or "FC" (the same without dropout)."""
+
+    layers: tuple[int, int, int, int]
+    widths: tuple[int, int, int, int] = IRESNET_WIDTHS
+    embedding_size: int = 512
+    output_block: str = "E"
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.shape[1] % 16 or x.shape[2] % 16:
+            raise ValueError(f"IResNet needs an input side divisible by 16, got {x.shape[1:3]}")
+        if self.output_block not in ("E", "FC"):
+            raise ValueError(f"IResNet output block must be 'E' or 'FC', "
+                             f"got {self.output_block!r}")
+        d = self.dtype
+        x = Conv(self.widths[0], 3, 1, 1, dtype=d, name="conv1")(x)
+        x = PReLU(name="prelu")(BatchNorm(name="bn1")(x))
+        index = 0
+        for width, count in zip(self.widths, self.layers):
+            for i in range(count):
+                x = IBasicBlock(width, 2 if i == 0 else 1, dtype=d, name=f"body.{index}")(x)
+                index += 1
+        x = BatchNorm(name="bn2")(x)
+        # torch flattens NCHW in (C, H, W) order; flattening that order keeps torch's FC rows.
+        x = jnp.transpose(x, (0, 3, 1, 2)).reshape(x.shape[0], -1)
+        rate = self.dropout if self.output_block == "E" else 0.0
+        if rate > 0:
+            x = nn.Dropout(rate, deterministic=False)(x)
+        x = Dense(self.embedding_size, dtype=d, name="fc")(x)
+        return BatchNorm(gamma="fixed", name="features")(x.astype(jnp.float32))
+
+
+# --------------------------------------------------------------------------- MobileFaceNet
+
+class ConvBN(nn.Module):
+    """Conv, BN and (unless ``linear``) PReLU; children ``conv``, ``bn``, ``act`` as torch."""
+
+    features: int
+    kernel: int = 1
+    stride: int = 1
+    padding: int = 0
+    groups: int = 1
+    linear: bool = False
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = Conv(self.features, self.kernel, self.stride, self.padding, self.groups,
+                 dtype=self.dtype, name="conv")(x)
+        x = BatchNorm(name="bn")(x)
+        return x if self.linear else PReLU(name="act")(x)
+
+
+class DepthWise(nn.Module):
+    """Inverted bottleneck: expand (1x1), depthwise 3x3, project (1x1, linear)."""
+
+    features: int
+    hidden: int
+    stride: int
+    residual: bool
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = self.dtype
+        out = ConvBN(self.hidden, dtype=d, name="layers.0")(x)
+        out = ConvBN(self.hidden, 3, self.stride, 1, groups=self.hidden, dtype=d,
+                     name="layers.1")(out)
+        out = ConvBN(self.features, linear=True, dtype=d, name="layers.2")(out)
+        return x + out if self.residual else out
+
+
+class MobileFaceNet(nn.Module):
+    """MobileFaceNet with the GDC output block (global depthwise conv, BN, FC without bias, BN
+    with learnable gamma); ``width`` scales the block channels only, as in torch."""
+
+    embedding_size: int = 128
+    width: int = 1
+    blocks: tuple[int, int, int] = (4, 6, 2)
+    sep_channels: int = 512
+    hidden: tuple[int, int, int, int] = (128, 256, 512, 256)
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.shape[1] % 16 or x.shape[2] % 16:
+            raise ValueError(f"MobileFaceNet needs an input side divisible by 16, "
+                             f"got {x.shape[1:3]}")
+        d = self.dtype
+        c64, c128 = 64 * self.width, 128 * self.width
+        h_low, h_mid, h_down, h_high = self.hidden
+        plan: list[Callable[[str], nn.Module]] = [
+            lambda n: ConvBN(c64, 3, 2, 1, dtype=d, name=n),
+            lambda n: ConvBN(c64, 3, 1, 1, groups=64, dtype=d, name=n),
+            lambda n: DepthWise(c64, h_low, 2, False, dtype=d, name=n),
+        ]
+        plan += [lambda n: DepthWise(c64, h_low, 1, True, dtype=d, name=n)] * self.blocks[0]
+        plan.append(lambda n: DepthWise(c128, h_mid, 2, False, dtype=d, name=n))
+        plan += [lambda n: DepthWise(c128, h_mid, 1, True, dtype=d, name=n)] * self.blocks[1]
+        plan.append(lambda n: DepthWise(c128, h_down, 2, False, dtype=d, name=n))
+        plan += [lambda n: DepthWise(c128, h_high, 1, True, dtype=d, name=n)] * self.blocks[2]
+        plan.append(lambda n: ConvBN(self.sep_channels, dtype=d, name=n))
+        for i, make in enumerate(plan):
+            x = make(f"body.{i}")(x)
+        side = x.shape[1]
+        x = ConvBN(self.sep_channels, side, groups=self.sep_channels, linear=True, dtype=d,
+                   name="gdc")(x)
+        x = Dense(self.embedding_size, use_bias=False, dtype=d, name="fc")(
+            x.reshape(x.shape[0], -1))
+        return BatchNorm(name="features")(x.astype(jnp.float32))
+
+
+# ------------------------------------------------------------------------------ ResNet v1b
+
+class Bottleneck(nn.Module):
+    """1x1, 3x3 (stride), 1x1 bottleneck with the stride on the 3x3 (v1b); last BN gamma 0."""
+
+    width: int
+    stride: int
+    dtype: Dtype = jnp.float32
+    expansion = 4
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = self.dtype
+        cout = self.width * self.expansion
+        out = nn.relu(BatchNorm(name="bn1")(Conv(self.width, 1, dtype=d, name="conv1")(x)))
+        out = nn.relu(BatchNorm(name="bn2")(
+            Conv(self.width, 3, self.stride, 1, dtype=d, name="conv2")(out)))
+        out = BatchNorm(gamma="zero", name="bn3")(Conv(cout, 1, dtype=d, name="conv3")(out))
+        shortcut = x
+        if self.stride != 1 or x.shape[-1] != cout:
+            shortcut = BatchNorm(name="downsample.1")(
+                Conv(cout, 1, self.stride, dtype=d, name="downsample.0")(x))
+        return nn.relu(out + shortcut)
+
+
+class ResNetV1b(nn.Module):
+    """Classification ResNet v1b: stem (7x7/2 conv, BN, ReLU, 3x3/2 max pool), bottlenecks,
+    global average pool, FC to ``num_classes``; returns fp32 logits."""
+
+    layers: tuple[int, int, int, int]
+    num_classes: int = 1000
+    base_width: int = 64
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = self.dtype
+        x = Conv(self.base_width, 7, 2, 3, dtype=d, name="stem.0")(x)
+        x = nn.relu(BatchNorm(name="stem.1")(x))
+        # torch pads max pooling with -inf, as flax's max_pool does.
+        x = nn.max_pool(x, (3, 3), (2, 2), ((1, 1), (1, 1)))
+        index = 0
+        for stage, count in enumerate(self.layers):
+            width = self.base_width * 2 ** stage
+            for i in range(count):
+                x = Bottleneck(width, 2 if (i == 0 and stage > 0) else 1, dtype=d,
+                               name=f"body.{index}")(x)
+                index += 1
+        x = jnp.mean(x.astype(jnp.float32), axis=(1, 2))
+        return Dense(self.num_classes, dtype=d, name="fc")(x).astype(jnp.float32)
+
+
+# -------------------------------------------------------------------------------- registry
+
+def _iresnet(layers, widths=IRESNET_WIDTHS, default_embedding=512):
+    def build(*, embedding_size=None, output_block="E", dropout=0.0, dtype=jnp.float32, **_):
+        return IResNet(layers, widths, default_embedding if embedding_size is None
+                       else embedding_size, output_block, dropout, dtype)
+    return build
+
+
+def _mobilefacenet(default_embedding, **arch):
+    def build(*, embedding_size=None, dtype=jnp.float32, **_):
+        return MobileFaceNet(default_embedding if embedding_size is None else embedding_size,
+                             dtype=dtype, **arch)
+    return build
+
+
+def _resnet_v1b(layers, base_width, default_classes):
+    def build(*, num_classes=None, dtype=jnp.float32, **_):
+        return ResNetV1b(layers, default_classes if num_classes is None else num_classes,
+                         base_width, dtype)
+    return build
+
+
+# name -> (task, builder); defaults equal the torch builders' defaults.
+_REGISTRY: dict[str, tuple[str, Callable[..., nn.Module]]] = {
+    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
+    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
+    "mobilefacenet_y1": ("face", _mobilefacenet(128, width=1)),
+    "mobilefacenet": ("face", _mobilefacenet(512, width=2)),
+    "mobilefacenet_tiny": ("face", _mobilefacenet(64, width=1, blocks=(1, 1, 1),
+                                                  sep_channels=128, hidden=(32, 64, 64, 64))),
+    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
+    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
+}
+
+
+def backbone_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _entry(name: str) -> tuple[str, Callable[..., nn.Module]]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown backbone {name!r}; known: "
+                         f"{', '.join(backbone_names())}") from None
+
+
+def backbone_task(name: str) -> str:
+    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
+    return _entry(name)[0]
+
+
+def build_backbone(name: str, *, embedding_size: int | None = None,
+                   num_classes: int | None = None, output_block: str = "E",
+                   dropout: float = 0.0, dtype: Dtype = jnp.float32) -> nn.Module:
+    """The flax twin of torch's ``build_backbone(name, ...)``; arguments a family does not use
+    are ignored, ``None`` takes the torch builder's default. ``dtype`` is the compute dtype of
+    convolutions and dense layers (parameters stay fp32). The input side is the input's."""
+    return _entry(name)[1](embedding_size=embedding_size, num_classes=num_classes,
+                           output_block=output_block, dropout=dropout, dtype=dtype)
+
+
+def init_variables(model: nn.Module, seed: int, input_size: int) -> dict:
+    """Freshly drawn variables (every collection, numpy float32) for NHWC inputs of side
+    ``input_size``: the shapes from an abstract trace of ``model.init``, each value drawn on
+    the host from the initializer that declared it (see :class:`Init`), in a fixed order, so
+    every process draws the same numbers from the same seed."""
+    record: dict = {}
+    token = _RECORDER.set(record)
+    try:
+        abstract = abstract_variables(model, input_size)
+    finally:
+        _RECORDER.reset(token)
+    rng = np.random.default_rng(seed)
+    out: dict = {}
+    for collection in COLLECTIONS:
+        for path, leaf in _leaves(abstract.get(collection, {}), (collection,)):
+            if path not in record:
+                raise RuntimeError(f"variable {'/'.join(path)} has no recorded initializer")
+            out.setdefault(collection, {})
+            _set_new(out, path, record[path].host(rng, tuple(leaf.shape)))
+    return out
+
+
+def abstract_variables(model: nn.Module, input_size: int) -> dict:
+    """Shapes and dtypes of every variable, without computing anything."""
+    x = jax.ShapeDtypeStruct((1, input_size, input_size, 3), jnp.float32)
+    key = jax.random.key(0)
+    return unfreeze(jax.eval_shape(lambda k, v: model.init({"params": k, "dropout": k}, v),
+                                   key, x))
+
+
+# ----------------------------------------------------------------- torch names and layouts
+
+def _leaves(tree: dict, path: tuple[str, ...] = ()) -> Iterable[tuple[tuple[str, ...], Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, path + (key,))
+        else:
+            yield path + (key,), value
+
+
+def torch_names(variables: dict) -> dict[str, tuple[str, ...]]:
+    """torch ``state_dict`` key -> path of the flax variable that holds it ((collection,
+    module, ..., leaf)); every variable of every collection has one."""
+    names: dict[str, tuple[str, ...]] = {}
+    for collection in COLLECTIONS:
+        for path, _ in _leaves(variables.get(collection, {}), (collection,)):
+            name = ".".join(path[1:])
+            if name in names:
+                raise RuntimeError(f"two flax variables map to torch name {name!r}")
+            names[name] = path
+    return names
+
+
+def from_torch_layout(value: np.ndarray) -> np.ndarray:
+    """torch's layout -> this module's, the one place it is converted: OIHW convolution
+    weights -> HWIO, [out, in] linear weights -> [in, out]; vectors as they are."""
+    value = np.asarray(value)
+    if value.ndim == 4:
+        return np.ascontiguousarray(value.transpose(2, 3, 1, 0))
+    if value.ndim == 2:
+        return np.ascontiguousarray(value.T)
+    return value
+
+
+def torch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape torch gives a variable of this module's ``shape`` (the inverse of
+    :func:`from_torch_layout` on shapes)."""
+    shape = tuple(shape)
+    if len(shape) == 4:
+        return (shape[3], shape[2], shape[0], shape[1])
+    if len(shape) == 2:
+        return (shape[1], shape[0])
+    return shape
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set_new(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def load_torch_arrays(variables: dict, arrays: Any, prefix: str = "backbone/") -> dict:
+    """``variables`` (nested dicts; only shapes are read, abstract ones do) with every variable
+    set from ``arrays[prefix + torch_name]`` (a dict or an ``np.load`` result), converted by
+    :func:`from_torch_layout`, as float32 numpy arrays. ``num_batches_tracked`` keys are ignored.
+    Raises ValueError naming every missing, unexpected or wrongly shaped array, and a fixed BN
+    gamma that is not all ones, before returning anything."""
+    names = torch_names(variables)
+    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
+    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
+    problems = []
+    missing = [n for n in names if n not in keys]
+    unexpected = sorted(keys - set(names))
+    if missing:
+        problems.append(f"missing: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected: {', '.join(unexpected)}")
+    out = {c: unfreeze(variables[c]) for c in COLLECTIONS if c in variables}
+    for name, path in names.items():
+        if name not in keys:
+            continue
+        value = from_torch_layout(np.asarray(arrays[prefix + name], dtype=np.float32))
+        want = tuple(_get(variables, path).shape)
+        if tuple(value.shape) != want:
+            problems.append(f"{name}: shape {torch_shape(value.shape)}, expected "
+                            f"{torch_shape(want)}")
+        elif path[0] == "frozen" and not np.all(value == 1):
+            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
+        _set(out, path, value)
+    if problems:
+        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    return out
+
+
+def param_count(variables: dict) -> int:
+    """Scalars of what torch counts as parameters: ``params`` and ``frozen`` (the fixed gamma
+    is a torch parameter), not BN running statistics (torch buffers)."""
+    return sum(int(np.prod(leaf.shape)) for c in ("params", "frozen")
+               for _, leaf in _leaves(variables.get(c, {})))
+

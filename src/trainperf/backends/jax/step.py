@@ -1,0 +1,409 @@
+"""The training step that trainperf measures in JAX, equal to torch's ``TrainStep``.
+
+One function, ``jax.jit(jax.shard_map(body))`` over the mesh axis of ranks (``dist.AXIS``),
+compiled once before the measured loop: backbone forward (flax, training-mode BatchNorm on the
+rank's own batch), head (``heads.py``), gradients by autodiff, the reduction over ranks,
+clipping, and SGD. Everything the step needs from one call to the next is on the device in its
+state (the step counter, so the learning rate, the dropout and Partial FC keys and the fp16
+loss scale are computed inside), the state's buffers are donated to the next state, and nothing
+is read back to the host: the step returns the loss of each rank as a device array.
+
+Sharding of the state: backbone parameters, their momentum and the step counter are replicated
+(``P()``); BatchNorm running statistics carry a leading rank axis (``P("r")``: each rank keeps
+its own, as torch's DDP without SyncBN and without buffer broadcast); the class matrix and its
+momentum are replicated for ``dp`` and split over ranks for ``mp`` / ``pfc``.
+
+Gradients, as torch's DDP set-up: inside the body the replicated parameters are first cast to
+per-rank values (``lax.pcast(..., to="varying")``), so autodiff gives each rank its own partial
+gradient, reduced explicitly:
+
+- ``dp`` and classification: every gradient (backbone and the whole class matrix) is the mean
+  over ranks (``lax.pmean``), as DDP's average.
+- ``mp`` / ``pfc``: the loss is the mean over the gathered global batch and the same on every
+  rank, so each rank's backbone gradient is one partial of the true gradient: they are summed
+  (``lax.psum``). The class-matrix shard's gradient stays local.
+
+Clipping: the backbone's reduced gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``
+with ``norm`` its global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (not optax's
+``clip_by_global_norm``, whose rule differs).
+
+SGD: optax ``chain(add_decayed_weights(wd), trace(momentum))`` gives torch's ``buf = m * buf +
+(g + wd * w)`` (zero initial trace: torch's first ``buf = d`` is the same number), and the step
+applies ``w + (-lr) * buf`` as torch does; the rate comes from ``Workload.lr_at`` evaluated on
+the device. A sparse Partial FC update runs the same transform on the sampled rows and their
+momentum rows only, then scatters both back (rows not sampled keep weight and momentum).
+
+Precision: ``bf16`` and ``fp16`` run convolutions, dense layers and the head's class-matrix
+product in that dtype with fp32 master weights, BatchNorm statistics, margin and softmax in fp32
+(as torch's autocast). ``fp16`` adds dynamic loss scaling with torch's policy (start 2**16,
+halve on an overflow, double after 2000 clean steps); the overflow check covers every gradient
+of every rank and is one decision for all of them, taken on the device (a skipped step keeps the
+old parameters and momentum through ``jnp.where``), so even fp16 reads nothing back inside the
+window; which steps were skipped is read after it. fp16 is refused on a CPU (``check_precision``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from ...config import Workload
+from . import models
+from .dist import AXIS, Layout
+from .heads import MarginSoftmaxHead
+
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+LOSS_SCALE_INIT = 2.0 ** 16
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_INTERVAL = 2000
+RNG_IMPL = "rbg"
+"""Random bits by XLA's RngBitGenerator (synthetic data, dropout masks, Partial FC scores):
+it compiles in a fraction of the time of the default threefry, whose hash is unrolled into
+every program that draws, and runs faster on GPUs."""
+CLIP_EPS = 1e-6
+"""torch's clip_grad_norm_ divides by norm + 1e-6."""
+
+
+def check_precision(precision: str, device_type: str) -> None:
+    if precision not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown precision {precision!r}")
+    if precision == "fp16" and device_type != "cuda":
+        raise ValueError("fp16 needs a GPU in the jax backend")
+
+
+def synthetic_batch(workload: Workload, rank: int) -> tuple[jax.Array, jax.Array]:
+    """Rank ``rank``'s batch, made on the current default device: normal NHWC images and
+    uniform labels, seeded by (seed, rank) so ranks see different samples."""
+    key = jax.random.key(workload.seed * 1000 + rank + 1, impl=RNG_IMPL)
+    k_img, k_lab = jax.random.split(key)
+    side = workload.input_size
+    images = jax.random.normal(k_img, (workload.batch_size, side, side, 3), jnp.float32)
+    labels = jax.random.randint(k_lab, (workload.batch_size,), 0, workload.num_classes,
+                                jnp.int32)
+    return images, labels
+
+
+def init_batch(workload: Workload, arrays: Any, rank: int) -> tuple[jax.Array, jax.Array]:
+    """Rank ``rank``'s batch from an alignment file (NCHW there, NHWC here)."""
+    images, labels = np.asarray(arrays[f"images/{rank}"]), np.asarray(arrays[f"labels/{rank}"])
+    side = workload.input_size
+    if images.shape != (workload.batch_size, 3, side, side):
+        raise ValueError(f"images/{rank} has shape {images.shape}, expected "
+                         f"{(workload.batch_size, 3, side, side)}")
+    if labels.shape != (workload.batch_size,):
+        raise ValueError(f"labels/{rank} has shape {labels.shape}")
+    return (jnp.asarray(images.transpose(0, 2, 3, 1), jnp.float32),
+            jnp.asarray(labels, jnp.int32))
+
+
+def _lr_at(workload: Workload, step: jax.Array) -> jax.Array:
+    """``Workload.lr_at`` on the device (the same float32 rates torch's kernels use)."""
+    rate = jnp.float32(workload.lr)
+    for boundary, factor in zip(workload.lr_steps, workload.lr_scales):
+        rate = jnp.where(step >= boundary, jnp.float32(workload.lr * factor), rate)
+    return rate
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree)))
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)]))
+
+
+def _sgd(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
+         lr: jax.Array) -> tuple[Any, Any]:
+    """torch's SGD step: the transform gives ``buf = m * buf + (g + wd * w)``, applied as
+    ``w + (-lr) * buf``. Returns (new parameters, new transform state)."""
+    bufs, opt_state = tx.update(grads, opt_state, params)
+    return jax.tree.map(lambda w, b: w + (-lr) * b, params, bufs), opt_state
+
+
+def _sgd_rows(tx: optax.GradientTransformation, empty: Any, head: dict, selection: Any,
+              rows: jax.Array, grads: jax.Array, lr: jax.Array) -> dict:
+    """The sparse Partial FC update: the same SGD on the sampled rows and their own momentum
+    rows only, scattered back into the shard (surplus sample slots left as they were)."""
+    index = selection.index
+    mom_rows = head["momentum"][index]
+    bufs, (_, trace) = tx.update(grads, (empty, optax.TraceState(trace=mom_rows)), rows)
+    new_rows, new_mom = rows + (-lr) * bufs, trace.trace
+    if selection.valid is not None:
+        keep = selection.valid[:, None]
+        new_rows = jnp.where(keep, new_rows, rows)
+        new_mom = jnp.where(keep, new_mom, mom_rows)
+    return {"weight": head["weight"].at[index].set(new_rows),
+            "momentum": head["momentum"].at[index].set(new_mom)}
+
+
+def _next_scaler(scaler: dict, finite: jax.Array) -> dict:
+    """torch's GradScaler policy: halve on an overflow, double after 2000 clean steps."""
+    clean = jnp.where(finite, scaler["clean"] + 1, 0)
+    grow = clean == LOSS_SCALE_INTERVAL
+    scale = jnp.where(finite,
+                      jnp.where(grow, scaler["scale"] * LOSS_SCALE_GROWTH, scaler["scale"]),
+                      scaler["scale"] * LOSS_SCALE_BACKOFF)
+    return {"scale": scale, "clean": jnp.where(grow, 0, clean)}
+
+
+def _under(path: tuple, name: str) -> bool:
+    return any(getattr(k, "key", None) == name for k in path)
+
+
+class TrainStep:
+    """Builds the state and the compiled step of one workload on ``layout``.
+
+    ``step(images, labels)`` (global arrays split over ranks: NHWC float32 images, int32
+    labels) runs one step and returns the per-rank loss [world size] without waiting for it.
+    ``init`` (an alignment ``.npz``) replaces the drawn weights with torch's. ``expose_grads``
+    (tests): every call also keeps the reduced, unscaled, unclipped gradients in
+    ``last_grads``.
+    """
+
+    def __init__(self, workload: Workload, layout: Layout, init: Any = None,
+                 expose_grads: bool = False) -> None:
+        task = models.backbone_task(workload.backbone)
+        if task != workload.task:
+            raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
+                             f"but the workload is {workload.task}")
+        check_precision(workload.precision, layout.device_type)
+        self.workload = workload
+        self.layout = layout
+        self.world = layout.world_size
+        self.fp16 = workload.precision == "fp16"
+        self.expose_grads = expose_grads
+        dtype = COMPUTE_DTYPES[workload.precision]
+        self.model = models.build_backbone(
+            workload.backbone, embedding_size=workload.embedding_size,
+            num_classes=workload.num_classes, output_block=workload.output_block,
+            dropout=workload.dropout, dtype=dtype)
+        self.head: MarginSoftmaxHead | None = None
+        if workload.task == "face":
+            self.head = MarginSoftmaxHead(
+                workload.num_classes, workload.embedding_size, workload.resolved_margins,
+                workload.scale, self.world, workload.fc, workload.sample_ratio,
+                workload.pfc_update, dtype)
+            self.head.check_batch(workload.batch_size * self.world)
+        self.sharded = self.head is not None and self.head.sharded
+        self.sparse = self.head is not None and self.head.update == "sparse"
+        self.tx = optax.chain(optax.add_decayed_weights(workload.weight_decay),
+                              optax.trace(decay=workload.momentum))
+
+        if init is not None:
+            abstract = models.abstract_variables(self.model, workload.input_size)
+            variables = models.load_torch_arrays(abstract, init)
+        else:
+            variables = models.init_variables(self.model, workload.seed, workload.input_size)
+        self.param_count = models.param_count(variables)
+        self.state, self.frozen = self._build_state(variables, init)
+        self.state_specs = self._specs(self.state)
+        self.skipped: list[jax.Array] = []
+        self.last_grads: Any = None
+        self._jitted = jax.jit(self._shard_mapped(), donate_argnums=(0,))
+        self._compiled = None
+        self._last_loss: jax.Array | None = None
+
+    # ------------------------------------------------------------------------- state
+
+    def _build_state(self, variables: dict, init: Any) -> tuple[dict, dict]:
+        layout, head = self.layout, self.head
+        state: dict = {"step": layout.replicated(jnp.int32(0)),
+                       "params": {"backbone": layout.replicated(variables["params"])}}
+        if head is not None:
+            if init is not None:
+                weight = head.weight_from_matrix(layout, init["head/weight"])
+            else:
+                weight = head.init_weight(layout, self.workload.seed)
+            if self.sparse:
+                momentum = layout.zeros(weight.shape, np.float32, weight.sharding.spec)
+                state["head"] = {"weight": weight, "momentum": momentum}
+            else:
+                state["params"]["head"] = weight
+        # optax's state mirrors the parameters (zero momentum), laid out as they are.
+        shapes = jax.eval_shape(self.tx.init, state["params"])
+        specs = self._specs({"opt": shapes})["opt"]
+        state["opt"] = jax.tree.map(lambda a, spec: layout.zeros(a.shape, a.dtype, spec),
+                                    shapes, specs)
+        stats = variables.get("batch_stats", {})
+        state["batch_stats"] = layout.per_rank(
+            lambda r: jax.tree.map(lambda x: np.asarray(x)[None], stats))
+        if self.fp16:
+            state["scaler"] = layout.replicated({"scale": jnp.float32(LOSS_SCALE_INIT),
+                                                 "clean": jnp.int32(0)})
+        frozen = layout.replicated(variables.get("frozen", {}))
+        return state, frozen
+
+    def _specs(self, state: dict) -> dict:
+        """The PartitionSpec of every state leaf (see the module docstring)."""
+        def spec(path, _):
+            if _under(path, "batch_stats"):
+                return P(AXIS)
+            if _under(path, "head") and self.sharded:
+                return P(AXIS)
+            return P()
+        return jax.tree_util.tree_map_with_path(spec, state)
+
+    # -------------------------------------------------------------------------- body
+
+    def _shard_mapped(self):
+        wl, head, model = self.workload, self.head, self.model
+        sharded, sparse, fp16 = self.sharded, self.sparse, self.fp16
+        tx, expose = self.tx, self.expose_grads
+        base_key = jax.random.key(wl.seed, impl=RNG_IMPL)
+
+        def body(state: dict, frozen: dict, images: jax.Array, labels: jax.Array):
+            step = state["step"]
+            rank = jax.lax.axis_index(AXIS)
+            key = jax.random.fold_in(jax.random.fold_in(base_key, step), rank)
+            dropout_key, sample_key = jax.random.split(key)
+            stats = jax.tree.map(lambda x: x[0], state["batch_stats"])
+            scale = state["scaler"]["scale"] if fp16 else None
+
+            selection = head.select(labels, sample_key) if head is not None else None
+            params = state["params"]
+            # Per-rank copies: autodiff then gives each rank its own partial gradient, and the
+            # reduction below is the explicit one torch's DDP does.
+            trainable = {"backbone": jax.lax.pcast(params["backbone"], AXIS, to="varying")}
+            if "head" in params:
+                trainable["head"] = (params["head"] if sharded else
+                                     jax.lax.pcast(params["head"], AXIS, to="varying"))
+            if sparse:
+                rows = state["head"]["weight"][selection.index]
+                trainable["rows"] = rows
+
+            def loss_fn(tr: dict):
+                out, updates = model.apply(
+                    {"params": tr["backbone"], "frozen": frozen, "batch_stats": stats}, images,
+                    rngs={"dropout": dropout_key}, mutable=["batch_stats"])
+                if head is None:
+                    logits = out.astype(jnp.float32)
+                    picked = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
+                    loss = jnp.mean(jax.nn.logsumexp(logits, axis=1) - picked)
+                else:
+                    if sparse:
+                        class_rows = tr["rows"]
+                    elif selection.index is not None:     # pfc, dense update
+                        class_rows = tr["head"][selection.index]
+                    else:
+                        class_rows = tr["head"]
+                    loss = head.loss(out, selection, class_rows)
+                objective = loss * scale if fp16 else loss
+                return objective, (loss, updates["batch_stats"])
+
+            (_, (loss, new_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+
+            # mp / pfc: every rank holds a partial of the one global loss (summed); dp: means.
+            reduce_backbone = jax.lax.psum if sharded else jax.lax.pmean
+            grads = dict(grads)
+            grads["backbone"] = reduce_backbone(grads["backbone"], AXIS)
+            if "head" in grads and not sharded:
+                grads["head"] = jax.lax.pmean(grads["head"], AXIS)
+
+            finite = None
+            if fp16:
+                local_bad = 1.0 - _all_finite(grads).astype(jnp.float32)
+                finite = jax.lax.psum(local_bad, AXIS) == 0.0
+                grads = jax.tree.map(lambda g: g * (1.0 / scale), grads)
+            exposed = dict(grads) if expose else None
+
+            if wl.clip_grad_norm is not None:
+                norm = _global_norm(grads["backbone"])
+                coef = jnp.minimum(wl.clip_grad_norm / (norm + CLIP_EPS), 1.0)
+                grads["backbone"] = jax.tree.map(lambda g: g * coef, grads["backbone"])
+
+            lr = _lr_at(wl, step)
+            dense_grads = {k: v for k, v in grads.items() if k != "rows"}
+            new_params, opt = _sgd(tx, dense_grads, state["opt"], params, lr)
+            new_state = dict(state)
+            new_state["step"] = step + 1
+            new_state["batch_stats"] = jax.tree.map(lambda x: x[None], new_stats)
+            if sparse:
+                new_state["head"] = _sgd_rows(tx, state["opt"][0], state["head"], selection,
+                                              rows, grads["rows"], lr)
+            if fp16:
+                # A skipped step keeps every weight and momentum; BatchNorm's running
+                # statistics still move, as torch's forward moved them.
+                def keep_old(new, old):
+                    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+                new_params = keep_old(new_params, params)
+                opt = keep_old(opt, state["opt"])
+                if sparse:
+                    new_state["head"] = keep_old(new_state["head"], state["head"])
+                new_state["scaler"] = _next_scaler(state["scaler"], finite)
+            new_state["params"] = new_params
+            new_state["opt"] = opt
+            skipped = jnp.logical_not(finite) if fp16 else jnp.bool_(False)
+            loss_out = jax.lax.pcast(loss, AXIS, to="varying") if sharded else loss
+            return new_state, loss_out[None], skipped, exposed
+
+        specs = self.state_specs
+        grad_specs = None
+        if expose:
+            grad_specs = {"backbone": P()}
+            if self.head is not None and not sparse:
+                grad_specs["head"] = P(AXIS) if sharded else P()
+            if sparse:
+                grad_specs["rows"] = P(AXIS)
+        return jax.shard_map(body, mesh=self.layout.mesh,
+                             in_specs=(specs, P(), P(AXIS), P(AXIS)),
+                             out_specs=(specs, P(AXIS), P(), grad_specs))
+
+    # ---------------------------------------------------------------------- running
+
+    @property
+    def pfc_update(self) -> str | None:
+        return None if self.head is None else self.head.update
+
+    def compile(self, images: jax.Array, labels: jax.Array) -> None:
+        """Lower and compile the step for these batch shapes (ahead of the first call)."""
+        self._compiled = self._jitted.lower(self.state, self.frozen, images, labels).compile()
+
+    def cost_flops(self) -> float | None:
+        """XLA's own count of the compiled step's floating-point operations per device, when
+        the backend reports one."""
+        if self._compiled is None:
+            return None
+        try:
+            cost = self._compiled.cost_analysis()
+        except Exception:  # noqa: BLE001 - optional on some backends
+            return None
+        if isinstance(cost, (list, tuple)):
+            cost = cost[0] if cost else None
+        flops = (cost or {}).get("flops")
+        return float(flops) if flops and flops > 0 else None
+
+    def __call__(self, images: jax.Array, labels: jax.Array) -> jax.Array:
+        fn = self._compiled if self._compiled is not None else self._jitted
+        self.state, loss, skipped, grads = fn(self.state, self.frozen, images, labels)
+        if self.fp16:
+            self.skipped.append(skipped)
+        if self.expose_grads:
+            self.last_grads = grads
+        self._last_loss = loss
+        return loss
+
+    @property
+    def markers(self) -> list[jax.Array]:
+        """The last step's loss: an output of the same executable as the updated state, so it
+        is ready when the update has run (PjRt marks an execution's outputs ready together).
+        Not the state itself: its buffers are donated to the next step as soon as it is
+        dispatched."""
+        return [self._last_loss]
+
+    def skipped_steps(self) -> list[int]:
+        """0-based indices of the steps fp16 loss scaling skipped (reads the device: call
+        after the measured window)."""
+        return [i for i, flag in enumerate(self.skipped) if bool(np.asarray(
+            flag.addressable_shards[0].data))]
+
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (a read-back: after the window)."""
+        if not self.fp16:
+            return None
+        return float(np.asarray(self.state["scaler"]["scale"].addressable_shards[0].data))

@@ -1,0 +1,48 @@
+"""The OneFlow backend, opt-in (``trainperf env create oneflow``): its environment, and its ranks
+started one process each by ``trainperf.backends.spawn`` with torch-style variables.
+
+OneFlow (the seeds' other system) published its last wheel, 0.9.0, for Python 3.8-3.10 only, as
+a ~1 GB CUDA build that imports (on CPU too) only with cuDNN and cuBLAS libraries it does not
+declare; with them the environment is about 3.9 GB, which is why it is not built unless asked.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+from ..base import Backend, EnvSpec, Launch, LaunchRequest
+
+PYTHONS = ("3.10", "3.9", "3.8")
+PACKAGES = ("oneflow==0.9.0", "numpy<2")
+# Loaded by OneFlow's library at import, undeclared by its wheel; their ``lib`` folders go on
+# LD_LIBRARY_PATH.
+NO_DEPS = ("nvidia-cudnn-cu11==8.5.0.96", "nvidia-cublas-cu11==11.10.3.66")
+# Read from the installed metadata: importing oneflow needs LD_LIBRARY_PATH, which runs set.
+PROBE = ("import json, numpy; from importlib import metadata; print(json.dumps({'oneflow': "
+         "metadata.version('oneflow'), 'numpy': numpy.__version__}))")
+
+
+def library_path(python: str) -> str:
+    """LD_LIBRARY_PATH with the environment's NVIDIA library folders first."""
+    env = Path(python).parent.parent
+    folders = sorted(glob.glob(str(env / "lib/python3*/site-packages/nvidia/*/lib")))
+    return os.pathsep.join(folders + [p for p in [os.environ.get("LD_LIBRARY_PATH")] if p])
+
+
+def rank_env(rank: int, nproc: int, ports: list[int]) -> dict[str, str]:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0]),
+            "WORLD_SIZE": str(nproc), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+
+
+def launch(req: LaunchRequest) -> Launch:
+    return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=oneflow",
+                   f"--nproc={req.topology.devices_per_node}", "--", *req.worker_args],
+                  env={"LD_LIBRARY_PATH": library_path(req.python)})
+
+
+BACKEND = Backend(
+    name="oneflow", framework="oneflow", launch=launch,
+    env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
+    fc_modes=("dp", "mp"), max_nodes=1)

@@ -1,0 +1,226 @@
+"""The training step that trainperf measures in OneFlow, equal to torch's ``TrainStep``.
+
+Backbone (a local module on every rank), head (``heads.py``), backward, gradient all-reduce,
+clipping, SGD with momentum and weight decay. OneFlow runs eager operations asynchronously on its
+virtual machine: a call queues the step's work and returns, and nothing inside a step reads a
+device value back to the host.
+
+Gradients, as torch's DDP set-up:
+
+- ``dp``: backbone and head form one module under OneFlow's ``DistributedDataParallel``, which
+  averages every gradient over ranks in buckets while the backward still runs (it scales each
+  gradient by 1 / world size, then all-reduces).
+- ``mp``: the loss is the mean over the gathered global batch and the same on every rank, so each
+  rank's backbone gradient is one partial of the true gradient: they must be summed. The
+  backbone alone is under DDP, and the gradient of its output (the embeddings) is multiplied by
+  the world size before it flows into the backbone, so DDP's average is the sum (exact for a
+  power-of-two world size; otherwise one rounding). The class-matrix shard is a global
+  ``split(0)`` parameter whose gradient stays on its rank (``heads.py``).
+- One process: no DDP, nothing to reduce.
+
+Clipping: ``oneflow.nn.utils.clip_grad_norm_`` on the (reduced) backbone gradient, as
+``torch.nn.utils.clip_grad_norm_``: scaled by ``min(1, max_norm / (norm + 1e-6))`` on the
+device, with no read-back.
+
+SGD: ``oneflow.optim.SGD``, whose momentum update in OneFlow 0.9 is torch's: ``buf = m * buf +
+g + wd * w; w -= lr * buf`` (checked in the tests against ``oracle.sgd_momentum_step``). On a GPU
+the backbone's arrays are updated by OneFlow's fused multi-tensor kernel. The rate of each step
+is ``Workload.lr_at``.
+
+Precision: fp32 only. ``fp16`` and ``bf16`` are refused (:func:`check_precision`): OneFlow's
+eager mode has autocast but no dynamic loss scaler (its ``GradScaler`` serves ``nn.Graph``
+only), and a hand-written one could not be run here (no GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import oneflow as flow
+import oneflow.nn as nn
+
+from ...config import Tuning, Workload
+from . import models
+from .dist import Dist
+from .heads import MarginSoftmaxHead, check_fc
+
+DDP_BUCKET_PARAMS = 10
+"""Parameters per all-reduce bucket of OneFlow's DDP (its default: it counts arrays, not
+bytes, so ``Tuning.ddp_bucket_mb`` has no equivalent)."""
+
+
+def check_workload(workload: Workload) -> None:
+    """ValueError for what this backend does not run, before anything is built."""
+    if workload.task != "face":
+        raise ValueError("the oneflow backend runs face workloads only; classification "
+                         "(ResNet50) is not implemented")
+    check_fc(workload.fc)
+    check_precision(workload.precision)
+    if workload.channels_last:
+        raise ValueError("channels_last is not supported by the oneflow backend")
+    if workload.backbone not in models.backbone_names():
+        raise ValueError(f"the oneflow backend has no backbone {workload.backbone!r}; it runs "
+                         f"{', '.join(models.backbone_names())}")
+
+
+def check_precision(precision: str) -> None:
+    if precision == "fp16":
+        raise ValueError("fp16 is not implemented in the oneflow backend (OneFlow 0.9's eager "
+                         "mode has no dynamic loss scaler); use --precision fp32")
+    if precision == "bf16":
+        raise ValueError("bf16 is not supported by the oneflow backend; use --precision fp32")
+
+
+def synthetic_batch(workload: Workload, dist: Dist) -> tuple[flow.Tensor, flow.Tensor]:
+    """One batch per rank, drawn on the device once and seeded by (seed, rank) so ranks see
+    different samples: normal images [B, 3, H, W] and uniform int64 labels."""
+    gen = flow.Generator(device=dist.device_type)
+    gen.manual_seed(workload.seed * 1000 + dist.rank + 1)
+    side = workload.input_size
+    images = flow.randn(workload.batch_size, 3, side, side, generator=gen, device=dist.device)
+    labels = flow.randint(0, workload.num_classes, (workload.batch_size,), generator=gen,
+                          device=dist.device, dtype=flow.int64)
+    return images, labels
+
+
+def init_batch(workload: Workload, arrays: Any, dist: Dist) -> tuple[flow.Tensor, flow.Tensor]:
+    """This rank's batch from an alignment file (``RunSpec.init``)."""
+    images, labels = arrays[f"images/{dist.rank}"], arrays[f"labels/{dist.rank}"]
+    side = workload.input_size
+    if tuple(images.shape) != (workload.batch_size, 3, side, side):
+        raise ValueError(f"images/{dist.rank} has shape {tuple(images.shape)}, expected "
+                         f"{(workload.batch_size, 3, side, side)}")
+    if tuple(labels.shape) != (workload.batch_size,):
+        raise ValueError(f"labels/{dist.rank} has shape {tuple(labels.shape)}")
+    return (flow.tensor(images, dtype=flow.float32, device=dist.device),
+            flow.tensor(labels, dtype=flow.int64, device=dist.device))
+
+
+class FaceModel(nn.Module):
+    """Backbone and head as one module, so that ``dp`` puts both under one DDP."""
+
+    def __init__(self, backbone: nn.Module, head: MarginSoftmaxHead) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
+        return self.head(self.backbone(images), labels)
+
+
+class TrainStep:
+    """Call with (images, labels); returns this step's loss as a local device scalar (rank's own
+    batch in dp, the global batch in mp), without waiting for it."""
+
+    def __init__(self, workload: Workload, dist: Dist, tuning: Tuning | None = None,
+                 init: Any = None) -> None:
+        check_workload(workload)
+        self.workload = workload
+        self.dist = dist
+        self.tuning = tuning or Tuning()
+        self.step_index = 0
+        self.sharded = workload.fc == "mp"
+        # Same seed on every rank: identical initial backbones (DDP broadcasts rank 0's too).
+        flow.manual_seed(workload.seed)
+        backbone = models.build_backbone(
+            workload.backbone, embedding_size=workload.embedding_size,
+            input_size=workload.input_size, output_block=workload.output_block,
+            dropout=workload.dropout).to(dist.device)
+        if init is not None:
+            models.load_torch_arrays(backbone, init)
+        head = MarginSoftmaxHead(workload.num_classes, workload.embedding_size,
+                                 workload.resolved_margins, workload.scale, dist,
+                                 mode=workload.fc, seed=workload.seed)
+        if init is not None:
+            head.set_weight(init["head/weight"])
+        self.backbone, self.head = backbone, head
+        self.model, self.embedding_model = self._wrap(backbone, head)
+
+        self.clip_params = [p for p in backbone.parameters() if p.requires_grad]
+        fused = dist.device_type == "cuda"
+        main = list(self.clip_params) + ([] if self.sharded else [head.weight])
+        self.optimizers = [flow.optim.SGD(main, lr=workload.lr, momentum=workload.momentum,
+                                          weight_decay=workload.weight_decay, fused=fused)]
+        if self.sharded:
+            # A global parameter: its own optimizer (the fused kernel takes local arrays).
+            self.optimizers.append(flow.optim.SGD(
+                [head.weight], lr=workload.lr, momentum=workload.momentum,
+                weight_decay=workload.weight_decay))
+        self._last_backbone = self.clip_params[-1]
+        self.skipped_steps: list[int] = []
+        """fp16 loss scaling would list skipped steps here; fp32 skips none."""
+        self.loss_scale: float | None = None
+
+    def _ddp(self, module: nn.Module) -> nn.Module:
+        return nn.parallel.DistributedDataParallel(
+            module, broadcast_buffers=self.tuning.ddp_broadcast_buffers,
+            bucket_size=DDP_BUCKET_PARAMS)
+
+    def _wrap(self, backbone: nn.Module, head: MarginSoftmaxHead
+              ) -> tuple[nn.Module | None, nn.Module]:
+        """(the module that maps (images, labels) to the loss in dp, or None in mp; the module
+        that maps images to embeddings)."""
+        if not self.sharded:
+            model = FaceModel(backbone, head)
+            return (self._ddp(model) if self.dist.distributed else model), backbone
+        return None, (self._ddp(backbone) if self.dist.distributed else backbone)
+
+    @property
+    def settings(self) -> dict:
+        ddp = None
+        if self.dist.distributed:
+            ddp = {"module": "oneflow.nn.parallel.DistributedDataParallel",
+                   "wraps": "backbone" if self.sharded else "backbone and head",
+                   "bucket_params": DDP_BUCKET_PARAMS,
+                   "broadcast_buffers": self.tuning.ddp_broadcast_buffers,
+                   "backbone_gradient": "sum (embedding gradient times world size)"
+                   if self.sharded else "mean"}
+        # Not under "ddp": that key holds torch DDP's arguments (bucket MiB, static graph),
+        # which the report reads and OneFlow's DDP does not have.
+        return {"ddp": None, "oneflow_ddp": ddp,
+                "head": "global split(0) class matrix" if self.sharded else "local class matrix",
+                "sgd_fused": self.optimizers[0].param_groups[0]["fused"],
+                "amp": None, "loss_scaling": None}
+
+    def forward_loss(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
+        if not self.sharded:
+            return self.model(images, labels)
+        emb = self.embedding_model(images)
+        if self.dist.distributed:
+            world = float(self.dist.world_size)
+            emb.register_hook(lambda grad: grad * world)
+        return self.head(emb, labels)
+
+    def compute_gradients(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
+        """Forward and backward with this step's rate set; returns the loss tensor (global in
+        mp). Afterwards every gradient is reduced over ranks (or queued to be: OneFlow orders
+        the all-reduces before anything that reads them); :meth:`apply` clips and steps."""
+        lr = self.workload.lr_at(self.step_index)
+        for opt in self.optimizers:
+            # In place, not None: DDP's gradients are views into its all-reduce buckets.
+            opt.zero_grad(set_to_none=False)
+            for group in opt.param_groups:
+                group["lr"] = lr
+        loss = self.forward_loss(images, labels)
+        loss.backward()
+        return loss
+
+    def apply(self) -> None:
+        if self.workload.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.clip_params, self.workload.clip_grad_norm)
+        for opt in self.optimizers:
+            opt.step()
+        self.step_index += 1
+
+    def __call__(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
+        loss = self.compute_gradients(images, labels)
+        self.apply()
+        return (loss.to_local() if loss.is_global else loss).detach()
+
+    @property
+    def markers(self) -> list[flow.Tensor]:
+        """Small fresh tensors that are ready once the last step's updates have run (one
+        element of the last array each optimizer updates, copied after the update)."""
+        head = self.head.local_weight()
+        return [self._last_backbone.detach().view(-1)[:1].clone(),
+                head.detach().view(-1)[:1].clone()]

@@ -1,0 +1,39 @@
+"""The PaddlePaddle backend: its environment, and its ranks started one process each by
+``trainperf.backends.spawn`` with the variables Paddle's own launcher would set."""
+
+from __future__ import annotations
+
+from ..base import Backend, EnvSpec, Launch, LaunchRequest
+
+PACKAGES = ("paddlepaddle==3.3.1", "numpy>=1.26,<3")
+# Paddle's CUDA wheels of 3.x are published on its own index, not on PyPI.
+CUDA_PACKAGES = ("--extra-index-url=https://www.paddlepaddle.org.cn/packages/stable/cu126/",
+                 "paddlepaddle-gpu==3.3.1", "numpy>=1.26,<3")
+PROBE = ("import json, paddle, numpy; print(json.dumps({'paddle': paddle.__version__, "
+         "'numpy': numpy.__version__, 'cuda': paddle.device.is_compiled_with_cuda()}))")
+
+
+def rank_env(rank: int, nproc: int, ports: list[int]) -> dict[str, str]:
+    endpoints = [f"127.0.0.1:{p}" for p in ports[1:1 + nproc]]
+    return {"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(nproc),
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+            "PADDLE_CURRENT_ENDPOINT": endpoints[rank], "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
+            "PADDLE_RANK_IN_NODE": str(rank), "PADDLE_LOCAL_SIZE": str(nproc),
+            "FLAGS_selected_gpus": str(rank)}
+
+
+CUDNN_SEARCH_FLAG = "FLAGS_cudnn_exhaustive_search"
+"""Paddle's analogue of torch's ``cudnn.benchmark`` (time every cuDNN algorithm per layer
+shape, keep the fastest). Given through the environment, which Paddle reads when it starts:
+``paddle.set_flags`` refuses this flag in some builds. A CPU build ignores it."""
+
+
+def launch(req: LaunchRequest) -> Launch:
+    return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=paddle",
+                   f"--nproc={req.topology.devices_per_node}", "--", *req.worker_args],
+                  env={CUDNN_SEARCH_FLAG: "1" if req.tuning.cudnn_benchmark else "0"})
+
+
+BACKEND = Backend(name="paddle", framework="paddle", launch=launch,
+                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp", "mp", "pfc"),
+                  max_nodes=1)

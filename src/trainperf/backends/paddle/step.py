@@ -1,0 +1,298 @@
+"""The training step that trainperf measures in Paddle (dynamic graph), equal to torch's
+``TrainStep``.
+
+Backbone (a ``paddle.nn.Layer`` run eagerly, recorded by autograd), head (``heads.py``, forward
+and backward by hand, its embedding gradient handed to the backbone's graph with
+``paddle.autograd.backward``), gradient all-reduce, clipping, SGD with momentum and weight
+decay. This module owns precision. Nothing is read back to the host inside a step except, in
+fp16, the one overflow decision of loss scaling, and in a sampling ``pfc`` head the count of
+positives when it could exceed the sample (``heads.sample_classes``).
+
+Gradients, as torch's DDP set-up:
+
+- ``dp`` and classification: every gradient (backbone and the whole class matrix) is the mean
+  over ranks.
+- ``mp`` and ``pfc``: the loss is the mean over the gathered global batch and the same on every
+  rank, so each rank's backbone gradient is one partial of the true gradient: they are summed,
+  not averaged. The class-matrix shard's gradient stays local.
+
+The backbone's gradients are all-reduced after the backward, packed into flat buckets of at most
+``Tuning.ddp_bucket_mb`` (one collective per bucket instead of one per parameter, which on gloo
+costs about a millisecond each); unlike torch's DDP the all-reduce does not overlap the backward.
+Paddle's ``DataParallel`` is not used: it averages, and ``mp`` needs sums.
+
+Clipping: the backbone's reduced gradient is scaled by ``min(1, max_norm / (norm + 1e-6))`` with
+``norm`` its global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (Paddle's
+``ClipGradByGlobalNorm`` has no 1e-6 and would also clip the head). The coefficient stays on
+the device and shares one multiply per gradient with the dp mean and the fp16 unscaling.
+
+SGD: ``paddle.optimizer.Momentum`` (multi-tensor) on the backbone with L2 weight decay inside
+the op computes ``buf = m * buf + (g + wd * w); w -= lr * buf``, torch's SGD exactly (the
+rate is set before every step from ``lr_steps``/``lr_scales``). The class matrix is updated by
+the head itself (``MarginSoftmaxHead.sgd_step``: the same formula, or per sampled row).
+
+Precision: ``fp32`` everywhere; ``fp16`` and ``bf16`` on a GPU only, through ``paddle.amp``
+(``auto_cast`` level O1: convolutions and matrix products in half precision, float32 weights,
+the ops on neither of Paddle's lists, BatchNorm and PReLU among them, in their input's type),
+the head's three class-matrix products in the same half type with its margin and softmax in
+float32. ``fp16`` adds dynamic loss scaling of torch's policy (start 2**16, halve on an
+overflow, double after 2000 clean steps), one decision for all ranks (the finiteness of every
+gradient of every rank, all-reduced and read back: the skip is host control flow). A CPU run
+refuses both: in Paddle's CPU build ``auto_cast`` leaves the backbone in float32 and no float16
+or bfloat16 matrix-product kernel is registered (seen with 3.3.1), so nothing of the half-
+precision arithmetic would run. The GPU path has not been run here (no GPU build of Paddle on
+the machines this was written on); the loss-scaling bookkeeping is tested on a CPU with autocast
+off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from ...config import Tuning, Workload
+from . import models
+from .comm import Comm
+from .heads import MarginSoftmaxHead, check_fc
+
+LOSS_SCALE_INIT = 2.0 ** 16
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_INTERVAL = 2000
+AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def check_precision(precision: str, device_type: str) -> None:
+    if precision in AMP_DTYPES and device_type != "gpu":
+        raise ValueError(f"{precision} needs a GPU in the paddle backend (Paddle's CPU build "
+                         f"has no half-precision matrix products)")
+
+
+def synthetic_batch(workload: Workload, rank: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """One batch per rank, made once on the device with Paddle's generator seeded by (seed,
+    rank) so ranks see different samples: normal images [B, 3, H, W] and uniform labels."""
+    paddle.seed(workload.seed * 1000 + rank + 1)
+    side = workload.input_size
+    images = paddle.randn([workload.batch_size, 3, side, side], dtype="float32")
+    labels = paddle.randint(0, workload.num_classes, [workload.batch_size], dtype="int64")
+    return images, labels
+
+
+def init_batch(workload: Workload, arrays: Any, rank: int
+               ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Rank ``rank``'s batch from an alignment file (``RunSpec.init``)."""
+    images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
+    side = workload.input_size
+    if tuple(images.shape) != (workload.batch_size, 3, side, side):
+        raise ValueError(f"images/{rank} has shape {tuple(images.shape)}, expected "
+                         f"{(workload.batch_size, 3, side, side)}")
+    if tuple(labels.shape) != (workload.batch_size,):
+        raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
+    return (paddle.to_tensor(np.asarray(images, dtype=np.float32)),
+            paddle.to_tensor(np.asarray(labels, dtype=np.int64)))
+
+
+def _buckets(params: list[paddle.Tensor], bucket_bytes: float) -> list[list[int]]:
+    """Consecutive parameter indices grouped into buckets of at most ``bucket_bytes`` of
+    float32 gradient (a larger parameter is a bucket of its own)."""
+    buckets: list[list[int]] = []
+    size = 0.0
+    for i, p in enumerate(params):
+        nbytes = 4.0 * int(np.prod(p.shape))
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0.0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+class TrainStep:
+    """Call with (images, labels); returns the step's loss as a device tensor, not waited on."""
+
+    def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
+                 init: Any = None) -> None:
+        task = models.backbone_task(workload.backbone)
+        if task != workload.task:
+            raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
+                             f"but the workload is {workload.task}")
+        if workload.task == "face":
+            check_fc(workload.fc)
+        check_precision(workload.precision, comm.device_type)
+        self.workload = workload
+        self.comm = comm
+        self.tuning = tuning or Tuning()
+        self.step_index = 0
+        self.amp_dtype = AMP_DTYPES.get(workload.precision)
+        self.fp16 = workload.precision == "fp16"
+
+        # Same seed on every rank; rank 0's weights are broadcast below anyway.
+        paddle.seed(workload.seed)
+        net = models.build_backbone(
+            workload.backbone, embedding_size=workload.embedding_size,
+            num_classes=workload.num_classes, input_size=workload.input_size,
+            output_block=workload.output_block, dropout=workload.dropout)
+        if init is not None:
+            models.load_torch_arrays(net, init)
+        net.train()
+        self.net = net
+        self.params = models.trainable_parameters(net)
+        # Every rank starts from rank 0's backbone (what torch's DDP does at construction).
+        for p, _ in models.torch_names(net).values():
+            comm.broadcast_(p)
+
+        self.head: MarginSoftmaxHead | None = None
+        if workload.task == "face":
+            self.head = MarginSoftmaxHead(
+                workload.num_classes, workload.embedding_size, workload.resolved_margins,
+                workload.scale, comm, mode=workload.fc, sample_ratio=workload.sample_ratio,
+                update=workload.pfc_update, seed=workload.seed,
+                mm_dtype=self.amp_dtype or "float32")
+            if init is not None:
+                self.head.set_weight(np.asarray(init["head/weight"]))
+        # The head drew its matrix from its own seed; dropout masks and pfc samples differ by
+        # rank from here on.
+        paddle.seed(workload.seed * 1000 + 104729 * (comm.rank + 1))
+        self.sharded = self.head is not None and self.head.sharded
+
+        self.opt = paddle.optimizer.Momentum(
+            learning_rate=workload.lr, momentum=workload.momentum, parameters=self.params,
+            weight_decay=workload.weight_decay or None, use_multi_tensor=True)
+        self._buckets = _buckets(self.params, self.tuning.ddp_bucket_mb * 2**20)
+        # Average (dp, classification) or sum (sharded heads' backbone) of the summed gradients.
+        self._mean = 1.0 if self.sharded else 1.0 / comm.world_size
+
+        self.loss_scale: float | None = LOSS_SCALE_INIT if self.fp16 else None
+        self._grad_scale = 1.0
+        self._bad: paddle.Tensor | None = None
+        self._clean_steps = 0
+        self.skipped_steps: list[int] = []
+        """0-based indices of the steps that fp16 loss scaling skipped on every rank."""
+
+    @property
+    def settings(self) -> dict:
+        return {"graph": "dynamic (eager)",
+                "gradient_allreduce": None if not self.comm.distributed else
+                {"after_backward": True, "bucket_mb": self.tuning.ddp_bucket_mb,
+                 "buckets": len(self._buckets), "backend": self.comm.backend},
+                "optimizer": "paddle.optimizer.Momentum(use_multi_tensor=True), L2 decay in op",
+                "amp": None if self.amp_dtype is None else f"paddle.amp O1 {self.amp_dtype}",
+                "loss_scaling": "dynamic, one overflow decision for all ranks"
+                if self.fp16 else None}
+
+    @property
+    def pfc_update(self) -> str | None:
+        return None if self.head is None else self.head.update
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return paddle.amp.auto_cast(enable=True, level="O1", dtype=self.amp_dtype)
+
+    # ------------------------------------------------------------------------------ step
+
+    def forward_backward(self, images: paddle.Tensor, labels: paddle.Tensor,
+                         grad_scale: float = 1.0) -> paddle.Tensor:
+        """Forward and backward of this rank's batch (gradients times ``grad_scale``, no
+        reduction, no update); returns the loss."""
+        with self._autocast():
+            out = self.net(images)
+        if self.head is None:
+            loss = F.cross_entropy(out.astype("float32"), labels)
+            (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+            return loss
+        loss, grad = self.head.forward_backward(out, labels, grad_scale)
+        paddle.autograd.backward([out], [grad])
+        return loss
+
+    @paddle.no_grad()
+    def _reduce(self) -> None:
+        """Sum the backbone's gradients (and the dp head's) over ranks, in place: each bucket
+        packed flat, all-reduced, and written back."""
+        comm = self.comm
+        if not comm.distributed:
+            return
+        grads = [p.grad for p in self.params]
+        for bucket in self._buckets:
+            flat = comm.all_reduce_sum_(paddle.concat([grads[i].reshape([-1]) for i in bucket]))
+            parts = paddle.split(flat, [int(np.prod(grads[i].shape)) for i in bucket])
+            for i, part in zip(bucket, parts):
+                paddle.assign(part.reshape(grads[i].shape), output=grads[i])
+        if self.head is not None and not self.sharded:
+            comm.all_reduce_sum_(self.head.grad)
+
+    @paddle.no_grad()
+    def _overflow(self) -> paddle.Tensor:
+        """A [1] tensor, nonzero where any gradient of any rank is not finite (device side)."""
+        arrays = [p.grad for p in self.params] + ([self.head.grad] if self.head else [])
+        finite = paddle.stack([paddle.isfinite(a).all() for a in arrays]).all()
+        return self.comm.all_reduce_sum_(paddle.logical_not(finite).astype("float32")
+                                         .reshape([1]))
+
+    @paddle.no_grad()
+    def _scale_and_clip(self, factor: float) -> None:
+        """Backbone gradients times ``factor`` (the dp mean, the fp16 unscaling) and the clip
+        coefficient of the scaled gradient's global norm; the coefficient stays on the device."""
+        grads = [p.grad for p in self.params]
+        clip = self.workload.clip_grad_norm
+        if clip is None or not grads:
+            if factor != 1.0:
+                for g in grads:
+                    g.scale_(factor)
+            return
+        norm = paddle.sqrt(paddle.add_n([paddle.sum(g * g) for g in grads])) * factor
+        coef = paddle.clip(clip / (norm + 1e-6), max=1.0) * factor
+        for g in grads:
+            g.multiply_(coef)
+
+    def _update_scale(self, finite: bool) -> None:
+        if not finite:
+            self.loss_scale *= LOSS_SCALE_BACKOFF
+            self._clean_steps = 0
+            return
+        self._clean_steps += 1
+        if self._clean_steps == LOSS_SCALE_INTERVAL:
+            self.loss_scale *= LOSS_SCALE_GROWTH
+            self._clean_steps = 0
+
+    def compute_gradients(self, images: paddle.Tensor, labels: paddle.Tensor
+                          ) -> paddle.Tensor:
+        """Forward, backward and the gradient sum over ranks (no update); returns the loss.
+        The summed gradients are in the parameters' ``grad`` and the head's ``grad``, times the
+        loss scale in fp16; ``apply`` turns them into the update."""
+        self._grad_scale = self.loss_scale if self.fp16 else 1.0
+        loss = self.forward_backward(images, labels, self._grad_scale)
+        self._reduce()
+        self._bad = self._overflow() if self.fp16 else None
+        return loss
+
+    def apply(self) -> None:
+        """Average (dp), unscale, clip and step (or, in fp16 after an overflow anywhere, skip)
+        with this step's rate."""
+        wl = self.workload
+        lr = wl.lr_at(self.step_index)
+        step = True
+        if self._bad is not None:
+            step = float(self._bad.numpy()[0]) == 0.0  # the one read-back of an fp16 step
+            self._update_scale(step)
+        if step:
+            self._scale_and_clip(self._mean / self._grad_scale)
+            self.opt.set_lr(lr)
+            self.opt.step()
+            if self.head is not None:
+                head_mean = 1.0 if self.sharded else 1.0 / self.comm.world_size
+                self.head.sgd_step(lr, wl.momentum, wl.weight_decay,
+                                   head_mean / self._grad_scale)
+        else:
+            self.skipped_steps.append(self.step_index)
+        self.opt.clear_grad(set_to_zero=False)
+        self.step_index += 1
+
+    def __call__(self, images: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
+        loss = self.compute_gradients(images, labels)
+        self.apply()
+        return loss

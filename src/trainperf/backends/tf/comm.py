@@ -1,0 +1,128 @@
+"""The distributed layout of one TensorFlow worker process, and its collectives.
+
+``trainperf.backends.spawn`` starts one process per rank with ``TF_CONFIG`` naming every worker
+(``127.0.0.1`` ports) and this process's task index (``backend.rank_env``); the task index is the
+rank. With several ranks the process joins a ``MultiWorkerMirroredStrategy``: RING collectives
+on a CPU (gRPC between processes), NCCL on GPUs. With one rank it uses TensorFlow's default
+strategy, which puts no collective in the graph, as torch runs one process without DDP.
+
+Each process drives one device and holds one replica, so the strategy is used for what only it
+provides, the collectives: ``all_reduce`` and ``all_gather`` in the replica context of
+``strategy.run`` inside a ``tf.function``. Variables are plain per-process ``tf.Variable``s (not
+mirrored ones): every rank builds identical initial values from the same seed, applies the same
+all-reduced gradients, and so stays identical without mirrored variables' merge calls or their
+initial broadcast; BatchNorm running statistics stay per rank, as in torch without SyncBN.
+
+Order of set-up matters: thread counts and visible devices must be set, and the strategy
+created, before TensorFlow runs its first operation (``Comm.create``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+
+class Comm:
+    """Rank, world size, device and collectives of this process."""
+
+    def __init__(self, rank: int, world_size: int, strategy: tf.distribute.Strategy,
+                 device_type: str, communication: str | None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.strategy = strategy
+        self.device_type = device_type
+        """``gpu`` or ``cpu``."""
+        self.communication = communication
+        """``RING`` or ``NCCL`` with several ranks, None in one process."""
+        self.distributed = world_size > 1
+        self.tf_device = "/GPU:0" if device_type == "gpu" else "/CPU:0"
+        self._barrier = None
+        self._gathers: dict[tuple, Any] = {}
+
+    @classmethod
+    def create(cls, device: str = "auto", threads: int | None = None) -> "Comm":
+        """Configure this process (threads, devices) and join the run's ranks. ``device``:
+        ``auto`` (a GPU if TensorFlow sees one), ``cuda`` or ``cpu``."""
+        if threads:
+            tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+            tf.config.threading.set_inter_op_parallelism_threads(1)
+        gpus = tf.config.list_physical_devices("GPU")
+        if device == "cuda" and not gpus:
+            raise ValueError("--device cuda: TensorFlow sees no GPU (tensorflow-cpu, or no "
+                             "CUDA device visible)")
+        if device == "cpu" or not gpus:
+            tf.config.set_visible_devices([], "GPU")
+            device_type = "cpu"
+        else:
+            # One GPU per process (the launcher sets CUDA_VISIBLE_DEVICES to the rank); the
+            # allocator grows on demand instead of taking the whole device up front.
+            tf.config.set_visible_devices(gpus[:1], "GPU")
+            tf.config.experimental.set_memory_growth(gpus[0], True)
+            device_type = "gpu"
+        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+        workers = config.get("cluster", {}).get("worker", [])
+        world_size = max(1, len(workers))
+        rank = int(config.get("task", {}).get("index", 0)) if workers else 0
+        if world_size == 1:
+            return cls(0, 1, tf.distribute.get_strategy(), device_type, None)
+        impl = tf.distribute.experimental.CommunicationImplementation
+        chosen = impl.NCCL if device_type == "gpu" else impl.RING
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                implementation=chosen))
+        if strategy.num_replicas_in_sync != world_size:
+            raise RuntimeError(f"the strategy has {strategy.num_replicas_in_sync} replicas for "
+                               f"{world_size} workers: one device per process expected")
+        return cls(rank, world_size, strategy, device_type, chosen.name)
+
+    @property
+    def device(self) -> str:
+        """What ``Start.device`` names: ``cuda:<local rank>`` or ``cpu``."""
+        if self.device_type == "gpu":
+            return f"cuda:{os.environ.get('TRAINPERF_LOCAL_RANK', '0')}"
+        return "cpu"
+
+    # --------------------------------------------------------------------- replica context
+
+    def all_reduce_mean(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Mean over ranks of each tensor (call inside ``strategy.run``); one batched
+        collective (the strategy packs the tensors); the identity in one process."""
+        if not self.distributed:
+            return list(values)
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce(tf.distribute.ReduceOp.MEAN, list(values))
+
+    # ---------------------------------------------------------------------- host side
+
+    def barrier(self) -> None:
+        """Every rank meets here (an all-reduce of one scalar, read back)."""
+        if not self.distributed:
+            return
+        if self._barrier is None:
+            def meet():
+                ctx = tf.distribute.get_replica_context()
+                return ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.constant(1.0))
+            self._barrier = tf.function(lambda: self.strategy.run(meet), autograph=False)
+        self._barrier().numpy()
+
+    def gather_rows(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's ``values`` [k, ...] stacked in rank order: [world_size * k, ...]."""
+        values = np.asarray(values)
+        if not self.distributed:
+            return values
+        key = (values.shape, values.dtype.str)
+        fn = self._gathers.get(key)
+        if fn is None:
+            def gather(x):
+                # The identity places the argument on the replica's device: all_gather of the
+                # argument itself finds no destination ("destinations can not be empty").
+                return tf.distribute.get_replica_context().all_gather(tf.identity(x), axis=0)
+            fn = self._gathers[key] = tf.function(lambda x: self.strategy.run(gather, (x,)),
+                                                 autograph=False)
+        with tf.device(self.tf_device):
+            return fn(tf.constant(values)).numpy()

@@ -1,0 +1,452 @@
+"""TensorFlow backbones equal to the PyTorch ones in ``trainperf.backends.torch.backbones``.
+
+Written as plain Python layers over ``tf.Variable``s and ``tf.nn`` ops rather than Keras 3
+layers, because:
+
+- every variable is created under its torch ``state_dict`` name, so loading torch's weights
+  (alignment) and comparing names, shapes and parameter counts with torch is a dictionary lookup
+  plus one layout conversion (:func:`to_tf_layout`), with no Keras naming or deferred building
+  between the two;
+- training-mode BatchNorm is TensorFlow's fused kernel (``FusedBatchNormV3``), whose
+  ``exponential_avg_factor`` is torch's momentum (0.1) and whose running variance is updated
+  with the unbiased batch variance, exactly torch's rule (Keras 3's BatchNormalization
+  composes unfused ops, keeps ``momentum`` as the weight of the old value, 0.9 for torch's 0.1,
+  and updates with the biased variance);
+- padding is torch's explicit symmetric padding (``padding=[[0, 0], [p, p], [p, p], [0, 0]]``;
+  TensorFlow's "SAME" pads a strided layer asymmetrically and would shift every window).
+
+Layout: activations NHWC, convolution kernels HWIO, dense weights [in, out]. torch's arrays
+(OIHW, [out, in]) are converted in ONE place, :func:`to_tf_layout` (its inverse
+:func:`to_torch_layout` beside it), used both by the
+initialisation (drawn in torch's layout, so the distributions are torch's) and by
+:func:`load_torch_arrays`. One dense layer needs more than a transpose: IResNet's ``fc`` reads a
+flattened feature map, which torch flattens in (C, H, W) order and NHWC in (H, W, C) order, so its
+rows are permuted once at load instead of transposing the activation at every step.
+
+Initialisation (throughput runs; alignment overwrites it): convolution and dense weights and dense
+biases from U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the distribution of torch's default
+``kaiming_uniform_(a=sqrt(5))``; BatchNorm gamma 1, beta 0 (gamma 0 for the last BN of each
+ResNet v1b bottleneck), running mean 0, running variance 1; PReLU slopes 0.25 per channel.
+IResNet's embedding BN keeps its gamma fixed at 1 (a non-trainable variable, counted as torch
+counts its ``requires_grad=False`` parameter). Numbers are drawn with numpy from ``seed``, so every
+rank builds the same network without a broadcast.
+
+Families: IResNet (``iresnet18`` ... ``iresnet200``, ``iresnet_tiny``; output blocks ``E`` =
+BN, dropout, FC, BN and ``FC``) and ResNet v1b (``resnet50_v1b``: stride on the 3x3 convolution,
+as DLPerf's TensorFlow 2 ResNet50 v1.5; ``resnet_v1b_tiny``). MobileFaceNet is not built here
+(its grouped 3x3 convolutions would need TensorFlow's grouped convolution, which the CPU build
+does not run): asking for it is a ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = [
+    "Backbone", "backbone_names", "backbone_task", "build_backbone", "load_torch_arrays",
+    "param_count", "to_tf_layout", "to_torch_layout", "torch_shapes", "BN_EPS", "BN_MOMENTUM",
+]
+
+BN_EPS = 1e-5
+"""torch's BatchNorm default, used by every torch backbone."""
+BN_MOMENTUM = 0.1
+"""torch's BatchNorm momentum: the weight of the new batch statistic (``fused_batch_norm``'s
+``exponential_avg_factor``; Keras would call it momentum 0.9)."""
+_RUNNING = ("running_mean", "running_var")
+
+
+# ------------------------------------------------------------------------------- layouts
+
+def to_tf_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None
+                 ) -> np.ndarray:
+    """torch's array -> TensorFlow's. ``layout``: ``conv`` (OIHW -> HWIO), ``linear``
+    ([out, in] -> [in, out]), ``linear_chw`` (a linear layer after a flatten of a (C, H, W) map:
+    [out, C*H*W] -> [H*W*C, out], rows in NHWC flatten order; ``chw`` gives (C, H, W)) or
+    ``vector`` (unchanged)."""
+    value = np.asarray(value, dtype=np.float32)
+    if layout == "conv":
+        return np.ascontiguousarray(value.transpose(2, 3, 1, 0))
+    if layout == "linear":
+        return np.ascontiguousarray(value.T)
+    if layout == "linear_chw":
+        c, h, w = chw
+        out = value.shape[0]
+        return np.ascontiguousarray(value.reshape(out, c, h, w).transpose(2, 3, 1, 0)
+                                    .reshape(h * w * c, out))
+    if layout == "vector":
+        return value
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def to_torch_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None
+                    ) -> np.ndarray:
+    """The inverse of :func:`to_tf_layout` (TensorFlow's array -> torch's)."""
+    value = np.asarray(value)
+    if layout == "conv":
+        return np.ascontiguousarray(value.transpose(3, 2, 0, 1))
+    if layout == "linear":
+        return np.ascontiguousarray(value.T)
+    if layout == "linear_chw":
+        c, h, w = chw
+        out = value.shape[1]
+        return np.ascontiguousarray(value.reshape(h, w, c, out).transpose(3, 2, 0, 1)
+                                    .reshape(out, c * h * w))
+    if layout == "vector":
+        return value
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+@dataclass
+class Param:
+    variable: tf.Variable
+    torch_shape: tuple[int, ...]
+    layout: str
+    chw: tuple[int, int, int] | None = None
+    running: bool = False
+    """A BatchNorm running statistic (a torch buffer, not a parameter)."""
+
+
+class Params:
+    """A network's variables under their torch ``state_dict`` names, in torch's order."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.RandomState(seed)
+        self.entries: dict[str, Param] = {}
+
+    def add(self, name: str, torch_value: np.ndarray, layout: str, trainable: bool = True,
+            chw: tuple[int, int, int] | None = None) -> tf.Variable:
+        if name in self.entries:
+            raise RuntimeError(f"two variables named {name!r}")
+        var = tf.Variable(to_tf_layout(torch_value, layout, chw), trainable=trainable,
+                          name=name)
+        self.entries[name] = Param(var, tuple(np.shape(torch_value)), layout, chw,
+                                   running=name.endswith(_RUNNING))
+        return var
+
+    def uniform(self, fan_in: int, shape: tuple[int, ...]) -> np.ndarray:
+        bound = 1.0 / math.sqrt(fan_in)
+        return self.rng.uniform(-bound, bound, shape)
+
+
+# -------------------------------------------------------------------------------- layers
+
+def _padding(pad: int) -> Any:
+    return "VALID" if pad == 0 else [[0, 0], [pad, pad], [pad, pad], [0, 0]]
+
+
+class Conv:
+    """Bias-free 2-D convolution with torch's symmetric padding."""
+
+    def __init__(self, params: Params, name: str, cin: int, cout: int, kernel: int,
+                 stride: int = 1, pad: int = 0) -> None:
+        self.kernel = params.add(f"{name}.weight",
+                                 params.uniform(cin * kernel * kernel, (cout, cin, kernel, kernel)),
+                                 "conv")
+        self.stride, self.pad = stride, pad
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.nn.conv2d(x, tf.cast(self.kernel, x.dtype), self.stride, _padding(self.pad))
+
+
+class BatchNorm:
+    """torch's BatchNorm2d / BatchNorm1d (eps 1e-5, momentum 0.1) on the last axis, as the fused
+    kernel (a [N, C] input runs as [N, 1, 1, C]). In training it normalises with the batch
+    statistics and moves the running ones (unbiased variance, as torch)."""
+
+    def __init__(self, params: Params, name: str, channels: int, gamma: float = 1.0,
+                 fixed_gamma: bool = False) -> None:
+        self.weight = params.add(f"{name}.weight", np.full(channels, gamma), "vector",
+                                 trainable=not fixed_gamma)
+        self.bias = params.add(f"{name}.bias", np.zeros(channels), "vector")
+        self.running_mean = params.add(f"{name}.running_mean", np.zeros(channels), "vector",
+                                       trainable=False)
+        self.running_var = params.add(f"{name}.running_var", np.ones(channels), "vector",
+                                      trainable=False)
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        flat = x.shape.rank == 2
+        if flat:
+            x = x[:, None, None, :]
+        if training:
+            y, mean, var = tf.compat.v1.nn.fused_batch_norm(
+                x, self.weight, self.bias, mean=self.running_mean, variance=self.running_var,
+                epsilon=BN_EPS, is_training=True, exponential_avg_factor=BN_MOMENTUM)
+            self.running_mean.assign(mean)
+            self.running_var.assign(var)
+        else:
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(
+                x, self.weight, self.bias, mean=self.running_mean, variance=self.running_var,
+                epsilon=BN_EPS, is_training=False)
+        return y[:, 0, 0, :] if flat else y
+
+
+class PReLU:
+    """torch's ``nn.PReLU(C)``: x where x > 0, else slope[c] * x (slopes start at 0.25)."""
+
+    def __init__(self, params: Params, name: str, channels: int) -> None:
+        self.weight = params.add(f"{name}.weight", np.full(channels, 0.25), "vector")
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.where(x > 0, x, x * tf.cast(self.weight, x.dtype))
+
+
+class Dense:
+    """torch's ``nn.Linear``; ``chw`` when its input is a flattened (C, H, W) map."""
+
+    def __init__(self, params: Params, name: str, cin: int, cout: int,
+                 chw: tuple[int, int, int] | None = None) -> None:
+        self.weight = params.add(f"{name}.weight", params.uniform(cin, (cout, cin)),
+                                 "linear_chw" if chw else "linear", chw=chw)
+        self.bias = params.add(f"{name}.bias", params.uniform(cin, (cout,)), "vector")
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.matmul(x, tf.cast(self.weight, x.dtype)) + tf.cast(self.bias, x.dtype)
+
+
+# ------------------------------------------------------------------------------- IResNet
+
+IRESNET_WIDTHS = (64, 128, 256, 512)
+IRESNET_LAYERS = {
+    "iresnet18": (2, 2, 2, 2),
+    "iresnet34": (3, 4, 6, 3),
+    "iresnet50": (3, 4, 14, 3),
+    "iresnet100": (3, 13, 30, 3),
+    "iresnet200": (6, 26, 60, 6),
+}
+
+
+class IBasicBlock:
+    """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
+
+    def __init__(self, p: Params, name: str, cin: int, cout: int, stride: int) -> None:
+        self.bn1 = BatchNorm(p, f"{name}.bn1", cin)
+        self.conv1 = Conv(p, f"{name}.conv1", cin, cout, 3, 1, 1)
+        self.bn2 = BatchNorm(p, f"{name}.bn2", cout)
+        self.prelu = PReLU(p, f"{name}.prelu", cout)
+        self.conv2 = Conv(p, f"{name}.conv2", cout, cout, 3, stride, 1)
+        self.bn3 = BatchNorm(p, f"{name}.bn3", cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = (Conv(p, f"{name}.downsample.0", cin, cout, 1, stride),
+                         BatchNorm(p, f"{name}.downsample.1", cout))
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        out = self.bn1(x, training)
+        out = self.prelu(self.bn2(self.conv1(out), training))
+        out = self.bn3(self.conv2(out), training)
+        shortcut = x if self.down is None else self.down[1](self.down[0](x), training)
+        return out + shortcut
+
+
+class IResNet:
+    def __init__(self, p: Params, layers: tuple[int, ...], widths: tuple[int, ...],
+                 embedding_size: int, input_size: int, output_block: str,
+                 dropout: float) -> None:
+        if input_size % 16:
+            raise ValueError(f"IResNet needs an input side divisible by 16, got {input_size}")
+        if output_block not in ("E", "FC"):
+            raise ValueError(f"IResNet output block must be 'E' or 'FC', got {output_block!r}")
+        stem = widths[0]
+        self.conv1 = Conv(p, "conv1", 3, stem, 3, 1, 1)
+        self.bn1 = BatchNorm(p, "bn1", stem)
+        self.prelu = PReLU(p, "prelu", stem)
+        self.body = []
+        cin = stem
+        for width, count in zip(widths, layers):
+            for i in range(count):
+                self.body.append(IBasicBlock(p, f"body.{len(self.body)}", cin, width,
+                                             2 if i == 0 else 1))
+                cin = width
+        self.bn2 = BatchNorm(p, "bn2", cin)
+        self.dropout = dropout if output_block == "E" else 0.0
+        side = input_size // 16
+        self.fc = Dense(p, "fc", cin * side * side, embedding_size, chw=(cin, side, side))
+        self.features = BatchNorm(p, "features", embedding_size, fixed_gamma=True)
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        x = self.prelu(self.bn1(self.conv1(x), training))
+        for block in self.body:
+            x = block(x, training)
+        x = self.bn2(x, training)
+        x = tf.reshape(x, [tf.shape(x)[0], -1])  # (H, W, C) order, as fc's rows are stored
+        if training and self.dropout > 0:
+            x = tf.nn.dropout(x, rate=self.dropout)
+        return self.features(self.fc(x), training)
+
+
+# ---------------------------------------------------------------------------- ResNet v1b
+
+class Bottleneck:
+    """1x1, 3x3 (stride), 1x1 with the stride on the 3x3 (v1b); last BN gamma 0."""
+
+    expansion = 4
+
+    def __init__(self, p: Params, name: str, cin: int, width: int, stride: int) -> None:
+        cout = width * self.expansion
+        self.conv1 = Conv(p, f"{name}.conv1", cin, width, 1)
+        self.bn1 = BatchNorm(p, f"{name}.bn1", width)
+        self.conv2 = Conv(p, f"{name}.conv2", width, width, 3, stride, 1)
+        self.bn2 = BatchNorm(p, f"{name}.bn2", width)
+        self.conv3 = Conv(p, f"{name}.conv3", width, cout, 1)
+        self.bn3 = BatchNorm(p, f"{name}.bn3", cout, gamma=0.0)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = (Conv(p, f"{name}.downsample.0", cin, cout, 1, stride),
+                         BatchNorm(p, f"{name}.downsample.1", cout))
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        out = tf.nn.relu(self.bn1(self.conv1(x), training))
+        out = tf.nn.relu(self.bn2(self.conv2(out), training))
+        out = self.bn3(self.conv3(out), training)
+        shortcut = x if self.down is None else self.down[1](self.down[0](x), training)
+        return tf.nn.relu(out + shortcut)
+
+
+class ResNetV1b:
+    """Stem (7x7/2 conv, BN, ReLU, 3x3/2 max pool padded by 1), bottlenecks, global average
+    pool, Dense to ``num_classes``."""
+
+    def __init__(self, p: Params, layers: tuple[int, ...], base_width: int,
+                 num_classes: int) -> None:
+        self.conv = Conv(p, "stem.0", 3, base_width, 7, 2, 3)
+        self.bn = BatchNorm(p, "stem.1", base_width)
+        self.body = []
+        cin = base_width
+        for stage, count in enumerate(layers):
+            width = base_width * 2 ** stage
+            for i in range(count):
+                self.body.append(Bottleneck(p, f"body.{len(self.body)}", cin, width,
+                                            2 if (i == 0 and stage > 0) else 1))
+                cin = width * Bottleneck.expansion
+        self.fc = Dense(p, "fc", cin, num_classes)
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        x = tf.nn.relu(self.bn(self.conv(x), training))
+        # Explicit padding pads a max pool with -inf, as torch's MaxPool2d(3, 2, 1).
+        x = tf.nn.max_pool2d(x, 3, 2, _padding(1))
+        for block in self.body:
+            x = block(x, training)
+        return self.fc(tf.reduce_mean(x, axis=[1, 2]))
+
+
+# ------------------------------------------------------------------------------ registry
+
+class Backbone:
+    """A built network: call it on NHWC images; ``params`` holds its variables by torch name."""
+
+    def __init__(self, name: str, task: str, params: Params, net: Callable) -> None:
+        self.name = name
+        self.task = task
+        self.params = params
+        self._net = net
+
+    def __call__(self, images: tf.Tensor, training: bool = True) -> tf.Tensor:
+        return self._net(images, training)
+
+    @property
+    def trainable_variables(self) -> list[tf.Variable]:
+        """What the optimizer updates, in torch's order (not the running statistics, not a
+        fixed gamma)."""
+        return [e.variable for e in self.params.entries.values() if e.variable.trainable]
+
+
+def _iresnet(layers, widths=IRESNET_WIDTHS):
+    def build(p, *, embedding_size=None, input_size=112, output_block="E", dropout=0.0, **_):
+        return IResNet(p, layers, widths, 512 if embedding_size is None else embedding_size,
+                       input_size, output_block, dropout)
+    return build
+
+
+def _resnet_v1b(layers, base_width, default_classes):
+    def build(p, *, num_classes=None, **_):
+        return ResNetV1b(p, layers, base_width,
+                         default_classes if num_classes is None else num_classes)
+    return build
+
+
+# name -> (task, builder); defaults equal the torch builders' defaults.
+_REGISTRY: dict[str, tuple[str, Callable[..., Any]]] = {
+    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
+    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
+    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
+    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
+}
+
+
+def backbone_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _entry(name: str) -> tuple[str, Callable[..., Any]]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"backbone {name!r} is not built by the tf backend; it builds "
+                         f"{', '.join(backbone_names())}") from None
+
+
+def backbone_task(name: str) -> str:
+    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
+    return _entry(name)[0]
+
+
+def build_backbone(name: str, *, embedding_size: int | None = None,
+                   num_classes: int | None = None, input_size: int = 112,
+                   output_block: str = "E", dropout: float = 0.0, seed: int = 0) -> Backbone:
+    """The TensorFlow twin of torch's ``build_backbone(name, ...)``, its variables created on
+    the current device and initialised from ``seed``. Arguments a family does not use are
+    ignored, as in torch; ``None`` takes the torch builder's default."""
+    task, builder = _entry(name)
+    params = Params(seed)
+    net = builder(params, embedding_size=embedding_size, num_classes=num_classes,
+                  input_size=input_size, output_block=output_block, dropout=dropout)
+    return Backbone(name, task, params, net)
+
+
+def load_torch_arrays(net: Backbone, arrays: Any, prefix: str = "backbone/") -> None:
+    """Set every variable of ``net`` from ``arrays[prefix + torch_name]`` (torch layouts; a dict
+    or an ``np.load`` result), converted by :func:`to_tf_layout`. Keys ending in
+    ``num_batches_tracked`` are ignored. Raises ValueError naming every missing, unexpected or
+    wrongly shaped array (and a fixed gamma that is not all ones) before changing anything."""
+    entries = net.params.entries
+    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
+    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
+    problems = []
+    missing = [n for n in entries if n not in keys]
+    unexpected = sorted(keys - set(entries))
+    if missing:
+        problems.append(f"missing: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected: {', '.join(unexpected)}")
+    values = {}
+    for name, e in entries.items():
+        if name not in keys:
+            continue
+        value = np.asarray(arrays[prefix + name])
+        if tuple(value.shape) != e.torch_shape:
+            problems.append(f"{name}: shape {tuple(value.shape)}, expected {e.torch_shape}")
+        elif not e.variable.trainable and not e.running and not np.all(value == 1):
+            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
+        values[name] = value
+    if problems:
+        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    for name, e in entries.items():
+        e.variable.assign(to_tf_layout(values[name], e.layout, e.chw))
+
+
+def param_count(net: Backbone) -> int:
+    """Scalars in the parameters torch counts (``sum(p.numel() for p in m.parameters())``):
+    every variable but the BN running statistics, IResNet's fixed embedding gamma included."""
+    return sum(int(np.prod(e.torch_shape)) for e in net.params.entries.values()
+               if not e.running)
+
+
+def torch_shapes(net: Backbone) -> dict[str, list[int]]:
+    """Every torch ``state_dict`` key (but ``num_batches_tracked``) -> its torch shape, in
+    torch's order."""
+    return {name: list(e.torch_shape) for name, e in net.params.entries.items()}

@@ -1,0 +1,219 @@
+"""The training step that trainperf measures in TensorFlow, equal to torch's ``TrainStep``.
+
+One ``tf.function`` (graph mode, no XLA) runs a whole step inside ``strategy.run``: backbone
+forward (training-mode BatchNorm, dropout), head or softmax loss, gradients by
+``tf.GradientTape``, the gradient all-reduce, clipping and the SGD update. It returns this rank's
+loss and a marker, without reading anything back to the host: the loop decides every sync.
+
+Gradients, as torch's DDP set-up for ``dp`` and classification: every gradient (backbone and the
+whole class matrix) is the mean over ranks, in one batched all-reduce (``Comm.all_reduce_mean``).
+Each rank's loss is the mean over its own batch, so the mean of the gradients is the gradient of
+the global-batch mean.
+
+Clipping (face recipes): the reduced backbone gradient is scaled by ``min(1, max_norm / (norm +
+1e-6))``, ``norm`` its global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (not
+``tf.clip_by_global_norm``, which divides by ``max(norm, max_norm)``). The class matrix is not
+clipped, as in torch.
+
+SGD: torch's ``buf = m * buf + g + wd * w; w -= lr * buf`` for every trainable array (BatchNorm
+and PReLU included, as torch's SGD does), written with TensorFlow's fused
+``ResourceApplyMomentum`` (``accum = accum * m + grad; var -= lr * accum``: torch's rule exactly,
+given ``grad = g + wd * w``; zero-initialised buffers make the first step ``buf = g + wd * w``, as
+torch). Not Keras' SGD, whose momentum form and weight decay differ. The rate comes from the
+step counter on the device (``lr_steps`` / ``lr_scales``), so no value crosses from the host.
+
+Precision: ``fp32``; ``fp16`` on a GPU as mixed precision: images, convolutions, BatchNorm,
+PReLU, dense layers and the class-matrix product in float16 with float32 variables (the casts
+sit in the layers), the margin and softmax in float32, and dynamic loss scaling of torch's policy
+(start 2**16, halve on an overflow, double after 2000 clean steps) kept entirely on the device:
+the overflow flag is taken after the all-reduce, so every rank sees the same gradients and makes
+the same decision, and ``tf.cond`` skips the update without a host read-back. ``fp16`` on a CPU
+and ``bf16`` anywhere are refused (``check_precision``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ...config import Workload
+from . import models
+from .comm import Comm
+from .heads import MarginSoftmaxHead, check_fc
+
+LOSS_SCALE_INIT = 2.0 ** 16
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_INTERVAL = 2000
+CLIP_EPS = 1e-6
+
+
+def check_precision(precision: str, device_type: str) -> None:
+    if precision == "fp16" and device_type != "gpu":
+        raise ValueError("fp16 needs a GPU in the tf backend (mixed float16 on a CPU is not run)")
+    if precision == "bf16":
+        raise ValueError("bf16 is not supported by the tf backend (only fp32, and fp16 on a GPU)")
+
+
+def synthetic_batch(workload: Workload, rank: int, device: str) -> tuple[tf.Tensor, tf.Tensor]:
+    """One batch per rank, seeded by (seed, rank) so ranks see different samples: normal NHWC
+    images and uniform labels, drawn with numpy and put on ``device`` once."""
+    rs = np.random.RandomState(workload.seed * 1000 + rank + 1)
+    side = workload.input_size
+    images = rs.standard_normal((workload.batch_size, side, side, 3)).astype(np.float32)
+    labels = rs.randint(0, workload.num_classes, workload.batch_size)
+    return to_device(workload, images, labels, device)
+
+
+def init_batch(workload: Workload, arrays: Any, rank: int, device: str
+               ) -> tuple[tf.Tensor, tf.Tensor]:
+    """Rank ``rank``'s batch from an alignment file (``RunSpec.init``: NCHW images)."""
+    images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
+    side = workload.input_size
+    if tuple(images.shape) != (workload.batch_size, 3, side, side):
+        raise ValueError(f"images/{rank} has shape {tuple(images.shape)}, expected "
+                         f"{(workload.batch_size, 3, side, side)}")
+    if tuple(labels.shape) != (workload.batch_size,):
+        raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
+    return to_device(workload, np.asarray(images).transpose(0, 2, 3, 1), labels, device)
+
+
+def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, device: str
+              ) -> tuple[tf.Tensor, tf.Tensor]:
+    dtype = tf.float16 if workload.precision == "fp16" else tf.float32
+    with tf.device(device):
+        return (tf.constant(np.ascontiguousarray(images, dtype=np.float32), dtype=dtype),
+                tf.constant(np.asarray(labels), dtype=tf.int32))
+
+
+class TrainStep:
+    """Call with (images, labels); returns (this rank's loss, marker) as device tensors. The
+    marker is the step counter read after every update of the step has run."""
+
+    def __init__(self, workload: Workload, comm: Comm, init: Any = None) -> None:
+        task = models.backbone_task(workload.backbone)
+        if task != workload.task:
+            raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
+                             f"but the workload is {workload.task}")
+        if workload.task == "face":
+            check_fc(workload.fc)
+        check_precision(workload.precision, comm.device_type)
+        self.workload = workload
+        self.comm = comm
+        self.fp16 = workload.precision == "fp16"
+        compute = tf.float16 if self.fp16 else tf.float32
+        with tf.device(comm.tf_device):
+            self.backbone = models.build_backbone(
+                workload.backbone, embedding_size=workload.embedding_size,
+                num_classes=workload.num_classes, input_size=workload.input_size,
+                output_block=workload.output_block, dropout=workload.dropout,
+                seed=workload.seed)
+            if init is not None:
+                models.load_torch_arrays(self.backbone, init)
+            self.head: MarginSoftmaxHead | None = None
+            if workload.task == "face":
+                self.head = MarginSoftmaxHead(
+                    workload.num_classes, workload.embedding_size, workload.resolved_margins,
+                    workload.scale, mode=workload.fc, seed=workload.seed,
+                    compute_dtype=compute)
+                if init is not None:
+                    self.head.set_weight(np.asarray(init["head/weight"]))
+            self.backbone_vars = self.backbone.trainable_variables
+            self.variables = self.backbone_vars + ([self.head.weight] if self.head else [])
+            self.buffers = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False)
+                            for v in self.variables]
+            self.step_count = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self.loss_scale = tf.Variable(LOSS_SCALE_INIT if self.fp16 else 1.0,
+                                          dtype=tf.float32, trainable=False)
+            self.clean_steps = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._fn = tf.function(self._step, jit_compile=False, autograph=False)
+
+    @property
+    def settings(self) -> dict:
+        return {"strategy": type(self.comm.strategy).__name__,
+                "communication": self.comm.communication,
+                "variables": "plain per-process variables, gradients all-reduced in the "
+                             "replica context",
+                "graph": "tf.function, jit_compile off",
+                "update": "ResourceApplyMomentum (torch's SGD rule)",
+                "mixed_precision": "float16" if self.fp16 else None,
+                "loss_scaling": "dynamic, on the device, one decision for all ranks"
+                if self.fp16 else None}
+
+    # ------------------------------------------------------------------------------ graph
+
+    def _rate(self) -> tf.Tensor:
+        wl = self.workload
+        rate = tf.constant(wl.lr, tf.float32)
+        for boundary, factor in zip(wl.lr_steps, wl.lr_scales):
+            rate = tf.where(self.step_count >= boundary, tf.constant(wl.lr * factor, tf.float32),
+                            rate)
+        return rate
+
+    def _loss(self, images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+        out = self.backbone(images, training=True)
+        if self.head is not None:
+            return self.head(out, labels)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels, tf.cast(out, tf.float32)))
+
+    def _update(self, grads: list[tf.Tensor]) -> list[tf.Operation]:
+        """Clip the backbone's part and apply SGD to every variable."""
+        wl = self.workload
+        grads = list(grads)
+        nb = len(self.backbone_vars)
+        if wl.clip_grad_norm is not None and nb:
+            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads[:nb]]))
+            coef = tf.minimum(wl.clip_grad_norm / (norm + CLIP_EPS), 1.0)
+            grads[:nb] = [g * coef for g in grads[:nb]]
+        rate = self._rate()
+        ops = []
+        for var, buf, grad in zip(self.variables, self.buffers, grads):
+            ops.append(tf.raw_ops.ResourceApplyMomentum(
+                var=var.handle, accum=buf.handle, lr=rate, grad=grad + wl.weight_decay * var,
+                momentum=tf.constant(wl.momentum, tf.float32), use_locking=False,
+                use_nesterov=False))
+        return ops
+
+    def _replica(self, images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor,
+                                                                       tf.Tensor]:
+        with tf.GradientTape() as tape:
+            loss = self._loss(images, labels)
+            scaled = loss * self.loss_scale if self.fp16 else loss
+        grads = tape.gradient(scaled, self.variables)
+        grads = self.comm.all_reduce_mean([tf.cast(g, tf.float32) for g in grads])
+        if not self.fp16:
+            with tf.control_dependencies(self._update(grads)):
+                marker = self.step_count.assign_add(1)
+            return loss, marker, tf.constant(False)
+        grads = [g / self.loss_scale for g in grads]
+        # After the all-reduce: an inf or NaN on any rank is in every rank's reduced gradient.
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+
+        def step():
+            with tf.control_dependencies(self._update(grads)):
+                grown = self.clean_steps + 1 >= LOSS_SCALE_INTERVAL
+                return tf.group(
+                    self.loss_scale.assign(tf.where(grown, self.loss_scale * LOSS_SCALE_GROWTH,
+                                                    self.loss_scale)),
+                    self.clean_steps.assign(tf.where(grown, tf.constant(0, tf.int64),
+                                                     self.clean_steps + 1)))
+
+        def skip():
+            return tf.group(self.loss_scale.assign(self.loss_scale * LOSS_SCALE_BACKOFF),
+                            self.clean_steps.assign(0))
+
+        done = tf.cond(finite, step, skip)
+        with tf.control_dependencies([done]):
+            marker = self.step_count.assign_add(1)
+        return loss, marker, tf.logical_not(finite)
+
+    def _step(self, images: tf.Tensor, labels: tf.Tensor):
+        return self.comm.strategy.run(self._replica, args=(images, labels))
+
+    def __call__(self, images: tf.Tensor, labels: tf.Tensor
+                 ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(loss, marker, skipped): device tensors of this step, nothing waited for."""
+        return self._fn(images, labels)

@@ -1,0 +1,124 @@
+"""The JAX backend end to end through the CLI: the same runner, results and report as torch,
+strict alignment against torch through ``trainperf.align``, and a failing rank recorded as a
+result with no process of the run left behind.
+
+Compilation dominates these runs' cost on a CPU, so the workers get XLA flags that compile
+several times faster (no LLVM optimisation, no fusion emitters: the same arithmetic, rounded
+differently in places) and a persistent compilation cache shared by the module's runs (the
+fault test's rank 0 loads the program the two-rank run compiled). Nothing here depends on how
+fast anything ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import psutil
+import pytest
+
+from trainperf import results
+from trainperf.align import FIRST_LOSS_RTOL, LATER_LOSS_RTOL
+from trainperf.cli import main
+from trainperf.envs import state
+
+pytestmark = pytest.mark.slow
+SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def left_behind(folder: Path) -> list[psutil.Process]:
+    """Live processes of runs under ``folder`` (every process of a run inherits
+    TRAINPERF_RUN_ID from the runner)."""
+    root = str(folder.resolve())
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def compile_env(tmp_path_factory):
+    """Environment of the module's runs: fast XLA compilation and one compilation cache."""
+    cache = tmp_path_factory.mktemp("jax_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", FAST_COMPILE)
+        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
+        mp.delenv("TRAINPERF_FAULT", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def mp_run(tmp_path_factory, jax_python, compile_env):
+    out = tmp_path_factory.mktemp("jax_runs") / "tiny"
+    code = main(["run", "tiny-arcface", "--framework", "jax", "--devices", "1,2", "--fc", "mp",
+                 *SHORT, "--out", str(out)])
+    return code, out
+
+
+def test_mp_on_one_and_two_ranks_gives_results(mp_run):
+    code, out = mp_run
+    assert code == 0
+    doc = results.load(out)
+    assert doc["framework"] == "jax"
+    env = doc["env"]
+    assert env["framework"] == "jax"
+    assert env["framework_version"] == state("jax").versions["jax"]
+    assert env["device_type"] == "cpu" and env["flax_version"] and env["optax_version"]
+    assert [c["world_size"] for c in doc["cases"]] == [1, 2]
+    for case in doc["cases"]:
+        run = case["runs"][0]
+        assert run["status"] == "ok" and run["samples_per_s"] > 0
+        assert run["samples_per_step"] == 8 * case["world_size"]
+        assert len(run["step_times_s"]) == 3 and len(run["losses"]) == 4
+        assert all(math.isfinite(v) for v in run["losses"])
+        # Four SGD steps on one fixed batch: the margin loss falls.
+        assert run["losses"][-1] < run["losses"][0]
+        assert run["peak_memory_bytes"] > 0
+        assert len(run["peak_memory_bytes_per_rank"]) == case["world_size"]
+        settings = case["settings"]
+        assert settings["compile_s"] > 0 and "lower" in settings["compile"]
+        assert settings["mesh"] == {"axis": "r", "devices": case["world_size"]}
+        assert case["pfc_update"] == "full"
+    assert doc["cases"][1]["speedup"] is not None
+    # Two ranks: the second rank ran with one intra-op thread, as the spec asked.
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    starts = [e for e in events if e.get("event") == "start"]
+    assert starts[1]["env"]["threads"] == 1
+    assert "--xla_cpu_multi_thread_eigen=false" in starts[1]["env"]["xla_flags"]
+
+
+def test_alignment_with_torch_on_two_ranks_of_mp(tmp_path, jax_python, compile_env, capsys):
+    """The cheapest set that covers the sharded head: mp on 2 ranks, 3 steps."""
+    code = main(["align", "tiny-arcface", "--framework", "jax", "--devices", "2", "--fc", "mp",
+                 "--steps", "3", "--out", str(tmp_path / "a")])
+    outcome = json.loads((tmp_path / "a" / "align.json").read_text())
+    assert code == 0, capsys.readouterr().out
+    (check,) = outcome["checks"]
+    assert check["fc"] == "mp" and check["ranks"] == 2 and check["aligned"]
+    assert check["params"]["torch"] == check["params"]["other"]
+    assert check["first_loss_rel_diff"] <= FIRST_LOSS_RTOL
+    assert check["max_loss_rel_diff"] <= LATER_LOSS_RTOL
+    assert len(check["losses"]["other"]) == 3
+    assert left_behind(tmp_path) == []
+
+
+def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, jax_python,
+                                                     compile_env):
+    """One rank killed outright (no error event: as the kernel's OOM killer would) and rank 0
+    of two raising while rank 1 waits on it in a collective: both runs are ``failed``
+    results, and no process of either is left."""
+    monkeypatch.setenv("TRAINPERF_FAULT", "kill@0:1,raise@0:2")
+    code = main(["run", "tiny-arcface", "--framework", "jax", "--devices", "1,2", "--fc", "mp",
+                 *SHORT, "--out", str(tmp_path / "r")])
+    assert code == 1
+    killed, raised = (c["runs"][0] for c in results.load(tmp_path / "r")["cases"])
+    for run in (killed, raised):
+        assert run["status"] == "failed" and run["samples_per_s"] is None
+    assert killed["exit_code"] not in (0, None) and "injected" in raised["error"]
+    assert left_behind(tmp_path) == []

@@ -1,0 +1,529 @@
+"""The Paddle head and training step (``trainperf.backends.paddle``) against the float64 oracle.
+
+Paddle runs in its own environment (``paddle_python``): each fixture runs a script there that
+writes ``.npz`` files, and the comparisons happen here, against ``tests/oracle.py``. The 2-rank
+checks start two ranks through the backend's own launcher (``trainperf.backends.spawn``, gloo),
+as a run does.
+
+Tolerances: Paddle computes in float32 from the same float32 inputs the oracle casts to float64.
+The loss agrees to a relative 1e-5; the logits (scaled by s = 64) to 1e-4 absolute; gradients
+to 1e-5 of the largest entry of the same gradient. The clamp of the margin is compared with
+``oracle.FP32_COS_EPS``, the bound a float32 backend really applies.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import oracle
+
+ROOT = Path(__file__).resolve().parents[1]
+MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
+SCALE = 64.0
+GRAD_RTOL = 1e-5
+
+
+def pd_env(*extra: Path) -> dict[str, str]:
+    paths = [str(ROOT / "src"), *map(str, extra)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
+    env.pop("TRAINPERF_FAULT", None)
+    return env
+
+
+def run_pd(python: str, argv: list[str], env: dict[str, str], timeout: float = 180) -> None:
+    proc = subprocess.run([python, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
+                                 f"{proc.stderr[-5000:]}"
+
+
+def close_to_max(got, want, rtol=GRAD_RTOL) -> None:
+    """Every entry within ``rtol`` of the largest entry of ``want``."""
+    want = np.asarray(want, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == want.shape
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err <= rtol, f"max error {err:.3g} of the largest entry"
+
+
+def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
+    """Embeddings, an unnormalised class matrix and labels, with one target at cos = 1 (the
+    clamped band), one at cos = -1 (past theta_max) and one class shared by two samples."""
+    rng = np.random.RandomState(seed)
+    emb = rng.randn(n, d).astype(np.float32)
+    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
+    labels = rng.choice(c, size=n, replace=False)
+    labels[3] = labels[2]
+    weight[labels[0]] = emb[0] * 0.03
+    weight[labels[1]] = -emb[1] * 0.04
+    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
+
+
+def sampled_oracle(emb, weight, labels, ids, margins):
+    """The oracle's head restricted to the classes ``ids`` (global, ascending within each
+    shard, shards in rank order): what a sampling pfc head computes."""
+    position = {int(c): i for i, c in enumerate(ids)}
+    remapped = np.array([position[int(y)] for y in labels])
+    return oracle.head_forward_backward(emb, weight[ids], remapped, margins, SCALE,
+                                        cos_eps=oracle.FP32_COS_EPS)
+
+
+# --------------------------------------------------------------------------- one process
+
+ONE_PROCESS = r"""
+import contextlib, sys
+import numpy as np
+import paddle
+from trainperf.config import Workload
+from trainperf.backends.paddle import step as step_module
+from trainperf.backends.paddle.comm import Comm
+from trainperf.backends.paddle.heads import MarginSoftmaxHead, sample_classes
+from trainperf.backends.paddle.step import TrainStep, synthetic_batch
+
+folder = sys.argv[1]
+T = paddle.to_tensor
+
+# (1) dp heads on the oracle's inputs.
+for name in ("arcface", "cosface", "combined"):
+    x = np.load(f"{folder}/{name}_in.npz")
+    c, d = x["weight"].shape
+    head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), Comm())
+    head.set_weight(x["weight"])
+    loss, grad = head.forward_backward(T(x["emb"]), T(x["labels"]), keep_logits=True)
+    np.savez(f"{folder}/{name}_out.npz", loss=loss.numpy(), grad_emb=grad.numpy(),
+             grad_weight=head.grad.numpy(), logits=head.logits.numpy())
+
+# (2) the sampling rule.
+s = np.load(f"{folder}/sample_in.npz")
+out = {}
+for i in range(int(s["cases"])):
+    index, remapped = sample_classes(T(s[f"{i}/labels"]), int(s[f"{i}/num_local"]),
+                                     int(s[f"{i}/num_sample"]), T(s[f"{i}/uniform"]))
+    out[f"{i}/index"], out[f"{i}/remapped"] = index.numpy(), remapped.numpy()
+np.savez(f"{folder}/sample_out.npz", **out)
+
+# (3) a sampling pfc head, one rank, two steps with given negative scores: sparse and dense.
+x = np.load(f"{folder}/pfc_in.npz")
+c, d = x["weight"].shape
+for update in ("sparse", "dense"):
+    head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, Comm(), mode="pfc", sample_ratio=0.4,
+                             update=update)
+    head.set_weight(x["weight"])
+    out = {"update": head.update}
+    for k in range(2):
+        loss, grad = head.forward_backward(T(x["emb"]), T(x[f"labels{k}"]),
+                                           scores=T(x[f"scores{k}"]))
+        out.update({f"{k}/loss": loss.numpy(), f"{k}/grad_emb": grad.numpy(),
+                    f"{k}/grad": head.grad.numpy(), f"{k}/index": head.index.numpy()})
+        head.sgd_step(0.1, 0.9, 5e-4)
+        out[f"{k}/after"] = head.weight.numpy()
+    np.savez(f"{folder}/pfc_{update}_out.npz", **out)
+
+# (4) three updates of the step, the raw gradients before each.
+cases = {
+    # A tiny clip norm so clipping acts on every step; the rate drops after step 1.
+    "face": Workload(backbone="iresnet_tiny", num_classes=10, batch_size=4, embedding_size=8,
+                     input_size=16, dropout=0.0, clip_grad_norm=0.05, lr_steps=(1,),
+                     lr_scales=(0.1,)),
+    "classification": Workload(backbone="resnet_v1b_tiny", task="classification",
+                               num_classes=10, batch_size=4, input_size=16, lr=0.05,
+                               clip_grad_norm=None, lr_steps=(2,), lr_scales=(0.2,)),
+}
+for name, wl in cases.items():
+    step = TrainStep(wl, Comm())
+    images, labels = synthetic_batch(wl, 0)
+    def values(kind):
+        if kind == "data":
+            return [p.numpy() for p in step.params] + ([step.head.weight.numpy()]
+                                                       if step.head else [])
+        return [p.grad.numpy() for p in step.params] + ([step.head.grad.numpy()]
+                                                        if step.head else [])
+    out = {"backbone_count": len(step.params)}
+    for i in range(3):
+        before = values("data")
+        step.compute_gradients(images, labels)
+        grads = values("grad")
+        step.apply()
+        after = values("data")
+        for j, (b, g, a) in enumerate(zip(before, grads, after)):
+            out[f"{i}/{j}/before"], out[f"{i}/{j}/grad"], out[f"{i}/{j}/after"] = b, g, a
+    out["arrays"] = len(before)
+    np.savez(f"{folder}/{name}.npz", **out)
+
+# (5) what the backend refuses, and the message.
+refused = []
+base = dict(backbone="iresnet_tiny", num_classes=10, batch_size=4, embedding_size=8,
+            input_size=16)
+for change in ({"precision": "fp16"}, {"precision": "bf16"}):
+    try:
+        TrainStep(Workload(**base, **change), Comm())
+        refused.append("accepted")
+    except ValueError as exc:
+        refused.append(str(exc))
+with open(f"{folder}/refused.txt", "w") as f:
+    f.write("\n".join(refused))
+
+# (6) fp16's loss-scaling bookkeeping on CPU, where the backend refuses fp16: autocast off and
+# the head's products in fp32, so only the scaling, the overflow check and the skip remain.
+step_module.check_precision = lambda precision, device_type: None
+TrainStep._autocast = lambda self: contextlib.nullcontext()
+scaled = {}
+for precision in ("fp32", "fp16"):
+    wl = Workload(**base, precision=precision, dropout=0.0)
+    step = TrainStep(wl, Comm())
+    step.head.mm_dtype = "float32"
+    images, labels = synthetic_batch(wl, 0)
+    losses = []
+    for i in range(5):
+        loss = step.compute_gradients(images, labels)
+        if precision == "fp16" and i == 2:  # an overflow in one gradient, checked again
+            paddle.assign(paddle.full_like(step.params[3].grad, float("inf")),
+                          output=step.params[3].grad)
+            step._bad = step._overflow()
+        step.apply()
+        losses.append(float(loss))
+    scaled[precision] = losses
+    scaled[precision + "_scale"] = -1.0 if step.loss_scale is None else step.loss_scale
+    scaled[precision + "_skipped"] = np.array(step.skipped_steps, dtype=np.int64)
+np.savez(f"{folder}/loss_scaling.npz", **scaled)
+"""
+
+
+def sample_cases() -> dict[str, np.ndarray]:
+    """Shards with positives fewer than, more than, and exactly the sample; labels of other
+    shards (-1) and repeated positives."""
+    rng = np.random.RandomState(3)
+    cases = [
+        (np.array([4, -1, 9, 4, -1, 0]), 12, 5),
+        (np.array([1, 7, 3, 11, 5, -1, 9, 2]), 12, 3),      # 7 positives > 3 sampled
+        (np.array([-1, -1, -1]), 6, 2),                      # no positive here
+        (np.array([2, 0, 1, 2]), 4, 3),                      # positives fill the sample
+    ]
+    out: dict[str, np.ndarray] = {"cases": np.array(len(cases))}
+    for i, (labels, num_local, num_sample) in enumerate(cases):
+        out[f"{i}/labels"] = labels.astype(np.int64)
+        out[f"{i}/num_local"] = np.array(num_local)
+        out[f"{i}/num_sample"] = np.array(num_sample)
+        out[f"{i}/uniform"] = rng.permutation(num_local).astype(np.float32) / num_local
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, paddle_python):
+    folder = tmp_path_factory.mktemp("pd_heads")
+    for i, (name, margins) in enumerate(MARGINS.items()):
+        np.savez(folder / f"{name}_in.npz", **head_inputs(i, 12, 8, 37), margins=margins,
+                 scale=SCALE)
+    np.savez(folder / "sample_in.npz", **sample_cases())
+    x = head_inputs(11, 6, 8, 20)
+    rng = np.random.RandomState(5)
+    np.savez(folder / "pfc_in.npz", emb=x["emb"], weight=x["weight"], labels0=x["labels"],
+             labels1=rng.choice(20, size=6, replace=False).astype(np.int64),
+             scores0=(rng.permutation(20) / 20).astype(np.float32),
+             scores1=(rng.permutation(20) / 20).astype(np.float32))
+    run_pd(paddle_python, ["-c", ONE_PROCESS, str(folder)], pd_env())
+    return folder
+
+
+@pytest.mark.parametrize("loss", list(MARGINS))
+def test_dp_head_equals_the_oracle(one_process, loss):
+    x = np.load(one_process / f"{loss}_in.npz")
+    got = np.load(one_process / f"{loss}_out.npz")
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS[loss], SCALE,
+                                       cos_eps=oracle.FP32_COS_EPS)
+    assert float(got["loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    close_to_max(got["grad_emb"], ref["grad_emb"])
+    close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
+def test_sampling_follows_the_oracles_rule(one_process):
+    """Every positive kept, negatives by score, sorted; labels remapped into the sample."""
+    x = np.load(one_process / "sample_in.npz")
+    got = np.load(one_process / "sample_out.npz")
+    for i in range(int(x["cases"])):
+        index, remapped = oracle.pfc_sample(x[f"{i}/labels"], x[f"{i}/num_local"],
+                                            x[f"{i}/num_sample"], x[f"{i}/uniform"])
+        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
+        np.testing.assert_array_equal(got[f"{i}/remapped"], remapped, err_msg=f"case {i}")
+    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+
+
+@pytest.mark.parametrize("update", ["sparse", "dense"])
+def test_sampling_head_and_its_update(one_process, update):
+    """A pfc head at ratio 0.4 of 20 classes: the sample is the oracle's, the loss and gradients
+    are the oracle's over the sampled classes, and the update is torch's SGD: on the sampled
+    rows only with momentum kept per row (sparse), or on the whole matrix with a gradient that
+    is zero off the sample (dense, arcface_torch's)."""
+    x = np.load(one_process / "pfc_in.npz")
+    got = np.load(one_process / f"pfc_{update}_out.npz")
+    assert str(got["update"]) == update
+    weight = x["weight"].astype(np.float64)
+    buf = np.zeros_like(weight)
+    touched = np.zeros(len(weight), bool)
+    for k in range(2):
+        local = x[f"labels{k}"]
+        index, _ = oracle.pfc_sample(local, 20, 8, x[f"scores{k}"])
+        np.testing.assert_array_equal(got[f"{k}/index"], index)
+        # The oracle on float32 weights, as the head holds them.
+        ref = sampled_oracle(x["emb"], weight.astype(np.float32), local, index, (1.0, 0.5, 0.0))
+        assert float(got[f"{k}/loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+        close_to_max(got[f"{k}/grad_emb"], ref["grad_emb"])
+        close_to_max(got[f"{k}/grad"], ref["grad_weight"])
+        grad = got[f"{k}/grad"].astype(np.float64)
+        if update == "sparse":
+            rows, buf[index] = oracle.sgd_momentum_step(weight[index], grad, buf[index],
+                                                        0.1, 0.9, 5e-4)
+            weight = weight.copy()
+            weight[index] = rows
+            touched[index] = True
+        else:
+            full = np.zeros_like(weight)
+            full[index] = grad
+            weight, buf = oracle.sgd_momentum_step(weight, full, buf, 0.1, 0.9, 5e-4)
+        np.testing.assert_allclose(got[f"{k}/after"], weight, rtol=1e-5, atol=1e-7)
+        weight = got[f"{k}/after"].astype(np.float64)
+    if update == "sparse":  # rows never sampled are bit for bit the initial ones
+        np.testing.assert_array_equal(got["1/after"][~touched], x["weight"][~touched])
+
+
+@pytest.mark.parametrize("case,clip,rates", [
+    ("face", 0.05, (0.1, 0.01, 0.01)),
+    ("classification", None, (0.05, 0.05, 0.01)),
+])
+def test_update_is_torch_sgd_with_clipping_and_rate_changes(one_process, case, clip, rates):
+    """Three steps of the update equal torch's SGD (oracle.sgd_momentum_step) on the step's own
+    gradients, with the backbone's global-norm clipping (not the head's) and a change of
+    rate."""
+    got = np.load(one_process / f"{case}.npz")
+    count, backbone = int(got["arrays"]), int(got["backbone_count"])
+    bufs = [None] * count
+    coefs = []
+    for i, lr in enumerate(rates):
+        grads = [got[f"{i}/{j}/grad"].astype(np.float64) for j in range(count)]
+        if clip is not None:
+            norm = np.sqrt(sum(float((g * g).sum()) for g in grads[:backbone]))
+            coef = min(clip / (norm + 1e-6), 1.0)
+            coefs.append(coef)
+            grads = [g * coef for g in grads[:backbone]] + grads[backbone:]
+        for j in range(count):
+            want, bufs[j] = oracle.sgd_momentum_step(got[f"{i}/{j}/before"], grads[j], bufs[j],
+                                                     lr, 0.9, 5e-4)
+            np.testing.assert_allclose(got[f"{i}/{j}/after"], want, rtol=1e-5,
+                                       atol=1e-6 * max(np.abs(want).max(), 1.0),
+                                       err_msg=f"step {i} array {j}")
+    if clip is not None:
+        assert max(coefs) < 1.0  # clipping acted
+
+
+def test_half_precision_on_cpu_is_refused(one_process):
+    fp16, bf16 = (one_process / "refused.txt").read_text().splitlines()
+    assert fp16.startswith("fp16 needs a GPU in the paddle backend")
+    assert bf16.startswith("bf16 needs a GPU in the paddle backend")
+
+
+def test_fp16_loss_scaling_scales_checks_and_skips(one_process):
+    """Without an overflow the scaled step trains exactly as fp32 (the scale is a power of
+    two); an overflow skips that step's update (the next loss repeats it) and halves the
+    scale from 2**16."""
+    got = np.load(one_process / "loss_scaling.npz")
+    fp32, fp16 = list(got["fp32"]), list(got["fp16"])
+    np.testing.assert_allclose(fp16[:3], fp32[:3], rtol=1e-6)
+    assert fp16[3] == fp16[2]
+    np.testing.assert_allclose(fp16[4], fp32[3], rtol=1e-5)
+    assert float(got["fp16_scale"]) == 2.0 ** 15
+    assert list(got["fp16_skipped"]) == [2]
+
+
+# ------------------------------------------------------------------ two ranks, gloo
+
+# Each rank: (1) the mp head on the oracle's inputs, twice (nothing may carry over between
+# calls), and pfc at ratio 1.0 (no sampling: mp itself); (2) pfc at ratio 0.5 with given
+# negative scores; (3) a dp and an mp TrainStep's reduced gradients, beside the same gradients
+# computed in this process alone by one-process steps from the same weights.
+RANK = r"""
+import sys
+import numpy as np
+import paddle
+from trainperf.config import Workload
+from trainperf.backends.paddle import models
+from trainperf.backends.paddle.comm import Comm, comm_from_env
+from trainperf.backends.paddle.heads import MarginSoftmaxHead
+from trainperf.backends.paddle.step import TrainStep, synthetic_batch
+
+folder = sys.argv[1]
+comm = comm_from_env("cpu")
+r = comm.rank
+T = paddle.to_tensor
+x = np.load(f"{folder}/head_in.npz")
+c, d = x["weight"].shape
+rows = x["emb"].shape[0] // comm.world_size
+emb, labels = T(x["emb"][r * rows:(r + 1) * rows]), T(x["labels"][r * rows:(r + 1) * rows])
+out = {}
+for tag, kwargs in (("mp", {"mode": "mp"}), ("pfc1", {"mode": "pfc", "sample_ratio": 1.0})):
+    head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, comm, **kwargs)
+    head.set_weight(x["weight"])
+    out[f"{tag}/start"], out[f"{tag}/count"] = head.start, head.count
+    for call in (1, 2):
+        loss, grad = head.forward_backward(emb, labels, keep_logits=True)
+        out.update({f"{tag}/loss{call}": loss.numpy(), f"{tag}/grad_emb{call}": grad.numpy(),
+                    f"{tag}/grad_weight{call}": head.grad.numpy(),
+                    f"{tag}/logits{call}": head.logits.numpy()})
+head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, comm, mode="pfc", sample_ratio=0.5)
+head.set_weight(x["weight"])
+loss, grad = head.forward_backward(emb, labels, scores=T(x[f"scores{r}"][:head.count]))
+out.update({"pfc/loss": loss.numpy(), "pfc/grad_emb": grad.numpy(), "pfc/grad": head.grad.numpy(),
+            "pfc/index": head.index.numpy(), "pfc/num_sample": head.num_sample})
+
+for fc in ("dp", "mp"):
+    wl = Workload(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
+                  input_size=16, dropout=0.0, fc=fc, clip_grad_norm=None)
+    step = TrainStep(wl, comm)
+    names = models.torch_names(step.net)
+    init = {"backbone/" + k: v for k, v in models.torch_state(step.net).items()}
+    init["head/weight"] = x["step_head"]
+    step.head.set_weight(x["step_head"])
+    batches = [synthetic_batch(wl, k) for k in range(2)]
+    loss = step.compute_gradients(*batches[r])
+    out[f"{fc}/loss"] = loss.numpy()
+    out[f"{fc}/head_grad"] = step.head.grad.numpy()
+    out[f"{fc}/start"] = step.head.start
+    trained = {id(p) for p in step.params}  # not BN statistics, not the fixed gamma
+    for k, (p, t) in names.items():
+        if id(p) in trained:
+            out[f"{fc}/grad/{k}"] = p.grad.numpy().T if t else p.grad.numpy()
+    # The reference, in this process alone, from the same weights and both ranks' batches.
+    ref = TrainStep(wl.replace(fc="dp"), Comm(), init=init)
+    ref_names = {k: v for k, v in models.torch_names(ref.net).items()
+                 if any(v[0] is p for p in ref.params)}
+    if fc == "dp":  # each rank's own gradient; the test averages them
+        for k in range(2):
+            out[f"dp/ref{k}/loss"] = ref.compute_gradients(*batches[k]).numpy()
+            out[f"dp/ref{k}/head_grad"] = ref.head.grad.numpy()
+            for n, (p, t) in ref_names.items():
+                out[f"dp/ref{k}/grad/{n}"] = p.grad.numpy().T if t else p.grad.numpy()
+            ref.opt.clear_grad(set_to_zero=False)
+    else:  # one softmax over both halves, each half through the backbone on its own
+        halves = [ref.net(images) for images, _ in batches]
+        both = paddle.concat(halves)
+        loss, grad = ref.head.forward_backward(both, paddle.concat([y for _, y in batches]))
+        paddle.autograd.backward(halves, [grad[:4], grad[4:]])
+        out["mp/ref/loss"] = loss.numpy()
+        out["mp/ref/head_grad"] = ref.head.grad.numpy()
+        for n, (p, t) in ref_names.items():
+            out[f"mp/ref/grad/{n}"] = p.grad.numpy().T if t else p.grad.numpy()
+    step.apply()
+    for k, v in models.torch_state(step.net).items():
+        out[f"{fc}/before/{k}"], out[f"{fc}/after/{k}"] = init["backbone/" + k], v
+    out[f"{fc}/later"] = np.array([float(step(*batches[r])) for _ in range(2)])
+np.savez(f"{folder}/rank{r}.npz", **out)
+comm.barrier()
+"""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, paddle_python):
+    folder = tmp_path_factory.mktemp("pd_two_ranks")
+    x = head_inputs(7, 12, 8, 37)
+    rng = np.random.RandomState(9)
+    (folder / "paddle_rank_check.py").write_text(RANK)
+    np.savez(folder / "head_in.npz", **x,
+             scores0=(rng.permutation(19) / 19).astype(np.float32),
+             scores1=(rng.permutation(19) / 19).astype(np.float32),
+             step_head=(rng.randn(37, 8) * 0.01).astype(np.float32))
+    run_pd(paddle_python, ["-m", "trainperf.backends.spawn", "--backend", "paddle", "--nproc",
+                           "2", "--module", "paddle_rank_check", "--", str(folder)],
+           pd_env(folder))
+    return folder, [dict(np.load(folder / f"rank{r}.npz")) for r in range(2)]
+
+
+def test_mp_head_on_two_ranks_equals_the_full_softmax(two_ranks):
+    """Each rank's shard logits and class-matrix gradient are the oracle's columns and rows,
+    its embedding gradient the oracle's rows of its own samples, the loss the global one; a
+    second call repeats the first; pfc at ratio 1.0 is mp exactly."""
+    folder, ranks = two_ranks
+    x = np.load(folder / "head_in.npz")
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS["arcface"],
+                                       SCALE, world_size=2, cos_eps=oracle.FP32_COS_EPS)
+    assert [int(g["mp/count"]) for g in ranks] == [19, 18]  # 37 classes: uneven shards
+    for r, got in enumerate(ranks):
+        shard = ref["shards"][r]
+        assert int(got["mp/start"]) == shard["start"]
+        for call in (1, 2):
+            assert float(got[f"mp/loss{call}"]) == pytest.approx(ref["loss"], rel=1e-5)
+            np.testing.assert_allclose(got[f"mp/logits{call}"], shard["logits"], rtol=0,
+                                       atol=1e-4)
+            close_to_max(got[f"mp/grad_weight{call}"], shard["grad_weight"])
+            close_to_max(got[f"mp/grad_emb{call}"], ref["grad_emb"][r * 6:(r + 1) * 6])
+        for key in ("loss", "grad_emb", "grad_weight", "logits"):
+            np.testing.assert_array_equal(got[f"pfc1/{key}1"], got[f"mp/{key}1"])
+
+
+def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(two_ranks):
+    folder, ranks = two_ranks
+    x = np.load(folder / "head_in.npz")
+    ids = []
+    for r, got in enumerate(ranks):
+        start, count = oracle.shard_of(37, r, 2)
+        local = oracle.local_labels_of(x["labels"], start, count)
+        index, _ = oracle.pfc_sample(local, count, int(got["pfc/num_sample"]),
+                                     x[f"scores{r}"][:count])
+        np.testing.assert_array_equal(got["pfc/index"], index)
+        ids.append(start + index)
+    ref = sampled_oracle(x["emb"], x["weight"], x["labels"], np.concatenate(ids),
+                         MARGINS["arcface"])
+    offset = 0
+    for r, got in enumerate(ranks):
+        assert float(got["pfc/loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+        close_to_max(got["pfc/grad_emb"], ref["grad_emb"][r * 6:(r + 1) * 6])
+        rows = len(ids[r])
+        close_to_max(got["pfc/grad"], ref["grad_weight"][offset:offset + rows])
+        offset += rows
+
+
+def _backbone_grads(got: dict, prefix: str) -> dict[str, np.ndarray]:
+    return {k[len(prefix):]: v.astype(np.float64) for k, v in got.items()
+            if k.startswith(prefix)}
+
+
+def _close_grads(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want) and len(want) > 10
+    largest = max(np.abs(v).max() for v in want.values())
+    for k, v in want.items():
+        err = np.abs(got[k] - v).max() / largest
+        assert err <= 1e-4, f"{k}: {err:.3g} of the largest backbone gradient"
+
+
+def test_dp_step_averages_and_mp_step_sums_over_ranks(two_ranks):
+    """After the all-reduce every rank holds the sum of the ranks' own gradients. dp: the
+    update applies their mean (first step: w - lr * (mean + wd * w)), the same on both ranks.
+    mp: the loss and backbone gradient of one process running the full softmax on both ranks'
+    embeddings (the partials summed and applied as a sum), the shard's class-matrix gradient
+    its rows of the full one; later mp steps give both ranks the same loss."""
+    _, ranks = two_ranks
+    refs = [_backbone_grads(ranks[0], f"dp/ref{k}/grad/") for k in range(2)]
+    total = {k: refs[0][k] + refs[1][k] for k in refs[0]}
+    for r, got in enumerate(ranks):
+        _close_grads(_backbone_grads(got, "dp/grad/"), total)
+        assert float(got["dp/loss"]) == pytest.approx(float(got[f"dp/ref{r}/loss"]), rel=1e-5)
+        close_to_max(got["dp/head_grad"], got["dp/ref0/head_grad"] + got["dp/ref1/head_grad"],
+                     rtol=1e-4)
+        for fc, grads in (("dp", {k: v / 2 for k, v in total.items()}),
+                          ("mp", _backbone_grads(got, "mp/ref/grad/"))):
+            moved = {k: got[f"{fc}/after/{k}"] - got[f"{fc}/before/{k}"] for k in grads}
+            want = {k: -0.1 * (g + 5e-4 * got[f"{fc}/before/{k}"]) for k, g in grads.items()}
+            _close_grads(moved, want)
+        _close_grads(_backbone_grads(got, "mp/grad/"), _backbone_grads(got, "mp/ref/grad/"))
+        assert float(got["mp/loss"]) == pytest.approx(float(got["mp/ref/loss"]), rel=1e-5)
+        start = int(got["mp/start"])
+        close_to_max(got["mp/head_grad"],
+                     got["mp/ref/head_grad"][start:start + len(got["mp/head_grad"])], rtol=1e-4)
+    for fc in ("dp", "mp"):
+        for k in refs[0]:
+            np.testing.assert_array_equal(ranks[0][f"{fc}/after/{k}"], ranks[1][f"{fc}/after/{k}"])
+    np.testing.assert_array_equal(ranks[0]["mp/later"], ranks[1]["mp/later"])

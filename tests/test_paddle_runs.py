@@ -1,0 +1,118 @@
+"""The Paddle backend end to end through the CLI: a measured run on 1 and 2 ranks (mp), strict
+alignment with torch on 2 ranks (mp: the sharded softmax, the gathered embeddings and the summed
+backbone gradients), and failures (a killed rank, a raised error with a peer left waiting in a
+collective) recorded as results with no process of the run left behind.
+
+The tests keep to the fewest runs that cover this: one CLI invocation each for the measured
+runs and for the faults (the faults name the world size they hit, so one invocation fails both
+of its cases differently), and one (fc, ranks) pair of alignment. ``dp`` on 2 ranks is checked
+step by step in ``test_paddle_heads.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import psutil
+import pytest
+
+from trainperf import envs, results
+from trainperf.backends.torch.backbones import build_backbone
+from trainperf.cli import main
+
+pytestmark = pytest.mark.slow
+SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
+
+
+def left_behind(folder: Path) -> list[psutil.Process]:
+    """Live processes of runs under ``folder``: every process of a run inherits
+    TRAINPERF_RUN_ID from the runner."""
+    root = str(folder.resolve())
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, paddle_python):
+    out = tmp_path_factory.mktemp("paddle_run") / "tiny"
+    code = main(["run", "tiny-arcface", "--framework", "paddle", "--devices", "1,2", "--fc",
+                 "mp", *SHORT, "--out", str(out)])
+    return code, out
+
+
+def test_a_measured_run_on_one_and_two_ranks(measured):
+    code, out = measured
+    assert code == 0
+    doc = results.load(out)
+    assert doc["framework"] == "paddle"
+    assert [c["world_size"] for c in doc["cases"]] == [1, 2]
+    env = doc["env"]
+    manifest = json.loads((Path(envs.env_dir("paddle")) / "trainperf-env.json").read_text())
+    assert env["framework"] == "paddle"
+    assert env["framework_version"] == manifest["versions"]["paddle"]
+    assert env["device_type"] == "cpu"
+    for case, samples in zip(doc["cases"], (8, 16)):
+        run = case["runs"][0]
+        assert run["status"] == "ok" and run["samples_per_s"] > 0
+        assert run["samples_per_step"] == samples  # the global batch: 8 per rank
+        assert len(run["step_times_s"]) == 3 and len(run["warmup_step_times_s"]) == 1
+        assert all(t > 0 for t in run["step_times_s"])
+        losses = run["losses"]
+        assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+        assert losses[-1] < losses[0]  # four steps on one batch: it learns
+        assert run["window_samples"] == 3 * samples
+        assert len(run["peak_memory_bytes_per_rank"]) == case["world_size"]
+    assert doc["cases"][1]["speedup"] is not None
+    assert left_behind(out) == []
+
+
+def test_events_say_what_ran(measured):
+    _, out = measured
+    starts = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
+              if '"event": "start"' in line]
+    assert [s["world_size"] for s in starts] == [1, 2]
+    torch_params = sum(p.numel() for p in build_backbone(
+        "iresnet_tiny", embedding_size=starts[0]["workload"]["embedding_size"]).parameters())
+    for s in starts:
+        assert s["backbone_params"] == torch_params
+        assert s["pfc_update"] == "full" and s["workload"]["fc"] == "mp"
+    assert starts[1]["settings"]["gradient_allreduce"]["backend"] == "gloo"
+    assert starts[1]["env"]["collective_backend"] == "gloo"
+
+
+def test_aligned_with_torch_on_two_ranks(tmp_path, paddle_python, capsys):
+    out = tmp_path / "align"
+    code = main(["align", "tiny-arcface", "--framework", "paddle", "--devices", "2", "--fc",
+                 "mp", "--steps", "3", "--out", str(out)])
+    table = capsys.readouterr().out
+    outcome = json.loads((out / "align.json").read_text())
+    assert code == 0, table
+    assert outcome["aligned"], table
+    (check,) = outcome["checks"]
+    assert (check["fc"], check["ranks"]) == ("mp", 2)
+    assert check["params"]["torch"] == check["params"]["other"]
+    assert check["first_loss_rel_diff"] <= 1e-4 and check["max_loss_rel_diff"] <= 2e-3
+    assert len(check["losses"]["other"]) == 3
+    assert left_behind(tmp_path) == []
+
+
+def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, paddle_python):
+    """One rank killed outright (no event written), and rank 0 of 2 raising while rank 1 waits
+    on it in a collective: both runs are ``failed`` results, the raised one with its message."""
+    monkeypatch.setenv("TRAINPERF_FAULT", "kill@1:1,raise@1:2")
+    code = main(["run", "tiny-arcface", "--framework", "paddle", "--devices", "1,2", "--fc",
+                 "mp", *SHORT, "--out", str(tmp_path / "r")])
+    assert code == 1
+    killed, raised = (c["runs"][0] for c in results.load(tmp_path / "r")["cases"])
+    for run in (killed, raised):
+        assert run["status"] == "failed" and run["samples_per_s"] is None
+    assert "injected failure" in raised["error"]
+    assert left_behind(tmp_path) == []

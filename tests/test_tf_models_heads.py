@@ -1,0 +1,363 @@
+"""The TensorFlow backbones, head and update (``trainperf.backends.tf``) against torch and the
+float64 oracle.
+
+TensorFlow runs in its own environment (``tf_python``, no torch there): ONE script run there
+(TensorFlow takes seconds to start) builds the backbones, runs the forward and backward of two
+tiny ones on torch's weights, the dp head on the oracle's inputs and three training steps, and
+writes ``.npz`` / JSON files; the comparisons happen here, against torch and ``tests/oracle.py``.
+
+Tolerances (float32 against torch's float32 or the oracle's float64): outputs element by element
+to 1e-4 of the largest entry; gradients by relative L2 error below 5e-3 (an activation within
+rounding of a ReLU / PReLU / max-pool kink may take the other branch in one framework, which
+changes a gradient locally); the head's loss to 1e-5 relative, its logits (scaled by s = 64) to
+1e-4 absolute and its gradients to 1e-5 of the largest entry, as the MXNet head's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import oracle
+from trainperf.backends.torch.backbones import build_backbone
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
+SCALE = 64.0
+# Parameter names, shapes and counts: tiny-arcface's and rn50-v1b-imagenet's backbones and the
+# tiny ResNet v1b (the full IResNets come from the same code as iresnet_tiny and take seconds to
+# initialise: iresnet50 and iresnet100 were compared by hand).
+BUILDS = {"iresnet_tiny": {"embedding_size": 64}, "resnet50_v1b": {}, "resnet_v1b_tiny": {}}
+# Forward and backward on torch's (randomised) weights: (backbone, build kwargs, side, batch).
+FORWARD = {"iresnet_tiny": ("iresnet_tiny", {"embedding_size": 16}, 32, 4),
+           "resnet_v1b_tiny": ("resnet_v1b_tiny", {"num_classes": 10}, 32, 4)}
+# Three steps of TrainStep: (workload fields, rates of the three steps, clip norm).
+UPDATES = {
+    "face": (dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
+                  input_size=16, dropout=0.0, clip_grad_norm=0.05, lr_steps=(2,),
+                  lr_scales=(0.1,)), (0.1, 0.1, 0.01), 0.05),
+    "classification": (dict(backbone="resnet_v1b_tiny", task="classification", num_classes=10,
+                            batch_size=4, input_size=32, loss="softmax", lr=0.05,
+                            clip_grad_norm=None, lr_steps=(1,), lr_scales=(0.2,)),
+                       (0.05, 0.01, 0.01), None),
+}
+
+TF_SIDE = r"""
+import json, sys
+import numpy as np
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+from trainperf.config import Workload
+from trainperf.backends.tf import models
+from trainperf.backends.tf.comm import Comm
+from trainperf.backends.tf.heads import MarginSoftmaxHead
+from trainperf.backends.tf.step import TrainStep, synthetic_batch
+
+work = sys.argv[1]
+spec = json.load(open(f"{work}/spec.json"))
+report = {"builds": {}, "errors": {}}
+for name, kwargs in spec["builds"].items():
+    net = models.build_backbone(name, **kwargs)
+    report["builds"][name] = {
+        "task": net.task, "count": models.param_count(net), "shapes": models.torch_shapes(net),
+        "frozen": [n for n, e in net.params.entries.items()
+                   if not e.variable.trainable and not e.running]}
+    del net
+
+for case, (name, kwargs, side, _) in spec["forward"].items():
+    data = np.load(f"{work}/{case}.torch.npz")
+    net = models.build_backbone(name, input_size=side, **kwargs)
+    models.load_torch_arrays(net, data)
+    x = tf.constant(data["x"].transpose(0, 2, 3, 1))
+    variables = net.trainable_variables
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = net(x, training=True)
+        objective = tf.reduce_sum(out * tf.constant(data["r"]))
+    grads = tape.gradient(objective, [x] + variables)
+    res = {"out": out.numpy(), "x_grad": grads[0].numpy().transpose(0, 3, 1, 2)}
+    trainable = [n for n, e in net.params.entries.items() if e.variable.trainable]
+    for n, g in zip(trainable, grads[1:]):
+        e = net.params.entries[n]
+        res["grad/" + n] = models.to_torch_layout(g.numpy(), e.layout, e.chw)
+    for n, e in net.params.entries.items():
+        if e.running:
+            res["after/" + n] = e.variable.numpy()
+    np.savez(f"{work}/{case}.tf.npz", **res)
+
+for name in spec["heads"]:
+    x = np.load(f"{work}/{name}_in.npz")
+    c, d = x["weight"].shape
+    head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]))
+    head.set_weight(x["weight"])
+    emb, labels = tf.constant(x["emb"]), tf.constant(x["labels"])
+    with tf.GradientTape() as tape:
+        tape.watch(emb)
+        loss = head(emb, labels)
+    grad_emb, grad_weight = tape.gradient(loss, [emb, head.weight])
+    np.savez(f"{work}/{name}_out.npz", loss=loss.numpy(), grad_emb=grad_emb.numpy(),
+             grad_weight=grad_weight.numpy(), logits=head.logits(emb, labels).numpy())
+
+comm = Comm(0, 1, tf.distribute.get_strategy(), "cpu", None)
+for case, (fields, _, _) in spec["updates"].items():
+    wl = Workload.from_dict(fields)
+    step = TrainStep(wl, comm)
+    images, labels = synthetic_batch(wl, 0, comm.tf_device)
+    out = {"arrays": len(step.variables), "backbone": len(step.backbone_vars)}
+    for i in range(3):
+        # Dropout is off, so this tape sees the gradients the step is about to take.
+        with tf.GradientTape() as tape:
+            loss = step._loss(images, labels)
+        grads = tape.gradient(loss, step.variables)
+        before = [v.numpy() for v in step.variables]
+        step(images, labels)
+        for j, v in enumerate(step.variables):
+            out[f"{i}/{j}/before"], out[f"{i}/{j}/grad"] = before[j], grads[j].numpy()
+            out[f"{i}/{j}/after"] = v.numpy()
+    np.savez(f"{work}/update_{case}.npz", **out)
+
+base = dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
+            input_size=16)
+for key, changes in {"fp16": {"precision": "fp16"}, "bf16": {"precision": "bf16"},
+                     "mp": {"fc": "mp"}}.items():
+    try:
+        TrainStep(Workload(**base, **changes), comm)
+        report["errors"][key] = None
+    except ValueError as e:
+        report["errors"][key] = str(e)
+try:
+    models.build_backbone("mobilefacenet_y1")
+except ValueError as e:
+    report["errors"]["unknown"] = str(e)
+data = dict(np.load(f"{work}/iresnet_tiny.torch.npz"))
+del data["backbone/fc.bias"]
+data["backbone/extra.weight"] = np.zeros(3, np.float32)
+data["backbone/conv1.weight"] = np.zeros((1, 2, 3, 3), np.float32)
+data["backbone/features.weight"] = np.full(16, 2.0, np.float32)
+try:
+    net = models.build_backbone("iresnet_tiny", embedding_size=16, input_size=32)
+    models.load_torch_arrays(net, data)
+except ValueError as e:
+    report["errors"]["load"] = str(e)
+
+# fp16 on a CPU (refused in real runs; TensorFlow's CPU kernels take float16, slowly): the
+# scaling, the overflow check on the reduced gradients and the skip inside the graph. A start
+# at 16 (2**16 overflows this tiny net's float16 gradients at once, as it would torch's) and
+# growth after 2 clean steps instead of 2000.
+from trainperf.backends.tf import step as step_module
+step_module.check_precision = lambda precision, device_type: None
+step_module.LOSS_SCALE_INTERVAL = 2
+scaling = {}
+for precision in ("fp32", "fp16"):
+    wl = Workload(**base, precision=precision, dropout=0.0)
+    step = TrainStep(wl, comm)
+    images, labels = synthetic_batch(wl, 0, comm.tf_device)
+    step.loss_scale.assign(16.0 if precision == "fp16" else 1.0)
+    outs = [step(images * float("inf") if precision == "fp16" and i == 2 else images, labels)
+            for i in range(5)]
+    scaling[precision] = [float(o[0].numpy()) for o in outs]
+    scaling[precision + "_skipped"] = [i for i, o in enumerate(outs) if bool(o[2].numpy())]
+    scaling[precision + "_scale"] = float(step.loss_scale.numpy())
+report["scaling"] = scaling
+json.dump(report, open(f"{work}/report.json", "w"))
+"""
+
+
+def _randomise(model: nn.Module) -> None:
+    """Non-trivial BN and PReLU values (torch's init has gammas 1 or 0, betas 0), so that a
+    layout or mapping mix-up cannot hide behind them."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                if m.weight.requires_grad:
+                    m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+                m.running_mean.normal_(0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+            elif isinstance(m, nn.PReLU):
+                m.weight.uniform_(0.1, 0.4)
+
+
+def _torch_forward(case: str, name: str, kwargs: dict, side: int, batch: int, work: Path
+                   ) -> dict:
+    torch.manual_seed(sum(map(ord, case)))
+    model = build_backbone(name, input_size=side, **kwargs)
+    _randomise(model)
+    arrays = {f"backbone/{k}": v.detach().clone().numpy() for k, v in model.state_dict().items()}
+    x = torch.randn(batch, 3, side, side)
+    with torch.no_grad():
+        width = model.eval()(x[:1]).shape[1]
+    r = torch.randn(batch, width)
+    np.savez(work / f"{case}.torch.npz", x=x.numpy(), r=r.numpy(), **arrays)
+    model.train()
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (out * r).sum().backward()
+    return {"out": out.detach().numpy(), "x_grad": x.grad.numpy(),
+            "grads": {k: p.grad.numpy() for k, p in model.named_parameters() if p.requires_grad},
+            "after": {k: v.numpy() for k, v in model.state_dict().items() if "running" in k}}
+
+
+def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
+    """One target at cos = 1 (the clamped band), one at cos = -1 (past theta_max), and one
+    class shared by two samples."""
+    rng = np.random.RandomState(seed)
+    emb = rng.randn(n, d).astype(np.float32)
+    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
+    labels = rng.choice(c, size=n, replace=False)
+    labels[3] = labels[2]
+    weight[labels[0]] = emb[0] * 0.03
+    weight[labels[1]] = -emb[1] * 0.04
+    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
+
+
+@pytest.fixture(scope="module")
+def tf_side(tmp_path_factory, tf_python):
+    work = tmp_path_factory.mktemp("tf_units")
+    torch_side = {case: _torch_forward(case, *args, work) for case, args in FORWARD.items()}
+    for i, (name, margins) in enumerate(MARGINS.items()):
+        np.savez(work / f"{name}_in.npz", **head_inputs(i, 12, 8, 37), margins=margins,
+                 scale=SCALE)
+    spec = {"builds": BUILDS, "forward": FORWARD, "heads": list(MARGINS),
+            "updates": {k: (dict(v[0], lr_steps=list(v[0]["lr_steps"]),
+                                 lr_scales=list(v[0]["lr_scales"])), v[1], v[2])
+                        for k, v in UPDATES.items()}}
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([tf_python, "-c", TF_SIDE, str(work)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return work, torch_side, json.loads((work / "report.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_names_shapes_and_counts_equal_torch(tf_side, name):
+    """Every torch state_dict key (but num_batches_tracked), in torch's order, with torch's
+    shape once converted back, and torch's parameter count (IResNet's fixed embedding gamma
+    included and not trained)."""
+    _, _, report = tf_side
+    with torch.device("meta"):
+        model = build_backbone(name, **BUILDS[name])
+    got = report["builds"][name]
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()
+              if not k.endswith("num_batches_tracked")}
+    assert list(got["shapes"]) == list(shapes)
+    assert got["shapes"] == shapes
+    assert got["count"] == sum(p.numel() for p in model.parameters())
+    assert got["frozen"] == [k for k, p in model.named_parameters() if not p.requires_grad]
+
+
+def _l2_close(got: np.ndarray, want: np.ndarray, what: str, floor: float = 0.0) -> None:
+    assert got.shape == want.shape, what
+    err = float(np.linalg.norm(got.astype(np.float64) - want))
+    ref = max(float(np.linalg.norm(want)), floor)
+    assert err <= 5e-3 * ref, f"{what}: relative L2 error {err / ref:.2e}"
+
+
+@pytest.mark.parametrize("case", list(FORWARD))
+def test_training_forward_and_gradients_equal_torch(tf_side, case):
+    """Training-mode output, input and parameter gradients, and the BN running statistics
+    after the step (torch's momentum 0.1 and unbiased variance) on torch's weights: checks the
+    layout conversion (the IResNet fc's flatten order included), torch's padding, the v1b
+    stride and max pool, and PReLU."""
+    work, torch_side, _ = tf_side
+    t, got = torch_side[case], np.load(work / f"{case}.tf.npz")
+    scale = np.abs(t["out"]).max()
+    np.testing.assert_allclose(got["out"], t["out"], rtol=1e-4, atol=1e-4 * scale)
+    _l2_close(got["x_grad"], t["x_grad"], "input gradient")
+    floor = 1e-3 * max(float(np.linalg.norm(g)) for g in t["grads"].values())
+    assert {k[len("grad/"):] for k in got.files if k.startswith("grad/")} == set(t["grads"])
+    for name, grad in t["grads"].items():
+        _l2_close(got["grad/" + name], grad, f"gradient of {name}", floor)
+    for name, after in t["after"].items():
+        np.testing.assert_allclose(got["after/" + name], after, rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def _close_to_max(got, want, rtol=1e-5) -> None:
+    want = np.asarray(want, dtype=np.float64)
+    err = np.abs(np.asarray(got, dtype=np.float64) - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err <= rtol, f"max error {err:.3g} of the largest entry"
+
+
+@pytest.mark.parametrize("loss", list(MARGINS))
+def test_dp_head_equals_the_oracle(tf_side, loss):
+    """Loss, logits and both gradients of the margin-softmax head (TensorFlow's autodiff of the
+    clamped arccos margin) against the float64 oracle, the clamped band and the region past
+    theta_max included."""
+    work, _, _ = tf_side
+    x, got = np.load(work / f"{loss}_in.npz"), np.load(work / f"{loss}_out.npz")
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS[loss], SCALE,
+                                       cos_eps=oracle.FP32_COS_EPS)
+    assert float(got["loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    _close_to_max(got["grad_emb"], ref["grad_emb"])
+    _close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
+@pytest.mark.parametrize("case", list(UPDATES))
+def test_update_is_torch_sgd_with_clipping_and_rate_changes(tf_side, case):
+    """Three steps of TrainStep equal torch's SGD (oracle.sgd_momentum_step, momentum 0.9,
+    weight decay 5e-4) on the step's own gradients: the backbone's global-norm clipping (face;
+    the class matrix unclipped), the rate schedule on the device, every trainable array."""
+    work, _, _ = tf_side
+    _, rates, clip = UPDATES[case]
+    got = np.load(work / f"update_{case}.npz")
+    count, backbone = int(got["arrays"]), int(got["backbone"])
+    bufs: list = [None] * count
+    coefs = []
+    for i, lr in enumerate(rates):
+        grads = [got[f"{i}/{j}/grad"].astype(np.float64) for j in range(count)]
+        if clip is not None:
+            norm = np.sqrt(sum(float((g * g).sum()) for g in grads[:backbone]))
+            coefs.append(min(clip / (norm + 1e-6), 1.0))
+            grads = [g * coefs[-1] for g in grads[:backbone]] + grads[backbone:]
+        for j in range(count):
+            want, bufs[j] = oracle.sgd_momentum_step(got[f"{i}/{j}/before"], grads[j], bufs[j],
+                                                     lr, 0.9, 5e-4)
+            np.testing.assert_allclose(got[f"{i}/{j}/after"], want, rtol=1e-5,
+                                       atol=1e-6 * max(np.abs(want).max(), 1.0),
+                                       err_msg=f"step {i} array {j}")
+    if clip is not None:
+        assert max(coefs) < 1.0  # clipping acted
+
+
+def test_refusals_and_load_errors(tf_side):
+    _, _, report = tf_side
+    errors = report["errors"]
+    assert errors["fp16"] == ("fp16 needs a GPU in the tf backend (mixed float16 on a CPU is "
+                              "not run)")
+    assert errors["bf16"].startswith("bf16 is not supported by the tf backend")
+    assert errors["mp"] == "the tf backend runs --fc dp only; mp is not implemented"
+    assert "backbone 'mobilefacenet_y1' is not built by the tf backend" in errors["unknown"]
+    load = errors["load"]
+    assert "missing: fc.bias" in load and "unexpected: extra.weight" in load
+    assert "conv1.weight: shape (1, 2, 3, 3), expected (8, 3, 3, 3)" in load
+    assert "features.weight: a fixed BatchNorm gamma must be all ones" in load
+
+
+def test_fp16_loss_scaling_grows_checks_and_skips(tf_side):
+    """Run on a CPU with the GPU-only check bypassed: float16 training follows float32 (within
+    float16 rounding); an overflow (an inf batch at step 2) skips that update, so the next loss
+    repeats float32's step-2 loss, and halves the scale; 2 clean steps double it (16 -> 32 ->
+    16 -> 32). float32 never scales nor skips."""
+    _, _, report = tf_side
+    got = report["scaling"]
+    fp32, fp16 = got["fp32"], got["fp16"]
+    assert got["fp32_skipped"] == [] and got["fp32_scale"] == 1.0
+    assert got["fp16_skipped"] == [2] and got["fp16_scale"] == 32.0
+    assert fp16[0] == pytest.approx(fp32[0], rel=1e-3)
+    assert fp16[1] == pytest.approx(fp32[1], rel=3e-2)
+    assert fp16[2] != fp16[2]  # the inf batch's loss
+    assert fp16[3] == pytest.approx(fp32[2], rel=3e-2)
+    assert fp16[4] == pytest.approx(fp32[3], rel=5e-2)

@@ -1,0 +1,111 @@
+"""The TensorFlow backend end to end through the CLI: a run on 1 and 2 ranks (results, env,
+losses), strict alignment with torch (``trainperf align``, dp on 2 ranks), a failing rank
+(raised on one of 2 ranks, or killed) recorded as a result with no process of the run left
+behind, and what the backend refuses.
+
+TensorFlow takes seconds to start in each process, so the CLI runs as few times as it can: one
+module-scoped run whose results several tests read, one alignment, one run of failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+
+from trainperf import results
+from trainperf.cli import main
+
+pytestmark = pytest.mark.slow
+ITERS, WARMUP = 4, 1
+SHORT = ["--runs", "1", "--iters", str(ITERS), "--warmup", str(WARMUP), "--device", "cpu"]
+
+
+def left_behind(folder: Path) -> list[psutil.Process]:
+    """Live processes of runs under ``folder`` (each inherits TRAINPERF_RUN_ID from the
+    runner)."""
+    root = str(folder.resolve())
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tf_python):
+    out = tmp_path_factory.mktemp("tf_run") / "tiny"
+    code = main(["run", "tiny-arcface", "--framework", "tf", "--devices", "1,2", *SHORT,
+                 "--out", str(out)])
+    return code, out
+
+
+def test_run_on_one_and_two_ranks(tiny_run, tf_python):
+    code, out = tiny_run
+    assert code == 0
+    doc = results.load(out)
+    assert doc["framework"] == "tf"
+    assert [c["world_size"] for c in doc["cases"]] == [1, 2]
+    for case in doc["cases"]:
+        run = case["runs"][0]
+        assert run["status"] == "ok" and run["samples_per_s"] > 0
+        # The global batch: 8 samples per rank.
+        assert run["samples_per_step"] == 8 * case["world_size"]
+        assert len(run["step_times_s"]) == ITERS - WARMUP and len(run["losses"]) == ITERS
+        # Training on one fixed batch: the loss falls from about ln(1000) + the margin.
+        assert all(v == v for v in run["losses"]) and run["losses"][-1] < run["losses"][0]
+        assert run["peak_memory_bytes"] > 0
+        settings = case["settings"]
+        assert settings["compile_s"] > 0
+        assert settings["communication"] == (None if case["world_size"] == 1 else "RING")
+    env = doc["env"]
+    version = json.loads(Path(tf_python).parent.parent.joinpath("trainperf-env.json")
+                         .read_text())["versions"]["tensorflow"]
+    assert env["framework"] == "tensorflow" and env["framework_version"] == version == "2.21.0"
+    assert env["device_type"] == "cpu"
+    assert doc["cases"][1]["speedup"] is not None
+    assert left_behind(out) == []
+
+
+def test_alignment_with_torch_on_two_ranks(tmp_path, tf_python):
+    """torch's weights and batches, three SGD steps, dp on 2 ranks (the gradient all-reduce
+    included; one rank runs the same step without it): the parameter counts
+    are equal and every loss within align's tolerances (first 1e-4, later 2e-3)."""
+    out = tmp_path / "align"
+    code = main(["align", "tiny-arcface", "--framework", "tf", "--fc", "dp", "--devices", "2",
+                 "--steps", "3", "--out", str(out)])
+    outcome = json.loads((out / "align.json").read_text())
+    assert code == 0, [c["problems"] for c in outcome["checks"]]
+    assert outcome["aligned"]
+    assert [(c["fc"], c["ranks"]) for c in outcome["checks"]] == [("dp", 1), ("dp", 2)]
+    for check in outcome["checks"]:
+        assert check["params"]["torch"] == check["params"]["other"] == 278712
+        assert len(check["losses"]["other"]) == 3
+        assert check["first_loss_rel_diff"] <= 1e-4 and check["max_loss_rel_diff"] <= 2e-3
+    assert left_behind(tmp_path) == []
+
+
+def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, tf_python):
+    """In one invocation (TensorFlow's start-up is the cost): on 2 ranks, rank 0 raises while
+    rank 1 waits on it in the gradient all-reduce; on 1 rank, the process is killed outright
+    (SIGKILL, writing nothing). Both at step 0, before TensorFlow spends seconds compiling."""
+    monkeypatch.setenv("TRAINPERF_FAULT", "raise@0:2,kill@0:1")
+    code = main(["run", "tiny-arcface", "--framework", "tf", "--devices", "1,2", *SHORT,
+                 "--out", str(tmp_path / "r")])
+    assert code == 1
+    killed, raised = [c["runs"][0] for c in results.load(tmp_path / "r")["cases"]]
+    assert killed["status"] == raised["status"] == "failed"
+    assert killed["samples_per_s"] is None and raised["samples_per_s"] is None
+    assert "injected failure" in raised["error"]
+    assert left_behind(tmp_path) == []
+
+
+def test_tf_refuses_sharded_heads(tmp_path, capsys):
+    for fc in ("mp", "pfc"):
+        assert main(["run", "tiny-arcface", "--framework", "tf", "--fc", fc,
+                     "--out", str(tmp_path / fc)]) == 2
+        assert "the tf backend runs --fc dp; not " + fc in capsys.readouterr().err
