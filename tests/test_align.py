@@ -16,6 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_mxnet_is_aligned_with_torch_on_1_and_2_ranks(tmp_path, mxnet_python, capsys):
+    """1 and 2 ranks here (the other frameworks' tests check 2 ranks, whose torch runs this
+    session shares): MXNet's 1-rank kvstore is a path of its own."""
     out = tmp_path / "align"
     code = main(["align", "tiny-arcface", "--framework", "mxnet", "--devices", "1,2",
                  "--fc", "dp,mp", "--steps", "3", "--out", str(out)])

@@ -13,33 +13,18 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
-import psutil
 import pytest
 
 from trainperf import results
 from trainperf.align import FIRST_LOSS_RTOL, LATER_LOSS_RTOL
 from trainperf.cli import main
 from trainperf.envs import state
+from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-
-
-def left_behind(folder: Path) -> list[psutil.Process]:
-    """Live processes of runs under ``folder`` (every process of a run inherits
-    TRAINPERF_RUN_ID from the runner)."""
-    root = str(folder.resolve())
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -4,30 +4,15 @@ recorded as results with no process of the run left behind, the scheduler and se
 
 from __future__ import annotations
 
-from pathlib import Path
 
-import psutil
 import pytest
 
 from trainperf import results
 from trainperf.cli import main
+from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "6", "--warmup", "2", "--device", "cpu"]
-
-
-def left_behind(folder: Path) -> list[psutil.Process]:
-    """Live processes of runs under ``folder``: every process of a run, parameter server and
-    scheduler included, inherits TRAINPERF_RUN_ID from the runner."""
-    root = str(folder.resolve())
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -5,31 +5,16 @@ results with no process of the run left behind."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import psutil
 import pytest
 
 from trainperf import align, results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
+from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "5", "--warmup", "2", "--device", "cpu"]
-
-
-def left_behind(folder: Path) -> list[psutil.Process]:
-    """Live processes of runs under ``folder``: each inherits TRAINPERF_RUN_ID (its run's
-    folder) from the runner."""
-    root = str(folder.resolve())
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.fixture(scope="module")

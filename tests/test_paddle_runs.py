@@ -15,29 +15,15 @@ import json
 import math
 from pathlib import Path
 
-import psutil
 import pytest
 
 from trainperf import envs, results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
+from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
-
-
-def left_behind(folder: Path) -> list[psutil.Process]:
-    """Live processes of runs under ``folder``: every process of a run inherits
-    TRAINPERF_RUN_ID from the runner."""
-    root = str(folder.resolve())
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("TRAINPERF_RUN_ID", "").startswith(root):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import subprocess
 import sys
 from typing import Any, Callable
 
-from ..protocol import Error, EventWriter, RunSpec
-from .loop import use_short_switch_interval
+from ..config import Measure
+from ..protocol import Error, EventWriter, RunSpec, Step
+from .loop import StepTimes, use_short_switch_interval
 
 OOM_TEXTS = ("out of memory", "std::bad_alloc", "failed to allocate", "cannot allocate memory",
              "memory allocation failed", "cudaerrormemoryallocation", "resource_exhausted",
@@ -75,3 +76,31 @@ def worker_main(argv: list[str] | None, doc: str,
             os._exit(error.exit_code)
         return error.exit_code
     return 0
+
+
+class StepReporter:
+    """The ``on_steps`` of ``timed_loop``: rank 0 writes each timed step's event; every rank
+    keeps the indices so that ``check_complete`` can assert that every step got its time, in
+    order. ``first`` runs once, before the first step's event (a worker that learns something
+    for its ``start`` event only from the first step writes it there)."""
+
+    def __init__(self, events: EventWriter, rank: int, measure: Measure, global_batch: int,
+                 first: Callable[[], None] | None = None) -> None:
+        self.events, self.rank, self.measure = events, rank, measure
+        self.global_batch = global_batch
+        self.first = first
+        self.timed: list[int] = []
+
+    def __call__(self, done: StepTimes) -> None:
+        if done and self.first is not None:
+            first, self.first = self.first, None
+            first()
+        self.timed.extend(index for index, _ in done)
+        if self.rank == 0:
+            for index, seconds in done:
+                self.events.emit(Step(index=index, seconds=seconds, samples=self.global_batch,
+                                      warmup=index < self.measure.warmup))
+
+    def check_complete(self) -> None:
+        assert self.timed == list(range(self.measure.iters)), \
+            "every step must have its time, in order"

@@ -35,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from ..loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop
-from ..workerkit import gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes, worker_main
+from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
+from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
+                         StepReporter, worker_main)
 from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start, Step
+from ...protocol import End, EventWriter, RunSpec, Start
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
 """XLA's CPU client runs Eigen's kernels (convolutions) on a pool of one thread per core; this
@@ -206,20 +207,12 @@ def run(spec: RunSpec, events: EventWriter, layout) -> None:
                lambda msg: jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {msg}"))
         return step(images, labels)
 
-    timed: list[int] = []
-
-    def on_steps(done: StepTimes) -> None:
-        timed.extend(index for index, _ in done)
-        if layout.rank == 0:
-            for index, seconds in done:
-                events.emit(Step(index=index, seconds=seconds, samples=global_batch,
-                                 warmup=index < measure.warmup))
-
+    on_steps = StepReporter(events, layout.rank, measure, global_batch)
     window_s, losses = timed_loop(one_step, lambda: step.markers, measure.iters,
                                   measure.warmup, on_steps, layout.barrier,
                                   jax.block_until_ready,
                                   lambda: jax.block_until_ready(step.state))
-    assert timed == list(range(measure.iters)), "every step must have its time, in order"
+    on_steps.check_complete()
     # Read-backs after the window: this rank's losses, the skipped steps, the loss scale.
     loss_values = [float(layout.local_value(loss)[0]) for loss in losses]
     skipped, scale = step.skipped_steps(), step.loss_scale()

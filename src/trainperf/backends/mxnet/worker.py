@@ -21,11 +21,11 @@ import sys
 import mxnet as mx
 import numpy as np
 
-from ..loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop
+from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
 from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         worker_main)
+                         StepReporter, worker_main)
 from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start, Step
+from ...protocol import End, EventWriter, RunSpec, Start
 from ...config import Tuning
 from . import models
 from .comm import Comm, comm_from_env
@@ -172,19 +172,11 @@ def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
         inject(faults, index, comm.rank, lambda msg: mx.base.MXNetError(msg))
         return step(batches)
 
-    timed: list[int] = []
-
-    def on_steps(done: StepTimes) -> None:
-        timed.extend(index for index, _ in done)
-        if comm.rank == 0:
-            for index, seconds in done:
-                events.emit(Step(index=index, seconds=seconds, samples=global_batch,
-                                 warmup=index < measure.warmup))
-
+    on_steps = StepReporter(events, comm.rank, measure, global_batch)
     window_s, losses = timed_loop(one_step, lambda: step.markers, measure.iters,
                                   measure.warmup, on_steps, comm.barrier, wait_ready,
                                   mx.nd.waitall)
-    assert timed == list(range(measure.iters)), "every step must have its time, in order"
+    on_steps.check_complete()
     # Read-backs after the window.
     loss_values = [float(v) for v in
                    mx.nd.concat(*[l.reshape((1,)).as_in_context(mx.cpu()) for l in losses],

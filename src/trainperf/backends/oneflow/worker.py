@@ -30,11 +30,11 @@ wait_for_rank0()
 import numpy as np  # noqa: E402
 import oneflow as flow  # noqa: E402
 
-from ..loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop
+from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
 from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         worker_main)
+                         StepReporter, worker_main)
 from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start, Step
+from ...protocol import End, EventWriter, RunSpec, Start
 from . import models
 from .dist import Dist, dist_from_env
 from .step import TrainStep, init_batch, synthetic_batch
@@ -148,18 +148,10 @@ def run(spec: RunSpec, events: EventWriter, dist: Dist) -> None:
         inject(faults, index, dist.rank, lambda msg: MemoryError(msg))
         return step(images, labels)
 
-    timed: list[int] = []
-
-    def on_steps(done: StepTimes) -> None:
-        timed.extend(index for index, _ in done)
-        if dist.rank == 0:
-            for index, seconds in done:
-                events.emit(Step(index=index, seconds=seconds, samples=global_batch,
-                                 warmup=index < measure.warmup))
-
+    on_steps = StepReporter(events, dist.rank, measure, global_batch)
     window_s, losses = timed_loop(one_step, lambda: step.markers, measure.iters,
                                   measure.warmup, on_steps, dist.barrier, wait_ready, dist.sync)
-    assert timed == list(range(measure.iters)), "every step must have its time, in order"
+    on_steps.check_complete()
     # Read-backs after the window.
     loss_values = [float(v) for v in flow.stack([l.reshape(()) for l in losses]).numpy()]
     memory = memory_over_ranks(dist)

@@ -29,11 +29,11 @@ from typing import Sequence
 import numpy as np
 import paddle
 
-from ..loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop
+from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
 from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         worker_main)
+                         StepReporter, worker_main)
 from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start, Step
+from ...protocol import End, EventWriter, RunSpec, Start
 from . import models
 from .backend import CUDNN_SEARCH_FLAG
 from .comm import Comm, comm_from_env
@@ -158,19 +158,11 @@ def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
         inject(faults, index, comm.rank, MemoryError)
         return step(images, labels)
 
-    timed: list[int] = []
-
-    def on_steps(done: StepTimes) -> None:
-        timed.extend(index for index, _ in done)
-        if comm.rank == 0:
-            for index, seconds in done:
-                events.emit(Step(index=index, seconds=seconds, samples=global_batch,
-                                 warmup=index < measure.warmup))
-
+    on_steps = StepReporter(events, comm.rank, measure, global_batch)
     window_s, losses = timed_loop(one_step, lambda: step_markers(comm), measure.iters,
                                   measure.warmup, on_steps, comm.barrier, wait_events,
                                   lambda: sync(comm))
-    assert timed == list(range(measure.iters)), "every step must have its time, in order"
+    on_steps.check_complete()
     # Read-backs after the window.
     loss_values = [float(v) for v in paddle.stack(losses).astype("float32").numpy()]
     memory = memory_over_ranks(comm)

@@ -31,10 +31,11 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from ..loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop
-from ..workerkit import gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes, worker_main
+from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
+from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
+                         StepReporter, worker_main)
 from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start, Step
+from ...protocol import End, EventWriter, RunSpec, Start
 from . import models
 from .comm import Comm
 from .step import TrainStep, init_batch, synthetic_batch
@@ -151,16 +152,11 @@ def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
         outputs.append(out)
         return out
 
-    timed: list[int] = []
-
-    def on_steps(done: StepTimes) -> None:
-        if done and not started:
+    def start_once() -> None:
+        if not started:
             write_start()
-        timed.extend(index for index, _ in done)
-        if comm.rank == 0:
-            for index, seconds in done:
-                events.emit(Step(index=index, seconds=seconds, samples=global_batch,
-                                 warmup=index < measure.warmup))
+
+    on_steps = StepReporter(events, comm.rank, measure, global_batch, first=start_once)
 
     def sync() -> None:
         if not comm.distributed:
@@ -174,10 +170,9 @@ def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
         window_s, _ = timed_loop(one_step, lambda: outputs[-1][:2], measure.iters,
                                  measure.warmup, on_steps, comm.barrier, wait_ready, sync)
     except BaseException:
-        if not started:
-            write_start()
+        start_once()
         raise
-    assert timed == list(range(measure.iters)), "every step must have its time, in order"
+    on_steps.check_complete()
     # Read-backs after the window.
     losses = [float(v) for v in tf.stack([o[0] for o in outputs]).numpy()]
     skipped = [i for i, o in enumerate(outputs) if bool(o[2].numpy())]
