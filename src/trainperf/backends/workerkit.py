@@ -104,3 +104,29 @@ class StepReporter:
     def check_complete(self) -> None:
         assert self.timed == list(range(self.measure.iters)), \
             "every step must have its time, in order"
+
+
+def memory_fields(per_rank, with_reserved: bool) -> dict:
+    """The ``end`` event's memory figures from every rank's gathered ``(peak[, reserved])``
+    row: the largest over ranks, and each rank's peak."""
+    peaks = [int(row[0]) for row in per_rank]
+    out: dict = {"peak_memory_bytes": max(peaks), "peak_memory_bytes_per_rank": peaks}
+    if with_reserved:
+        out["peak_reserved_bytes"] = max(int(row[1]) for row in per_rank)
+    return out
+
+
+def cudnn_version(pattern: str) -> int | None:
+    """cudnnGetVersion() of the first cuDNN library matching the glob ``pattern`` that loads
+    (frameworks ship it inside their wheel or as an ``nvidia-cudnn`` wheel)."""
+    import ctypes
+    import glob
+
+    for path in sorted(glob.glob(pattern)):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.cudnnGetVersion.restype = ctypes.c_size_t
+            return int(lib.cudnnGetVersion())
+        except (OSError, AttributeError):
+            continue
+    return None

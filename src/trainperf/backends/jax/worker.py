@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         StepReporter, worker_main)
+from ..workerkit import (gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
+                         worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
 
@@ -93,12 +93,7 @@ def peak_memory(layout) -> tuple[int, int]:
 def memory_over_ranks(layout) -> dict:
     """The largest figures over ranks, and every rank's peak (a collective call)."""
     per_rank = layout.gather_host(np.asarray(peak_memory(layout), dtype=np.int64))
-    per_rank = per_rank.reshape(-1, 2)
-    out: dict = {"peak_memory_bytes": int(per_rank[:, 0].max()),
-                 "peak_memory_bytes_per_rank": [int(v) for v in per_rank[:, 0]]}
-    if layout.device_type == "cuda":
-        out["peak_reserved_bytes"] = int(per_rank[:, 1].max())
-    return out
+    return memory_fields(per_rank.reshape(-1, 2), with_reserved=layout.device_type == "cuda")
 
 
 # ----------------------------------------------------------------------------- environment

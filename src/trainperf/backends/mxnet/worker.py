@@ -14,7 +14,6 @@ a step's markers are small arrays that become ready when the step's last update 
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
 import sys
 
@@ -22,8 +21,8 @@ import mxnet as mx
 import numpy as np
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         StepReporter, worker_main)
+from ..workerkit import (cudnn_version, gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
 from ...config import Tuning
@@ -73,11 +72,7 @@ def memory_over_ranks(comm: Comm) -> dict:
     """The largest figures over ranks, and every rank's peak (a collective call)."""
     values = mx.nd.array(peak_memory(comm), ctx=mx.cpu(), dtype="float64")
     per_rank = comm.all_gather("worker/memory", values).asnumpy()
-    out: dict = {"peak_memory_bytes": int(per_rank[:, 0].max()),
-                 "peak_memory_bytes_per_rank": [int(v) for v in per_rank[:, 0]]}
-    if comm.device_type == "gpu":
-        out["peak_reserved_bytes"] = int(per_rank[:, 1].max())
-    return out
+    return memory_fields(per_rank, with_reserved=comm.device_type == "gpu")
 
 
 # ---------------------------------------------------------------------------- environment
@@ -96,14 +91,7 @@ def _cuda_version() -> str | None:
 def _cudnn_version() -> int | None:
     """cudnnGetVersion() of the cuDNN the wheel ships, when it ships one as a library."""
     libdir = os.path.dirname(mx.libinfo.find_lib_path()[0])
-    for path in sorted(glob.glob(os.path.join(libdir, "libcudnn*.so*"))):
-        try:
-            lib = ctypes.CDLL(path)
-            lib.cudnnGetVersion.restype = ctypes.c_size_t
-            return int(lib.cudnnGetVersion())
-        except (OSError, AttributeError):
-            continue
-    return None
+    return cudnn_version(os.path.join(libdir, "libcudnn*.so*"))
 
 
 def framework_env(comm: Comm, threads: int | None) -> dict:

@@ -15,8 +15,6 @@ machine (``Dist.sync``). Losses stay on the device until the window has ended.
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import os
 import subprocess
 import sys
@@ -31,8 +29,8 @@ import numpy as np  # noqa: E402
 import oneflow as flow  # noqa: E402
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         StepReporter, worker_main)
+from ..workerkit import (cudnn_version, gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
 from . import models
@@ -74,9 +72,8 @@ def peak_memory(dist: Dist) -> int:
 
 def memory_over_ranks(dist: Dist) -> dict:
     """The largest peak over ranks, and every rank's (a collective call)."""
-    per_rank = dist.gather_host([float(peak_memory(dist))])[:, 0]
-    return {"peak_memory_bytes": int(per_rank.max()),
-            "peak_memory_bytes_per_rank": [int(v) for v in per_rank]}
+    per_rank = dist.gather_host([float(peak_memory(dist))])
+    return memory_fields(per_rank, with_reserved=False)
 
 
 # ---------------------------------------------------------------------------- environment
@@ -84,14 +81,7 @@ def memory_over_ranks(dist: Dist) -> dict:
 def _cudnn_version() -> int | None:
     """cudnnGetVersion() of the cuDNN the environment ships (the ``nvidia-cudnn`` wheel)."""
     site = os.path.dirname(os.path.dirname(flow.__file__))
-    for path in sorted(glob.glob(os.path.join(site, "nvidia", "cudnn", "lib", "libcudnn.so*"))):
-        try:
-            lib = ctypes.CDLL(path)
-            lib.cudnnGetVersion.restype = ctypes.c_size_t
-            return int(lib.cudnnGetVersion())
-        except (OSError, AttributeError):
-            continue
-    return None
+    return cudnn_version(os.path.join(site, "nvidia", "cudnn", "lib", "libcudnn.so*"))
 
 
 def framework_env(dist: Dist, threads: int | None) -> dict:

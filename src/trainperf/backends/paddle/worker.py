@@ -30,8 +30,8 @@ import numpy as np
 import paddle
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         StepReporter, worker_main)
+from ..workerkit import (gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
+                         worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
 from . import models
@@ -85,11 +85,7 @@ def memory_over_ranks(comm: Comm) -> dict:
     """The largest figures over ranks, and every rank's peak (a collective call)."""
     mine = paddle.to_tensor(np.array([peak_memory(comm)], dtype=np.float64))
     per_rank = comm.all_gather(mine).numpy()
-    out: dict = {"peak_memory_bytes": int(per_rank[:, 0].max()),
-                 "peak_memory_bytes_per_rank": [int(v) for v in per_rank[:, 0]]}
-    if comm.device_type == "gpu":
-        out["peak_reserved_bytes"] = int(per_rank[:, 1].max())
-    return out
+    return memory_fields(per_rank, with_reserved=comm.device_type == "gpu")
 
 
 # ---------------------------------------------------------------------------- environment

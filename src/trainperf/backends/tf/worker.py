@@ -32,8 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, rss_now_bytes, rss_peak_bytes,
-                         StepReporter, worker_main)
+from ..workerkit import (gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
+                         worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
 from . import models
@@ -66,8 +66,7 @@ def peak_memory(comm: Comm) -> int:
 def memory_over_ranks(comm: Comm) -> dict:
     """The largest peak over ranks, and every rank's (a collective call)."""
     per_rank = comm.gather_rows(np.array([peak_memory(comm)], dtype=np.float64))
-    return {"peak_memory_bytes": int(per_rank.max()),
-            "peak_memory_bytes_per_rank": [int(v) for v in per_rank]}
+    return memory_fields(per_rank.reshape(-1, 1), with_reserved=False)
 
 
 # ---------------------------------------------------------------------------- environment
