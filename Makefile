@@ -27,7 +27,7 @@ ifneq ($(HAVE_TORCH),yes)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 endif
 	$(PY) -m pip install setuptools
-	$(PY) -m pip install --no-build-isolation -e ".[test,plot]"
+	$(PY) -m pip install --no-build-isolation -e ".[test,plot,data]"
 	touch $@
 
 install: $(STAMP)
