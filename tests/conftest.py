@@ -68,3 +68,32 @@ def oneflow_python() -> str:
         pytest.skip(f"the opt-in oneflow environment is {st.state} ({st.detail}); "
                     f"`trainperf env create oneflow` builds it")
     return envs.interpreter("oneflow")
+
+
+DALI = "nvidia-dali-cuda120==2.4.0"
+
+
+@pytest.fixture(scope="session")
+def dali_site() -> str:
+    """NVIDIA DALI (it runs CPU-only pipelines too), installed once per machine into a folder
+    beside the framework environments and appended to ``sys.path``, so trainperf's own numpy
+    and torch stay first. 1.1 GB; built on first use under a file lock."""
+    import fcntl
+    import importlib
+    import subprocess
+
+    from trainperf import envs
+
+    target = envs.env_root() / "dali-site"
+    ready = target / ".ready"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / "dali-site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ready.exists() or ready.read_text() != DALI:
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--upgrade",
+                            "--target", str(target), DALI], check=True)
+            ready.write_text(DALI)
+    if str(target) not in sys.path:
+        sys.path.append(str(target))
+        importlib.invalidate_caches()
+    return str(target)

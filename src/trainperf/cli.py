@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import results
 from .backends import BACKENDS, get_backend
-from .config import MXNET_KVSTORES, Measure, Topology, Tuning, parse_bytes, parse_int_list
+from .config import MXNET_KVSTORES, DataSpec, Measure, Topology, Tuning, parse_bytes, parse_int_list
 from .recipes import RECIPES, get_recipe
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
@@ -58,6 +58,50 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
 
 
+def _add_data_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", metavar="PREFIX",
+                   help="train on PREFIX.rec/.idx (RecordIO, insightface or im2rec layout) "
+                        "through the input pipeline; the same cases also run on synthetic "
+                        "data, and the report says whether the input limits them")
+    p.add_argument("--decoder", default="auto",
+                   help="--data: JPEG decoder (auto: the fastest installed; see "
+                        "`trainperf data bench`)")
+    p.add_argument("--loader-workers", type=int,
+                   help="--data: loader processes per rank (default: cores per rank less "
+                        "one, 1 to 8)")
+    p.add_argument("--no-synthetic-baseline", action="store_true",
+                   help="--data: skip the synthetic (compute-only) twin of each case")
+
+
+def _add_data_commands(sub) -> None:
+    data = sub.add_parser("data", help="RecordIO datasets: pack, synthesize, measure the loader")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    pack = data_sub.add_parser("pack", help="pack an image folder into PREFIX.rec/.idx")
+    pack.add_argument("image_dir", help="one sub-folder per identity (or class)")
+    pack.add_argument("--out", required=True, metavar="PREFIX")
+    pack.add_argument("--layout", choices=["face", "flat"], default="face",
+                      help="face: insightface's (header, images, identity records); flat: "
+                           "im2rec's, one record per image (ImageNet)")
+    synth = data_sub.add_parser("synth", help="write a synthetic face-like dataset")
+    synth.add_argument("--identities", type=int, required=True)
+    synth.add_argument("--images-per-identity", type=int, required=True)
+    synth.add_argument("--size", type=int, default=112, help="image side (default 112)")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--out", required=True, metavar="PREFIX")
+    bench = data_sub.add_parser("bench", help="decoded images/s of the loader per worker count")
+    bench.add_argument("prefix")
+    bench.add_argument("--workers", default="1,2,4", help="loader processes; a list sweeps")
+    bench.add_argument("--decoder", default="auto",
+                       help="a decoder, a list, or all (default: the fastest installed)")
+    bench.add_argument("--recipe", default="r100-arcface-emore",
+                       help="whose augmentation and batch size to use (default "
+                            "r100-arcface-emore)")
+    bench.add_argument("--batch-size", type=int)
+    bench.add_argument("--batches", type=int, default=50, help="batches measured per setting")
+    bench.add_argument("--warmup", type=int, default=5, help="batches not measured")
+    bench.add_argument("--out", help="folder for data_bench.json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainperf", description=(
         "Measure training throughput of face recognition and ResNet50 workloads."))
@@ -67,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe")
     run.add_argument("--resume", metavar="DIR", help="finish the partial matrix in DIR")
     _add_run_options(run)
+    _add_data_options(run)
     rep = sub.add_parser("report", help="tables and plots of one or more result folders")
     rep.add_argument("dirs", nargs="+")
     rep.add_argument("--out", help="folder for report.md and plots (default: the first DIR)")
@@ -116,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     align.add_argument("--num-classes", type=int)
     align.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     align.add_argument("--out", help="folder for the weights, runs and align.json")
+    _add_data_commands(sub)
     bench = sub.add_parser("bench", help="the default suite, sized to this machine")
     bench.add_argument("--out", default="bench-results")
     return parser
@@ -172,10 +218,38 @@ def plan_from_args(args: argparse.Namespace):
     frameworks = parse_frameworks(args.framework)
     for name in frameworks:
         get_backend(name).check(workload.fc, base.nnodes)
+    if getattr(args, "data", None):
+        return data_plans(args, Plan(recipe.name, workload, measure, cases, out, tuning,
+                                     recipe.reference_model, frameworks[0]), frameworks)
     # One framework writes into the folder itself; several each into a folder of their own,
     # and the report beside them compares them.
     return [Plan(recipe.name, workload, measure, cases, out if len(frameworks) == 1
                  else out / name, tuning, recipe.reference_model, name) for name in frameworks]
+
+
+def data_plans(args: argparse.Namespace, plan, frameworks: list[str]) -> list:
+    """A real-data plan (``OUT/real``) and, unless skipped, its synthetic twin
+    (``OUT/synthetic``), run first so the compute-only figure is there to compare with."""
+    from dataclasses import replace
+
+    from .data.dali_feed import choose_decoder
+    from .data.layout import open_dataset
+
+    if frameworks != ["torch"]:
+        raise ValueError("--data runs the torch backend only; the other frameworks read "
+                         "synthetic data")
+    choose_decoder(args.decoder)
+    dataset = open_dataset(args.data)
+    if dataset.num_classes is not None and dataset.num_classes > plan.workload.num_classes:
+        raise ValueError(f"{args.data} holds {dataset.num_classes} classes, more than the "
+                         f"recipe's {plan.workload.num_classes}: pass --num-classes "
+                         f"{dataset.num_classes}")
+    data = DataSpec(str(Path(dataset.prefix).resolve()), args.decoder, args.loader_workers)
+    real = replace(plan, out_dir=plan.out_dir / "real", data=data, data_role="real")
+    if args.no_synthetic_baseline:
+        return [real]
+    return [replace(plan, out_dir=plan.out_dir / "synthetic", data_role="synthetic baseline"),
+            real]
 
 
 def parse_frameworks(text: str) -> list[str]:
@@ -221,7 +295,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if close:
             close()
     out = Path(args.resume or plans[0].out_dir) if len(plans) == 1 else plans[0].out_dir.parent
-    path = write_report([str(p.out_dir) for p in plans], out, with_references=len(plans) > 1)
+    path = write_report([str(p.out_dir) for p in plans], out,
+                        with_references=len(plans) > 1 and not args.data)
     print(path.read_text(encoding="utf-8"))
     for plan in plans:
         print(f"results: {plan.out_dir / 'results.json'}")
@@ -381,6 +456,70 @@ def cmd_align(args: argparse.Namespace) -> int:
     return EXIT_OK if outcome["aligned"] else EXIT_RUN_FAILED
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    if args.data_command == "pack":
+        from .data.pack import pack_folder
+
+        done = pack_folder(args.image_dir, args.out, layout=args.layout)
+        print(f"packed {done['images']} images of {done['classes']} classes into "
+              f"{done['prefix']}.rec ({done['bytes'] / 2**20:.1f} MiB, {args.layout} layout)")
+        return EXIT_OK
+    if args.data_command == "synth":
+        from .data.synth import synthesize
+
+        done = synthesize(args.out, args.identities, args.images_per_identity, size=args.size,
+                          seed=args.seed)
+        print(f"wrote {done['images']} images of {done['identities']} identities to "
+              f"{done['prefix']}.rec ({done['bytes'] / 2**20:.1f} MiB)")
+        return EXIT_OK
+    return cmd_data_bench(args)
+
+
+def cmd_data_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .data import bench
+    from .data.layout import open_dataset
+    from .env import host_env
+
+    workload = get_recipe(args.recipe).workload
+    batch = args.batch_size or workload.batch_size
+    workers = parse_int_list(args.workers, "--workers")
+    if min(workers) < 0:
+        raise ValueError("--workers takes counts >= 0")
+    if args.batches < 1 or args.warmup < 0:
+        raise ValueError("--batches must be >= 1 and --warmup >= 0")
+    decoders = bench.decoders_of(args.decoder)
+    dataset = open_dataset(args.prefix)
+    classes = 2**31 - 1  # nothing is trained: every label is welcome
+    figures = []
+    for name in decoders:
+        for n in workers:
+            fig = bench.measure(args.prefix, name, n, task=workload.task,
+                                size=workload.input_size, num_classes=classes,
+                                batch_size=batch, batches=args.batches, warmup=args.warmup)
+            print(f"{name} x{n}: {fig.images_per_s:.0f} images/s", file=sys.stderr, flush=True)
+            figures.append(fig)
+    tbl = Table(title=f"loader images/s: {args.prefix} ({workload.task} augmentation, "
+                      f"{workload.input_size}px, batch {batch})")
+    for col in ("decoder", "workers", "images/s", "per worker"):
+        tbl.add_column(col, no_wrap=True)
+    for f in figures:
+        tbl.add_row(f.decoder, str(f.workers), f"{f.images_per_s:.0f}",
+                    f"{f.images_per_s_per_worker:.0f}")
+    Console().print(tbl)
+    if args.out:
+        doc = {"schema": "trainperf.data_bench/v1", "dataset": dataset.describe(),
+               "recipe": args.recipe, "task": workload.task, "input_size": workload.input_size,
+               "batch_size": batch, "batches": args.batches, "warmup": args.warmup,
+               "env": host_env(), "figures": [bench.to_dict(f) for f in figures]}
+        path = Path(args.out) / "data_bench.json"
+        results.write_json_atomic(path, doc)
+        print(f"data bench: {path}")
+    return EXIT_OK
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench_arguments
     from .env import gpu_count
@@ -396,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commands = {"list": lambda _: cmd_list(), "run": cmd_run, "report": cmd_report,
                 "export": cmd_export, "search": cmd_search, "references": cmd_references,
-                "ingest": cmd_ingest, "bench": cmd_bench, "env": cmd_env, "align": cmd_align}
+                "ingest": cmd_ingest, "bench": cmd_bench, "env": cmd_env, "align": cmd_align,
+                "data": cmd_data}
     try:
         return commands[args.command](args)
     except ValueError as exc:

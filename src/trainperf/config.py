@@ -188,6 +188,35 @@ class Tuning:
 
 
 @dataclass(frozen=True)
+class DataSpec:
+    """Real data: a RecordIO dataset fed through the input pipeline instead of synthetic
+    tensors. None of it changes what a step computes; it changes where the batches come from."""
+
+    prefix: str
+    """``PREFIX.rec`` and ``PREFIX.idx`` (insightface's face layout or im2rec's flat one)."""
+    decoder: str = "auto"
+    """JPEG decoder of the loader processes (``trainperf.data.decode``); ``auto``: the fastest
+    installed."""
+    loader_workers: int | None = None
+    """Loader processes per rank; None: the host's cores per rank less one, 1 to 8."""
+    prefetch_batches: int = 4
+    """Batches each loader process keeps ready."""
+
+    def __post_init__(self) -> None:
+        if self.loader_workers is not None and self.loader_workers < 0:
+            raise ValueError(f"--loader-workers must be >= 0, got {self.loader_workers}")
+        if self.prefetch_batches < 1:
+            raise ValueError(f"prefetch_batches must be >= 1, got {self.prefetch_batches}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DataSpec":
+        return _from_dict(cls, d, "data")
+
+
+@dataclass(frozen=True)
 class Topology:
     """Where a run executes: nodes, processes per node and the rendezvous point."""
 
@@ -293,6 +322,6 @@ def parse_bytes(text: str) -> int:
 
 
 __all__ = [
-    "Workload", "Tuning", "Topology", "Measure", "FC_MODES", "PRECISIONS", "MARGINS",
+    "Workload", "Tuning", "DataSpec", "Topology", "Measure", "FC_MODES", "PRECISIONS", "MARGINS",
     "parse_int_list", "parse_bytes",
 ]

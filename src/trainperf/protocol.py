@@ -58,7 +58,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .config import Measure, Tuning, Workload
+from .config import DataSpec, Measure, Tuning, Workload
 
 PROTOCOL = "trainperf.protocol/v1"
 ERROR_KINDS = ("oom", "exception")
@@ -89,12 +89,17 @@ class RunSpec:
     ``weight``/``bias``/``running_mean``/``running_var``), ``head/weight`` (the whole class
     matrix [classes, embedding]; a sharded head takes its rows), ``images/<rank>`` (float32
     NCHW) and ``labels/<rank>`` (int64)."""
+    data: DataSpec | None = None
+    """Real data (``trainperf.config.DataSpec``): batches come from a RecordIO file through
+    the input pipeline; None: synthetic tensors made on the device once. With real data every
+    ``step`` event carries ``data_wait_s``."""
     protocol: str = PROTOCOL
 
     def to_dict(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
-                "device": self.device, "threads": self.threads, "init": self.init}
+                "device": self.device, "threads": self.threads, "init": self.init,
+                "data": self.data.to_dict() if self.data else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
@@ -106,7 +111,8 @@ class RunSpec:
         try:
             return cls(Workload.from_dict(d["workload"]), Measure.from_dict(d["measure"]),
                        Tuning.from_dict(d.get("tuning", {})), d.get("device", "auto"),
-                       d.get("threads"), d.get("init"))
+                       d.get("threads"), d.get("init"),
+                       DataSpec.from_dict(d["data"]) if d.get("data") else None)
         except KeyError as exc:
             raise ProtocolError(f"spec lacks {exc.args[0]!r}") from None
 
@@ -171,6 +177,8 @@ class Step(Event):
     seconds: float
     samples: int
     warmup: bool
+    data_wait_s: float | None = None
+    """Real data: host seconds this step waited for its batch from the input pipeline."""
 
 
 @dataclass(kw_only=True)
@@ -196,6 +204,8 @@ class End(Event):
     peak_reserved_bytes: int | None = None
     peak_memory_bytes_per_rank: list[int] | None = None
     baseline_memory_bytes: int | None = None
+    data_wait_s_per_rank: list[float] | None = None
+    """Real data: each rank's seconds waiting for batches inside the window."""
 
     @classmethod
     def of_window(cls, window_s: float, measure: Measure, global_batch: int,

@@ -68,11 +68,24 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
         "losses": end.losses if end else None,
         "skipped_steps_in_window": end.skipped_steps_in_window if end else None,
         "final_loss_scale": end.final_loss_scale if end else None,
+        **data_waits(steps, end),
         "error": error,
         "exit_code": exit_code,
         "warnings": warnings,
         "flags": flags,
     }
+
+
+def data_waits(steps: list[Step], end: End | None) -> dict[str, Any]:
+    """Real data: how long rank 0 waited for each window step's batch, and every rank's wait
+    over the window (the largest is what held the step back). Nothing for synthetic runs."""
+    if not any(e.data_wait_s is not None for e in steps):
+        return {}
+    per_rank = end.data_wait_s_per_rank if end else None
+    return {"data_wait_s": [e.data_wait_s for e in steps if not e.warmup],
+            "data_wait_window_s_per_rank": per_rank,
+            "data_wait_share": (max(per_rank) / end.window_s
+                                if per_rank and end.window_s else None)}
 
 
 def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | None
@@ -114,6 +127,9 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
         "peak_memory_bytes": max(peaks) if peaks else None,
         "memory_model_error": stats.median(model_errors),
         "memory_model": start.memory_model if start else None,
+        "data_wait_share": stats.median([r["data_wait_share"] for r in runs
+                                         if r["status"] == "ok"
+                                         and r.get("data_wait_share") is not None]),
         "flags": st.flags,
     }
 

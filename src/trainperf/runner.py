@@ -23,7 +23,7 @@ import psutil
 from . import envs, protocol, results
 from .backends import get_backend
 from .backends.base import LaunchRequest
-from .config import Measure, Topology, Tuning, Workload
+from .config import DataSpec, Measure, Topology, Tuning, Workload
 from .env import host_env
 from .protocol import End, Error, Event, ProtocolError, RunSpec, Start, Step
 
@@ -56,11 +56,23 @@ class Plan:
     """The backend that runs it (``trainperf.backends``)."""
     init: str | None = None
     """Alignment: the ``.npz`` every run loads its weights and batches from (``RunSpec.init``)."""
+    data: DataSpec | None = None
+    """Real data: the RecordIO dataset and loader every run reads (None: synthetic)."""
+    data_role: str = "synthetic"
+    """``real``; ``synthetic`` (a plain run); ``synthetic baseline`` (the compute-only twin of a
+    real-data plan, which the report sets beside it)."""
+
+    def data_record(self) -> dict[str, Any]:
+        """What the results say of the data: its source, and the loader settings asked for."""
+        if self.data is None:
+            return {"source": "synthetic", "role": self.data_role}
+        return {"source": "recordio", "role": self.data_role, **self.data.to_dict()}
 
     def settings(self) -> dict[str, Any]:
         """Every setting that changes a run's work or limits; a folder's runs all share them."""
         topo = self.cases[0].topology
-        return {"recipe": self.recipe, "framework": self.framework,
+        data = {} if self.data_role == "synthetic" else {"data": self.data_record()}
+        return {"recipe": self.recipe, "framework": self.framework, **data,
                 "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
                 "device": topo.device, "nnodes": topo.nnodes,
@@ -259,6 +271,11 @@ class Runner:
         doc = results.document(self.plan.recipe, workload, self.plan.measure.to_dict(), env,
                                cases, model=self.plan.model, tuning=self.plan.tuning.to_dict())
         doc["framework"] = self.plan.framework
+        doc["data"] = self.plan.data_record()
+        inputs = [e.settings.get("input") for e in self.start_events.values()
+                  if e.settings.get("input")]
+        if inputs:
+            doc["data"].update({k: v for k, v in inputs[0].items() if k != "source"})
         if self.is_follower:
             doc["role"] = "follower"  # rank 0 lives on node 0; this node only records exits
         results.write_json_atomic(self.out / "results.json", doc)
@@ -299,7 +316,8 @@ class Runner:
         measure = self.plan.measure
         spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
                        self.plan.tuning, case.topology.device,
-                       cpu_threads_per_process(case.topology.devices_per_node), self.plan.init)
+                       cpu_threads_per_process(case.topology.devices_per_node), self.plan.init,
+                       self.plan.data)
         results.write_json_atomic(spec_path, spec.to_dict())
         launch = self.backend.launch(LaunchRequest(self.python, case.topology, self.plan.tuning,
                                                    spec_path, worker_events))

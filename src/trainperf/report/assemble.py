@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import results
 from .capacity import capacity_section
+from .input import input_section
 from .markdown import render_report, unique_labels
 from .plots import plot_scaling
 from .references import references_section
@@ -26,6 +27,9 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     plots = plot_scaling(docs, labels, out) if docs else []
     extra = [] if plots or not docs else [
         "(No plots: install the `plot` extra, matplotlib, to get them.)"]
+    pipeline = input_section(docs)
+    if pipeline:
+        extra.insert(0, pipeline)
     for d in searches:
         extra.append(capacity_section(json.loads((Path(d) / "search.json").read_text())))
     if with_references:

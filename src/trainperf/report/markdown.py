@@ -31,6 +31,9 @@ def doc_label(doc: dict) -> str:
              w.get("precision", ""), f"fc={w['fc']}" if w.get("fc") else ""]
     if w.get("fc") == "pfc":
         parts.append(f"r={w.get('sample_ratio')}")
+    data = doc.get("data") or {}
+    if data.get("role") in ("real", "synthetic baseline"):
+        parts.append("real-data" if data["role"] == "real" else "synthetic")
     return " ".join(p for p in parts if p)
 
 
@@ -128,6 +131,14 @@ def describe(doc: dict) -> str:
               else f"{env.get('framework', '')} {env.get('framework_version', '')} on "
                    f"{device_text(env)}, host {env.get('host', '?')}")
     lines = [f"{line}.", f"{origin}. {how}".strip()]
+    data = doc.get("data") or {}
+    if data.get("source", "synthetic") != "synthetic":
+        lines.append(f"Data: `{data.get('prefix')}` ({data.get('layout')} layout, "
+                     f"{data.get('images')} images), decoder {data.get('decoder')}, "
+                     f"{data.get('loader_workers')} loader processes per rank.")
+    elif data.get("role") == "synthetic baseline":
+        lines.append("Data: synthetic tensors made on the device once (the compute-only twin "
+                     "of the real-data runs).")
     speed = settings_text(doc)
     if speed:
         lines.append(f"Settings: {speed}.")

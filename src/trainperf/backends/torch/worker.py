@@ -21,7 +21,7 @@ from ...faults import inject, parse_faults
 from ...protocol import End, Error, EventWriter, RunSpec, Start, Step
 from ...config import Tuning, Workload
 from .alignment import load_start
-from .data import synthetic_batch
+from .data import real_feed, synthetic_batch
 from .dist import DistContext, all_gather, init_from_env
 from .env import framework_env
 from .flops import backbone_profile, train_flops_per_sample
@@ -36,6 +36,12 @@ def is_oom(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "out of memory" in text or "can't allocate memory" in text or (
         "defaultcpuallocator" in text)
+
+
+def oom_under_cap(exc: BaseException) -> bool:
+    """oneDNN reports an allocation refused by the process's memory cap as a primitive it could
+    not create (seen in capacity searches on CPU); without a cap that message means otherwise."""
+    return "could not create a primitive" in str(exc)
 
 
 def current_memory(device: torch.device) -> int:
@@ -71,6 +77,12 @@ def memory_over_ranks(values: dict[str, int], ctx: DistContext) -> dict:
     return out
 
 
+def waits_over_ranks(window_wait_s: float, ctx: DistContext) -> list[float]:
+    """Every rank's seconds of the window spent waiting for batches."""
+    t = torch.tensor([[window_wait_s]], dtype=torch.float64, device=ctx.device)
+    return all_gather(t, ctx)[:, 0].tolist()
+
+
 def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> int:
     """Classes each sample's logits are computed over, summed over shards."""
     head = step.head
@@ -98,7 +110,10 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     limit_memory(measure.memory_limit_bytes, ctx.device)
     configure_backend(spec.tuning, ctx.device)
     step = TrainStep(workload, ctx, spec.tuning)
-    if spec.init:
+    feed, input_info = None, None
+    if spec.data:
+        feed, input_info = real_feed(spec.data, workload, ctx)
+    elif spec.init:
         images, labels = load_start(step, spec.init, ctx)
     else:
         images, labels = synthetic_batch(workload, ctx)
@@ -114,16 +129,22 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
         events.emit(Start(
             world_size=ctx.world_size, global_batch=global_batch, device=str(ctx.device),
             env=framework_env(ctx.device), workload=workload.to_dict(),
-            settings=step_settings(step, ctx.device), backbone_params=params,
+            settings={**step_settings(step, ctx.device), "input": input_info},
+            backbone_params=params,
             train_flops_per_sample=sum(flops.values()), train_flops_by_op=flops,
             pfc_update=step.pfc_update, baseline_memory_bytes=baseline,
             predicted_peak_bytes=baseline + model.total_bytes, memory_model=model.to_dict()))
     faults = parse_faults(ctx.world_size)
+    waits: list[float] = []
 
     def one_step() -> torch.Tensor:
         inject(faults, step.step_index, ctx.rank,
                lambda msg: torch.OutOfMemoryError(f"CUDA {msg}"))
-        return step(images, labels)
+        if feed is None:
+            return step(images, labels)
+        batch = next(feed)
+        waits.append(feed.last_wait_s)
+        return step(*batch)
 
     timed: list[int] = []
 
@@ -132,7 +153,8 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
         if ctx.rank == 0:
             for index, seconds in done:
                 events.emit(Step(index=index, seconds=seconds, samples=global_batch,
-                                 warmup=index < measure.warmup))
+                                 warmup=index < measure.warmup,
+                                 data_wait_s=waits[index] if feed else None))
 
     barrier = (lambda: dist.barrier(group=ctx.group)) if ctx.distributed else (lambda: None)
     window_s, losses = timed_loop(one_step, measure.iters, measure.warmup,
@@ -142,6 +164,9 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     loss_values = torch.stack(losses).float().tolist()
     loss_scale = step.loss_scale
     memory = memory_over_ranks(peak_memory(ctx.device), ctx)
+    if feed is not None:
+        feed.close()
+        memory["data_wait_s_per_rank"] = waits_over_ranks(sum(waits[measure.warmup:]), ctx)
     if ctx.rank == 0:
         events.emit(End.of_window(window_s, measure, global_batch, loss_values,
                                   step.skipped_steps, final_loss_scale=loss_scale,
@@ -158,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     events = EventWriter(args.events, rank)
-    ctx = None
+    ctx = spec = None
     try:
         spec = RunSpec.load(args.spec)
         if spec.threads:
@@ -166,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         ctx = init_from_env(spec.device)
         run(spec, events, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
-        error = Error.of_exception(exc, is_oom(exc))
+        capped = spec is not None and spec.measure.memory_limit_bytes is not None
+        error = Error.of_exception(exc, is_oom(exc) or (capped and oom_under_cap(exc)))
         events.emit(error)
         return error.exit_code
     finally:

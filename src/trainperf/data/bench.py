@@ -1,0 +1,90 @@
+"""The input pipeline alone: decoded, augmented images per second for each decoder and number
+of loader processes, so a loader can be sized without a training run.
+
+The loop is the training loader's (same dataset, sampler, augmentation and batching) minus the
+device: batches are taken from the loader as fast as it gives them. The first batches (the
+processes starting, the page cache filling) are not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from .dali_feed import choose_decoder, every_decoder
+from .layout import open_dataset
+from .pipeline import RankSampler, RecordImages, make_loader, open_feed
+
+
+@dataclass
+class LoaderFigure:
+    decoder: str
+    workers: int
+    images_per_s: float
+    images_per_s_per_worker: float
+    batches: int
+    seconds: float
+
+
+def measure(prefix: str, decoder: str, workers: int, *, task: str, size: int,
+            num_classes: int, batch_size: int, batches: int, warmup: int,
+            seed: int = 0) -> LoaderFigure:
+    if decoder == "dali":
+        return _measure_dali(prefix, workers, task=task, size=size, num_classes=num_classes,
+                             batch_size=batch_size, batches=batches, warmup=warmup, seed=seed)
+    dataset = open_dataset(prefix)
+    images = RecordImages(dataset, decoder, task, size, num_classes, seed)
+    sampler = RankSampler(len(dataset), 0, 1, seed)
+    if sampler.per_rank < batch_size:
+        raise ValueError(f"{prefix} holds {sampler.per_rank} images, fewer than a batch of "
+                         f"{batch_size}")
+    loader = make_loader(images, sampler, batch_size, workers, prefetch_batches=4,
+                         pin_memory=False)
+    it = iter(loader)
+    try:
+        for _ in range(warmup):
+            next(it)
+        begin = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+        seconds = time.perf_counter() - begin
+    finally:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown:
+            shutdown()
+    rate = batches * batch_size / seconds
+    return LoaderFigure(images.decoder_name, workers, rate, rate / max(1, workers), batches,
+                        seconds)
+
+
+def _measure_dali(prefix: str, threads: int, *, task: str, size: int, num_classes: int,
+                  batch_size: int, batches: int, warmup: int, seed: int) -> LoaderFigure:
+    """DALI on the CPU: its threads decode, crop and normalise (the GPU's nvJPEG is not
+    measured here)."""
+    import torch
+
+    feed, _ = open_feed(prefix, task=task, size=size, num_classes=num_classes,
+                        batch_size=batch_size, rank=0, world=1, local_world=1, seed=seed,
+                        device=torch.device("cpu"), decoder="dali", workers=threads)
+    try:
+        for _ in range(warmup):
+            next(feed)
+        begin = time.perf_counter()
+        for _ in range(batches):
+            next(feed)
+        seconds = time.perf_counter() - begin
+    finally:
+        feed.close()
+    rate = batches * batch_size / seconds
+    return LoaderFigure("dali", max(1, threads), rate, rate / max(1, threads), batches, seconds)
+
+
+def decoders_of(text: str) -> list[str]:
+    """``auto``, ``all`` (every installed decoder) or a comma-separated list."""
+    if text == "all":
+        return every_decoder()
+    return [choose_decoder(name.strip()) for name in text.split(",") if name.strip()]
+
+
+def to_dict(figure: LoaderFigure) -> dict:
+    return asdict(figure)
