@@ -4,8 +4,12 @@ real-data against synthetic (compute-only) training throughput.
 1. Writes two datasets under the output folder: synthetic faces (112 x 112, insightface's
    layout) and ImageNet-sized photos-like images (500 x 375, im2rec's flat layout).
 2. ``trainperf data bench`` on each, every installed decoder, the worker counts asked for.
-3. ``trainperf run RECIPE --data faces`` for each loader-worker count asked for: every run
-   folder holds the real-data results, the synthetic twin, and a report with the verdict.
+3. ``trainperf run RECIPE --data faces`` for each loader-worker count asked for (and DALI with
+   one thread where it is importable): every run folder holds the real-data results, the
+   synthetic twin, and a report with the verdict.
+
+DALI is found where it is installed, or through ``PYTHONPATH`` (the test suite keeps a copy in
+``~/.cache/trainperf/envs/dali-site``).
 
     python benchmarks/input_pipeline.py [--workers 0,1,2] [--run-workers 0,1]
         [--recipe tiny-arcface] [--device cpu] [--runs 3] [--iters 40] [--warmup 10]
@@ -25,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from trainperf.cli import main as trainperf
+from trainperf.data import dali_feed
 from trainperf.data.recordio import IRHeader, RecordWriter, pack
 
 
@@ -72,11 +77,16 @@ def main() -> int:
              trainperf(["data", "bench", str(data / "photos"), "--decoder", "all", "--workers",
                         args.workers, "--recipe", "rn50-v1b-imagenet", "--batch-size", "32",
                         "--batches", "15", "--out", str(out / "bench-photos")])]
-    for n in args.run_workers.split(","):
+    runs = [("auto", n) for n in args.run_workers.split(",")]
+    if dali_feed.available():
+        runs.append(("dali", "1"))
+    for decoder, n in runs:
+        name = f"run-w{n}" if decoder == "auto" else f"run-{decoder}-w{n}"
         codes.append(trainperf([
-            "run", args.recipe, "--data", str(faces), "--loader-workers", n,
-            "--batch-size", args.batch_size, "--device", args.device, "--runs", args.runs,
-            "--iters", args.iters, "--warmup", args.warmup, "--out", str(out / f"run-w{n}")]))
+            "run", args.recipe, "--data", str(faces), "--decoder", decoder,
+            "--loader-workers", n, "--batch-size", args.batch_size, "--device", args.device,
+            "--runs", args.runs, "--iters", args.iters, "--warmup", args.warmup,
+            "--out", str(out / name)]))
     shutil.rmtree(data)
     print(f"input_pipeline: {time.time() - began:.0f} s, exit codes {codes}", file=sys.stderr)
     return max(codes)

@@ -5,6 +5,7 @@ input-bound verdict."""
 from __future__ import annotations
 
 import io
+import random
 
 import numpy as np
 import pytest
@@ -119,7 +120,7 @@ def test_more_classes_than_the_workload_is_refused(faces):
 
 def test_imagenet_crop_is_inside_the_image_and_sized():
     image = np.arange(300 * 200 * 3, dtype=np.uint8).reshape(300, 200, 3)
-    rng = np.random.default_rng(0)
+    rng = random.Random(0)
     for _ in range(20):
         out = random_resized_crop(image, 64, rng)
         assert out.shape == (64, 64, 3) and out.dtype == np.uint8
@@ -145,7 +146,7 @@ def test_feed_has_no_wait_to_report_before_a_batch(faces):
     (99.0, 100.0, 0.01, False, "not input-bound: real data runs at 99.0%"),
     (50.0, 100.0, 0.45, True, "input-bound: real data runs at 50.0% of the compute-only rate "
                               "(50.0% slower); steps waited 45.0%"),
-    (80.0, 100.0, 0.0, True, "slower by 20.0% without waiting"),
+    (80.0, 100.0, 0.0, True, "slower by 20.0% though steps waited 0.0%"),
     (80.0, None, 0.30, True, "input-bound: steps waited 30.0%"),
     (80.0, None, 0.01, False, "not input-bound"),
 ])
@@ -154,3 +155,8 @@ def test_input_verdict(real, synth, wait, bound, words):
     assert v.input_bound is bound
     assert words in v.words
     assert "2 loader processes per rank" in v.words
+
+
+def test_a_gap_inside_the_spread_is_called_noise():
+    assert "within the runs' spread, 12.0%" in verdict(107.0, 100.0, 0.03, 1, 0.12).words
+    assert "spread" not in verdict(50.0, 100.0, 0.45, 1, 0.04).words

@@ -278,7 +278,7 @@ def _interrupt_on_sigterm() -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from .progress import make_progress
     from .report.assemble import write_report
-    from .runner import Runner
+    from .runner import Runner, interleave
 
     plans = plan_from_args(args)
     runners = [Runner(plan) for plan in plans]  # every environment checked before any run
@@ -286,10 +286,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = make_progress()
     docs = []
     try:
+        resumes = []
         for runner in runners:
             runner.progress = progress
-            resume = bool(args.resume) and (runner.out / "events.jsonl").exists()
-            docs.append(runner.run(resume=resume))
+            resumes.append(bool(args.resume) and (runner.out / "events.jsonl").exists())
+        if args.data:  # the real-data runs and their synthetic twin take turns
+            docs = interleave(runners, resumes)
+        else:
+            docs = [runner.run(resume=again) for runner, again in zip(runners, resumes)]
     finally:
         close = getattr(progress, "close", None)
         if close:
@@ -495,7 +499,8 @@ def cmd_data_bench(args: argparse.Namespace) -> int:
     classes = 2**31 - 1  # nothing is trained: every label is welcome
     figures = []
     for name in decoders:
-        for n in workers:
+        # DALI decodes in its own threads: it has no in-process (0 workers) mode.
+        for n in [n for n in workers if n > 0] if name == "dali" else workers:
             fig = bench.measure(args.prefix, name, n, task=workload.task,
                                 size=workload.input_size, num_classes=classes,
                                 batch_size=batch, batches=args.batches, warmup=args.warmup)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import psutil
 
@@ -201,6 +201,19 @@ def decide_status(events: list[Event], timed_out: bool) -> tuple[str, str | None
     return "failed", None
 
 
+def interleave(runners: list["Runner"], resume: list[bool]) -> list[dict]:
+    """Run several plans turn by turn, one run each, so that a slow spell of a shared machine
+    falls on all of them alike (the real-data runs and their synthetic twin are compared run
+    against run). Every plan is checked before the first run starts."""
+    steps = [r.run_steps(again) for r, again in zip(runners, resume)]
+    live = list(steps)
+    while live:
+        for s in list(live):
+            if next(s, StopIteration) is StopIteration:
+                live.remove(s)
+    return [r.write_results() for r in runners]
+
+
 class Runner:
     def __init__(self, plan: Plan, progress: Progress | None = None) -> None:
         self.plan = plan
@@ -283,6 +296,13 @@ class Runner:
 
     # -- running ----------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict:
+        for _ in self.run_steps(resume):
+            pass
+        return self.write_results()
+
+    def run_steps(self, resume: bool = False) -> Iterator[None]:
+        """The plan one run at a time: each ``next`` runs and records one more run, so that
+        several runners can take turns (``interleave``)."""
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume and self.events_path.exists():
             raise ValueError(f"{self.out} already holds a run; pass --resume to finish it or "
@@ -304,7 +324,7 @@ class Runner:
                 record = self._run_one(case, run)
                 self.records.setdefault(key, []).append(record)
                 self.write_results()
-        return self.write_results()
+                yield
 
     def _run_one(self, case: Case, run: int) -> dict:
         label = f"{case.key.name} b{case.batch_size} run {run}"

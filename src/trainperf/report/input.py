@@ -25,8 +25,20 @@ def is_real(doc: dict) -> bool:
 
 
 def verdict(real_rate: float | None, synthetic_rate: float | None, wait_share: float | None,
-            workers: int | None) -> Verdict:
-    """What limits a real-data case, from its rate, its twin's and its share of waiting."""
+            workers: int | None, spread: float | None = None) -> Verdict:
+    """What limits a real-data case, from its rate, its twin's and its share of waiting;
+    ``spread`` (the larger IQR / median of the two cases) says when the gap is only noise."""
+    v = _verdict(real_rate, synthetic_rate, wait_share, workers)
+    if real_rate and synthetic_rate and spread is not None:
+        gap = abs(real_rate / synthetic_rate - 1)
+        if gap <= spread:
+            v.words += (f" (the {pct(gap)} gap is within the runs' spread, {pct(spread)}: "
+                        "more runs would tell it from noise)")
+    return v
+
+
+def _verdict(real_rate: float | None, synthetic_rate: float | None, wait_share: float | None,
+             workers: int | None) -> Verdict:
     loaders = (f"{workers} loader process{'es' if workers != 1 else ''} per rank"
                if workers else "loading in the training process (0 loader processes)")
     waited = (f"steps waited {pct(wait_share)} of the window for their batch"
@@ -47,9 +59,10 @@ def verdict(real_rate: float | None, synthetic_rate: float | None, wait_share: f
         return Verdict(True, f"input-bound: real data runs at {pct(ratio)} of the compute-only "
                              f"rate ({pct(1 - ratio)} slower); {waited} with {loaders}; more "
                              "loader processes or a faster decoder would close the gap")
-    return Verdict(True, f"slower by {pct(1 - ratio)} without waiting for batches "
-                         f"({waited or 'no wait recorded'}): the {loaders} take processor time "
-                         "or memory bandwidth from the training processes")
+    return Verdict(True, f"slower by {pct(1 - ratio)} though {waited or 'no wait was recorded'}"
+                         f" with {loaders}: the pipeline costs the step outside the wait "
+                         "(loader processes sharing the cores or memory bandwidth, fresh "
+                         "batches missing the caches, the host-to-device copy)")
 
 
 def _twin(real: dict, docs: list[dict]) -> dict | None:
@@ -77,7 +90,9 @@ def input_section(docs: list[dict]) -> str | None:
         for c in real["cases"]:
             s = twins.get((c["world_size"], c["batch_size_per_device"]))
             synth = s["median_samples_per_s"] if s else None
-            v = verdict(c["median_samples_per_s"], synth, c.get("data_wait_share"), workers)
+            spreads = [x.get("spread") for x in (c, s) if x and x.get("spread") is not None]
+            v = verdict(c["median_samples_per_s"], synth, c.get("data_wait_share"), workers,
+                        max(spreads) if spreads else None)
             rows.append([c["case"], str(c["batch_size_per_device"]), fmt(synth),
                          fmt(c["median_samples_per_s"]),
                          fmt(c["median_samples_per_s"] / synth, 3)
