@@ -42,19 +42,28 @@ def measure(prefix: str, decoder: str, workers: int, *, task: str, size: int,
                          pin_memory=False)
     it = iter(loader)
     try:
-        for _ in range(warmup):
-            next(it)
-        begin = time.perf_counter()
-        for _ in range(batches):
-            next(it)
-        seconds = time.perf_counter() - begin
+        seconds = _timed(it, warmup, batches)
     finally:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown:
             shutdown()
+    return _figure(images.decoder_name, workers, batches, batch_size, seconds)
+
+
+def _timed(batches_of, warmup: int, batches: int) -> float:
+    """Seconds that ``batches`` batches take after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        next(batches_of)
+    begin = time.perf_counter()
+    for _ in range(batches):
+        next(batches_of)
+    return time.perf_counter() - begin
+
+
+def _figure(decoder: str, workers: int, batches: int, batch_size: int, seconds: float
+            ) -> LoaderFigure:
     rate = batches * batch_size / seconds
-    return LoaderFigure(images.decoder_name, workers, rate, rate / max(1, workers), batches,
-                        seconds)
+    return LoaderFigure(decoder, workers, rate, rate / max(1, workers), batches, seconds)
 
 
 def _measure_dali(prefix: str, threads: int, *, task: str, size: int, num_classes: int,
@@ -67,16 +76,10 @@ def _measure_dali(prefix: str, threads: int, *, task: str, size: int, num_classe
                         batch_size=batch_size, rank=0, world=1, local_world=1, seed=seed,
                         device=torch.device("cpu"), decoder="dali", workers=threads)
     try:
-        for _ in range(warmup):
-            next(feed)
-        begin = time.perf_counter()
-        for _ in range(batches):
-            next(feed)
-        seconds = time.perf_counter() - begin
+        seconds = _timed(feed, warmup, batches)
     finally:
         feed.close()
-    rate = batches * batch_size / seconds
-    return LoaderFigure("dali", max(1, threads), rate, rate / max(1, threads), batches, seconds)
+    return _figure("dali", max(1, threads), batches, batch_size, seconds)
 
 
 def decoders_of(text: str) -> list[str]:
