@@ -19,7 +19,8 @@ How a run goes
      the worker predicts about it.
    - ``step`` (:class:`Step`, rank 0, one per optimizer step, warm-up steps included, in step
      order, written as soon as the step's time is known): ``index`` (0-based), ``seconds``,
-     ``samples`` (global samples of the step), ``warmup`` (``index < measure.warmup``).
+     ``samples`` (global samples of the step), ``warmup`` (``index < measure.warmup``); with
+     real data (``spec.data``) also ``data_wait_s``, the host seconds it waited for its batch.
    - ``end`` (:class:`End`, rank 0, once, after the last step): the window's figures.
    - ``error`` (:class:`Error`, any rank, when it fails): ``kind`` is ``oom`` for an
      out-of-memory, else ``exception``; ``message`` one line; ``traceback`` a list of lines.
