@@ -120,3 +120,13 @@ def test_data_bench_measures_each_worker_count(dataset, tmp_path):
     assert doc["dataset"]["images"] == IMAGES
     assert [f["workers"] for f in doc["figures"]] == [0, 1]
     assert all(f["images_per_s"] > 0 and f["batches"] == 4 for f in doc["figures"])
+
+
+def test_every_plan_is_checked_before_the_first_run(dataset, tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "real").mkdir(parents=True)
+    (out / "real" / "events.jsonl").write_text("")  # an earlier run's folder
+    rc = main(["run", "tiny-arcface", "--data", dataset, "--device", "cpu", "--runs", "1",
+               "--iters", "3", "--warmup", "1", "--out", str(out)])
+    assert rc == 2 and "already holds a run" in capsys.readouterr().err
+    assert not (out / "synthetic" / "runs").exists()  # the twin did not start either

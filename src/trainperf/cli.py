@@ -240,10 +240,7 @@ def data_plans(args: argparse.Namespace, plan, frameworks: list[str]) -> list:
                          "synthetic data")
     choose_decoder(args.decoder)
     dataset = open_dataset(args.data)
-    if dataset.num_classes is not None and dataset.num_classes > plan.workload.num_classes:
-        raise ValueError(f"{args.data} holds {dataset.num_classes} classes, more than the "
-                         f"recipe's {plan.workload.num_classes}: pass --num-classes "
-                         f"{dataset.num_classes}")
+    dataset.check_classes(plan.workload.num_classes)
     data = DataSpec(str(Path(dataset.prefix).resolve()), args.decoder, args.loader_workers)
     real = replace(plan, out_dir=plan.out_dir / "real", data=data, data_role="real")
     if args.no_synthetic_baseline:
@@ -501,7 +498,7 @@ def cmd_data_bench(args: argparse.Namespace) -> int:
     for name in decoders:
         # DALI decodes in its own threads: it has no in-process (0 workers) mode.
         for n in [n for n in workers if n > 0] if name == "dali" else workers:
-            fig = bench.measure(args.prefix, name, n, task=workload.task,
+            fig = bench.measure(dataset, name, n, task=workload.task,
                                 size=workload.input_size, num_classes=classes,
                                 batch_size=batch, batches=args.batches, warmup=args.warmup)
             print(f"{name} x{n}: {fig.images_per_s:.0f} images/s", file=sys.stderr, flush=True)

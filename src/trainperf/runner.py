@@ -205,8 +205,7 @@ def interleave(runners: list["Runner"], resume: list[bool]) -> list[dict]:
     """Run several plans turn by turn, one run each, so that a slow spell of a shared machine
     falls on all of them alike (the real-data runs and their synthetic twin are compared run
     against run). Every plan is checked before the first run starts."""
-    steps = [r.run_steps(again) for r, again in zip(runners, resume)]
-    live = list(steps)
+    live = [r.run_steps(again) for r, again in zip(runners, resume)]
     while live:
         for s in list(live):
             if next(s, StopIteration) is StopIteration:
@@ -302,7 +301,12 @@ class Runner:
 
     def run_steps(self, resume: bool = False) -> Iterator[None]:
         """The plan one run at a time: each ``next`` runs and records one more run, so that
-        several runners can take turns (``interleave``)."""
+        several runners can take turns (``interleave``). The folder and plan are checked now,
+        before any runner's first turn."""
+        self._prepare(resume)
+        return self._each_run()
+
+    def _prepare(self, resume: bool) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume and self.events_path.exists():
             raise ValueError(f"{self.out} already holds a run; pass --resume to finish it or "
@@ -315,6 +319,8 @@ class Runner:
         if not self.env:
             self.env = host_env()
             self._append_event({"event": "runner_start", "t": time.time(), "env": self.env})
+
+    def _each_run(self) -> Iterator[None]:
         for case in self.plan.cases:
             key = (case.key.name, case.batch_size)
             done = {r["run"] for r in self.records.get(key, [])}

@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from .dali_feed import choose_decoder, every_decoder
-from .layout import open_dataset
-from .pipeline import RankSampler, RecordImages, make_loader, open_feed
+from .layout import Dataset
+from .pipeline import RankSampler, RecordImages, make_loader, open_feed, stop_loader
 
 
 @dataclass
@@ -26,27 +26,22 @@ class LoaderFigure:
     seconds: float
 
 
-def measure(prefix: str, decoder: str, workers: int, *, task: str, size: int,
+def measure(dataset: Dataset, decoder: str, workers: int, *, task: str, size: int,
             num_classes: int, batch_size: int, batches: int, warmup: int,
             seed: int = 0) -> LoaderFigure:
     if decoder == "dali":
-        return _measure_dali(prefix, workers, task=task, size=size, num_classes=num_classes,
-                             batch_size=batch_size, batches=batches, warmup=warmup, seed=seed)
-    dataset = open_dataset(prefix)
+        return _measure_dali(dataset.prefix, workers, task=task, size=size,
+                             num_classes=num_classes, batch_size=batch_size, batches=batches,
+                             warmup=warmup, seed=seed)
+    dataset.check_batches(1, batch_size)
     images = RecordImages(dataset, decoder, task, size, num_classes, seed)
-    sampler = RankSampler(len(dataset), 0, 1, seed)
-    if sampler.per_rank < batch_size:
-        raise ValueError(f"{prefix} holds {sampler.per_rank} images, fewer than a batch of "
-                         f"{batch_size}")
-    loader = make_loader(images, sampler, batch_size, workers, prefetch_batches=4,
-                         pin_memory=False)
+    loader = make_loader(images, RankSampler(len(dataset), 0, 1, seed), batch_size, workers,
+                         prefetch_batches=4, pin_memory=False)
     it = iter(loader)
     try:
         seconds = _timed(it, warmup, batches)
     finally:
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown:
-            shutdown()
+        stop_loader(it)
     return _figure(images.decoder_name, workers, batches, batch_size, seconds)
 
 

@@ -104,6 +104,7 @@ def open_dali_feed(dataset: Dataset, *, task: str, size: int, batch_size: int, r
                    prefetch_batches: int, mean: tuple[float, ...], std: tuple[float, ...],
                    channels_last: bool, native_size: tuple[int, int] | None
                    ) -> tuple[DaliFeed, dict]:
+    """The feed and what differs from the torch loader's description (decoder, threads)."""
     require()
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -135,12 +136,9 @@ def open_dali_feed(dataset: Dataset, *, task: str, size: int, batch_size: int, r
     pipe.build()
     iterator = DALIGenericIterator([pipe], ["data", "label"], reader_name="reader",
                                    last_batch_policy=LastBatchPolicy.DROP, auto_reset=True)
-    per_rank = len(dataset) // world
     import nvidia.dali as dali
 
-    info = {"source": "recordio", **dataset.describe(), "decoder": "dali",
-            "dali_version": dali.__version__, "dali_decoder": "mixed" if gpu else "cpu",
-            "loader_workers": max(1, threads), "loader_kind": "DALI threads",
-            "prefetch_batches": prefetch_batches, "pin_memory": False,
-            "images_per_rank_per_epoch": per_rank, "steps_per_epoch": per_rank // batch_size}
-    return DaliFeed(iterator, folder, str(dataset.reader.rec_path), channels_last), info
+    how = {"decoder": "dali", "dali_version": dali.__version__,
+           "dali_decoder": "mixed" if gpu else "cpu", "loader_workers": max(1, threads),
+           "loader_kind": "DALI threads", "pin_memory": False}
+    return DaliFeed(iterator, folder, str(dataset.reader.rec_path), channels_last), how

@@ -44,6 +44,18 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.image_keys)
 
+    def check_classes(self, num_classes: int) -> None:
+        """ValueError when the face header announces more classes than the workload has."""
+        if self.num_classes is not None and self.num_classes > num_classes:
+            raise ValueError(f"{self.prefix} holds {self.num_classes} classes, more than the "
+                             f"workload's {num_classes}: pass --num-classes {self.num_classes}")
+
+    def check_batches(self, world: int, batch_size: int) -> None:
+        """ValueError when an epoch cannot give each rank one whole batch."""
+        if len(self) // world < batch_size:
+            raise ValueError(f"{self.prefix} gives each rank {len(self) // world} images "
+                             f"({len(self)} over {world}), fewer than a batch of {batch_size}")
+
     def describe(self) -> dict:
         return {"prefix": self.prefix, "layout": self.layout, "images": len(self.image_keys),
                 "num_classes": self.num_classes, "bytes": self.reader.size}

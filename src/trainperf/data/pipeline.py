@@ -143,6 +143,13 @@ def make_loader(images: RecordImages, sampler: RankSampler, batch_size: int, wor
                       pin_memory=pin_memory, drop_last=True, **extra)
 
 
+def stop_loader(iterator) -> None:
+    """Stop a loader iterator's processes now rather than at interpreter exit."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown:
+        shutdown()
+
+
 def one_line(exc: ValueError) -> ValueError:
     """A loader process's error as its own one line: torch re-raises it with the process's
     whole traceback as the message."""
@@ -201,10 +208,7 @@ class DeviceFeed:
         return self
 
     def close(self) -> None:
-        """Stop the loader processes now rather than at interpreter exit."""
-        shutdown = getattr(self._it, "_shutdown_workers", None)
-        if shutdown:
-            shutdown()
+        stop_loader(self._it)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stream is None:
@@ -232,26 +236,23 @@ def open_feed(prefix: str, *, task: str, size: int, num_classes: int, batch_size
               ) -> tuple[DeviceFeed, dict]:
     """The feed of one rank and a description of it (what the results record)."""
     dataset = open_dataset(prefix)
-    if dataset.num_classes is not None and dataset.num_classes > num_classes:
-        raise ValueError(f"{prefix} holds {dataset.num_classes} classes, more than the "
-                         f"workload's {num_classes}: pass --num-classes {dataset.num_classes}")
-    if len(dataset) // world < batch_size:
-        raise ValueError(f"{prefix} gives each of {world} ranks {len(dataset) // world} images, "
-                         f"fewer than a batch of {batch_size}")
+    dataset.check_classes(num_classes)
+    dataset.check_batches(world, batch_size)
     workers = default_workers(local_world) if workers is None else workers
     mean, std = (FACE_MEAN, FACE_STD) if task == "face" else (IMAGENET_MEAN, IMAGENET_STD)
+    per_rank = len(dataset) // world
+    info = {"source": "recordio", **dataset.describe(), "loader_workers": workers,
+            "prefetch_batches": prefetch_batches, "images_per_rank_per_epoch": per_rank,
+            "steps_per_epoch": per_rank // batch_size}
     if decoder == "dali":
-        return open_dali_feed(dataset, task=task, size=size, batch_size=batch_size, rank=rank,
-                              world=world, seed=seed, device=device, threads=workers,
-                              prefetch_batches=prefetch_batches, mean=mean, std=std,
-                              channels_last=channels_last, native_size=first_image_size(dataset))
+        feed, how = open_dali_feed(
+            dataset, task=task, size=size, batch_size=batch_size, rank=rank, world=world,
+            seed=seed, device=device, threads=workers, prefetch_batches=prefetch_batches,
+            mean=mean, std=std, channels_last=channels_last,
+            native_size=first_image_size(dataset))
+        return feed, {**info, **how}
     images = RecordImages(dataset, decoder, task, size, num_classes, seed)
-    sampler = RankSampler(len(dataset), rank, world, seed)
-    loader = make_loader(images, sampler, batch_size, workers, prefetch_batches,
-                         pin_memory=device.type == "cuda")
+    loader = make_loader(images, RankSampler(len(dataset), rank, world, seed), batch_size,
+                         workers, prefetch_batches, pin_memory=device.type == "cuda")
     feed = DeviceFeed(loader, device, mean, std, channels_last, trace)
-    info = {"source": "recordio", **dataset.describe(), "decoder": images.decoder_name,
-            "loader_workers": workers, "prefetch_batches": prefetch_batches,
-            "pin_memory": device.type == "cuda", "images_per_rank_per_epoch": sampler.per_rank,
-            "steps_per_epoch": sampler.per_rank // batch_size}
-    return feed, info
+    return feed, {**info, "decoder": images.decoder_name, "pin_memory": device.type == "cuda"}

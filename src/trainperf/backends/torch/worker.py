@@ -30,18 +30,16 @@ from .step import TrainStep
 from .timing import make_timer, timed_loop
 
 
-def is_oom(exc: BaseException) -> bool:
+def is_oom(exc: BaseException, memory_capped: bool = False) -> bool:
+    """``memory_capped``: the process runs under ``--memory-limit``, where oneDNN reports an
+    allocation the cap refused as a primitive it could not create (seen in capacity searches
+    on CPU); without a cap that message means something else."""
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc).lower()
     return "out of memory" in text or "can't allocate memory" in text or (
-        "defaultcpuallocator" in text)
-
-
-def oom_under_cap(exc: BaseException) -> bool:
-    """oneDNN reports an allocation refused by the process's memory cap as a primitive it could
-    not create (seen in capacity searches on CPU); without a cap that message means otherwise."""
-    return "could not create a primitive" in str(exc)
+        "defaultcpuallocator" in text) or (memory_capped and "could not create a primitive"
+                                            in text)
 
 
 def current_memory(device: torch.device) -> int:
@@ -164,13 +162,14 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     loss_values = torch.stack(losses).float().tolist()
     loss_scale = step.loss_scale
     memory = memory_over_ranks(peak_memory(ctx.device), ctx)
+    waited = {}
     if feed is not None:
         feed.close()
-        memory["data_wait_s_per_rank"] = waits_over_ranks(sum(waits[measure.warmup:]), ctx)
+        waited["data_wait_s_per_rank"] = waits_over_ranks(sum(waits[measure.warmup:]), ctx)
     if ctx.rank == 0:
         events.emit(End.of_window(window_s, measure, global_batch, loss_values,
                                   step.skipped_steps, final_loss_scale=loss_scale,
-                                  baseline_memory_bytes=baseline, **memory))
+                                  baseline_memory_bytes=baseline, **memory, **waited))
     if ctx.distributed:
         # No rank tears its process group down while another still talks to it.
         dist.barrier(group=ctx.group)
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         run(spec, events, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
         capped = spec is not None and spec.measure.memory_limit_bytes is not None
-        error = Error.of_exception(exc, is_oom(exc) or (capped and oom_under_cap(exc)))
+        error = Error.of_exception(exc, is_oom(exc, capped))
         events.emit(error)
         return error.exit_code
     finally:
