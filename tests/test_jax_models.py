@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
+from framework_checks import randomise_norm_layers
 from trainperf.backends.torch.backbones import build_backbone, get_spec
 
 pytestmark = pytest.mark.slow
@@ -94,24 +94,10 @@ json.dump(report, open(f"{work}/report.json", "w"))
 """
 
 
-def _randomise(model: nn.Module) -> None:
-    """BN and PReLU values away from their initial ones, so a mapping mix-up shows."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                if m.weight.requires_grad:
-                    m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.1)
-                m.running_mean.normal_(0, 0.1)
-                m.running_var.uniform_(0.5, 1.5)
-            elif isinstance(m, nn.PReLU):
-                m.weight.uniform_(0.1, 0.4)
-
-
 def _torch_case(case: str, name: str, kwargs: dict, side: int, work: Path) -> dict:
     torch.manual_seed(sum(map(ord, case)))
     model = build_backbone(name, input_size=side, **kwargs)
-    _randomise(model)
+    randomise_norm_layers(model)
     x = torch.randn(BATCH, 3, side, side)
     np.savez(work / f"{case}.torch.npz", x=x.numpy(),
              **{f"backbone/{k}": v.detach().numpy().copy() for k, v in model.state_dict().items()})

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import oracle
+from framework_checks import check_recorded_sgd_steps
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,24 +385,7 @@ def test_update_is_torch_sgd_with_clipping_and_rate_changes(updates, case, clip,
     the step's own gradients, with the backbone's global-norm clipping and a change of rate
     (which MXNet's momentum form needs rescaled to stay equal)."""
     got = np.load(updates / f"{case}.npz")
-    count, backbone = int(got["arrays"]), int(got["backbone_count"])
-    bufs = [None] * count
-    coefs = []
-    for i, lr in enumerate(rates):
-        grads = [got[f"{i}/{j}/grad"].astype(np.float64) for j in range(count)]
-        if clip is not None:
-            norm = np.sqrt(sum(float((g * g).sum()) for g in grads[:backbone]))
-            coef = min(clip / (norm + 1e-6), 1.0)
-            coefs.append(coef)
-            grads = [g * coef for g in grads[:backbone]] + grads[backbone:]
-        for j in range(count):
-            want, bufs[j] = oracle.sgd_momentum_step(got[f"{i}/{j}/before"], grads[j], bufs[j],
-                                                     lr, 0.9, 5e-4)
-            np.testing.assert_allclose(got[f"{i}/{j}/after"], want, rtol=1e-5,
-                                       atol=1e-6 * max(np.abs(want).max(), 1.0),
-                                       err_msg=f"step {i} array {j}")
-    if clip is not None:
-        assert max(coefs) < 1.0  # clipping acted
+    check_recorded_sgd_steps(got, int(got["arrays"]), int(got["backbone_count"]), rates, clip)
 
 
 def test_unsupported_settings_are_refused_up_front(updates):

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from framework_checks import randomise_norm_layers
 from trainperf.backends.torch.backbones import backbone_names, build_backbone, get_spec
 
 REPO_SRC = Path(__file__).resolve().parents[1] / "src"
@@ -112,21 +113,6 @@ json.dump(report, open(f"{work}/report.json", "w"))
 """
 
 
-def _randomise(model: nn.Module) -> None:
-    """Non-trivial BN and PReLU values so that a mapping mix-up cannot go unnoticed (torch's
-    init has all gammas 1, betas 0, and zero gammas in ResNet v1b)."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                if m.weight.requires_grad:
-                    m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.1)
-                m.running_mean.normal_(0, 0.1)
-                m.running_var.uniform_(0.5, 1.5)
-            elif isinstance(m, nn.PReLU):
-                m.weight.uniform_(0.1, 0.4)
-
-
 def _run_torch(model: nn.Module, x: torch.Tensor, r: torch.Tensor) -> dict:
     model.train()
     before = {k: v.detach().clone().double().numpy() for k, v in model.state_dict().items()
@@ -150,7 +136,7 @@ def _run_torch(model: nn.Module, x: torch.Tensor, r: torch.Tensor) -> dict:
 def _torch_case(case: str, name: str, kwargs: dict, side: int, batch: int, work: Path) -> dict:
     torch.manual_seed(sum(map(ord, case)))
     model = build_backbone(name, input_size=side, **kwargs)
-    _randomise(model)
+    randomise_norm_layers(model)
     arrays = {f"backbone/{k}": v.detach().clone().numpy() for k, v in model.state_dict().items()}
     x = torch.randn(batch, 3, side, side, dtype=torch.float64)
     r = torch.randn(batch, model(x.float()[:2]).shape[1], dtype=torch.float64)

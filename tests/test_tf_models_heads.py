@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 import oracle
+from framework_checks import check_recorded_sgd_steps, randomise_norm_layers
 from trainperf.backends.torch.backbones import build_backbone
 
 pytestmark = pytest.mark.slow
@@ -172,26 +172,11 @@ json.dump(report, open(f"{work}/report.json", "w"))
 """
 
 
-def _randomise(model: nn.Module) -> None:
-    """Non-trivial BN and PReLU values (torch's init has gammas 1 or 0, betas 0), so that a
-    layout or mapping mix-up cannot hide behind them."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                if m.weight.requires_grad:
-                    m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0, 0.1)
-                m.running_mean.normal_(0, 0.1)
-                m.running_var.uniform_(0.5, 1.5)
-            elif isinstance(m, nn.PReLU):
-                m.weight.uniform_(0.1, 0.4)
-
-
 def _torch_forward(case: str, name: str, kwargs: dict, side: int, batch: int, work: Path
                    ) -> dict:
     torch.manual_seed(sum(map(ord, case)))
     model = build_backbone(name, input_size=side, **kwargs)
-    _randomise(model)
+    randomise_norm_layers(model)
     arrays = {f"backbone/{k}": v.detach().clone().numpy() for k, v in model.state_dict().items()}
     x = torch.randn(batch, 3, side, side)
     with torch.no_grad():
@@ -313,23 +298,7 @@ def test_update_is_torch_sgd_with_clipping_and_rate_changes(tf_side, case):
     work, _, _ = tf_side
     _, rates, clip = UPDATES[case]
     got = np.load(work / f"update_{case}.npz")
-    count, backbone = int(got["arrays"]), int(got["backbone"])
-    bufs: list = [None] * count
-    coefs = []
-    for i, lr in enumerate(rates):
-        grads = [got[f"{i}/{j}/grad"].astype(np.float64) for j in range(count)]
-        if clip is not None:
-            norm = np.sqrt(sum(float((g * g).sum()) for g in grads[:backbone]))
-            coefs.append(min(clip / (norm + 1e-6), 1.0))
-            grads = [g * coefs[-1] for g in grads[:backbone]] + grads[backbone:]
-        for j in range(count):
-            want, bufs[j] = oracle.sgd_momentum_step(got[f"{i}/{j}/before"], grads[j], bufs[j],
-                                                     lr, 0.9, 5e-4)
-            np.testing.assert_allclose(got[f"{i}/{j}/after"], want, rtol=1e-5,
-                                       atol=1e-6 * max(np.abs(want).max(), 1.0),
-                                       err_msg=f"step {i} array {j}")
-    if clip is not None:
-        assert max(coefs) < 1.0  # clipping acted
+    check_recorded_sgd_steps(got, int(got["arrays"]), int(got["backbone"]), rates, clip)
 
 
 def test_refusals_and_load_errors(tf_side):
