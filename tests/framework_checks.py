@@ -45,3 +45,25 @@ def check_recorded_sgd_steps(got, count: int, backbone: int, rates, clip: float 
                                        err_msg=f"step {i} array {j}")
     if clip is not None:
         assert max(coefs) < 1.0  # clipping acted
+
+
+def close_to_max(got, want, rtol: float = 1e-5, what: str = "") -> None:
+    """Same shape, and every entry within ``rtol`` of the largest entry of ``want``."""
+    want = np.asarray(want, dtype=np.float64)
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == want.shape, what
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err <= rtol, f"{what}: max error {err:.3g} of the largest entry"
+
+
+def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
+    """Embeddings, an unnormalised class matrix and labels, with one target at cos = 1 (the
+    clamped band), one at cos = -1 (past theta_max) and one class shared by two samples."""
+    rng = np.random.RandomState(seed)
+    emb = rng.randn(n, d).astype(np.float32)
+    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
+    labels = rng.choice(c, size=n, replace=False)
+    labels[3] = labels[2]
+    weight[labels[0]] = emb[0] * 0.03
+    weight[labels[1]] = -emb[1] * 0.04
+    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import oracle
+from framework_checks import close_to_max, head_inputs
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,29 +188,6 @@ except ValueError as exc:
     refused.append(str(exc))
 json.dump({"rates": rates, "refused": refused, "fp16": fp16}, open(f"{folder}/misc.json", "w"))
 """
-
-
-def close_to_max(got, want, rtol=GRAD_RTOL, what="") -> None:
-    """Every entry within ``rtol`` of the largest entry of ``want``."""
-    want = np.asarray(want, dtype=np.float64)
-    got = np.asarray(got, dtype=np.float64)
-    assert got.shape == want.shape, what
-    scale = max(np.abs(want).max(), 1e-30)
-    err = np.abs(got - want).max() / scale
-    assert err <= rtol, f"{what}: max error {err:.3g} of the largest entry"
-
-
-def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
-    """Embeddings, an unnormalised class matrix and labels, with one target at cos = 1 (the
-    clamped band), one at cos = -1 (past theta_max) and one class shared by two samples."""
-    rng = np.random.RandomState(seed)
-    emb = rng.randn(n, d).astype(np.float32)
-    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
-    labels = rng.choice(c, size=n, replace=False)
-    labels[3] = labels[2]
-    weight[labels[0]] = emb[0] * 0.03
-    weight[labels[1]] = -emb[1] * 0.04
-    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
 
 
 def pfc_cases(seed: int) -> dict[str, np.ndarray]:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import oracle
+from framework_checks import close_to_max, head_inputs
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,28 +42,6 @@ def of_env(python: str, *extra: Path) -> dict[str, str]:
 def run_of(argv: list[str], env: dict[str, str], timeout: float = 120) -> None:
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-
-
-def close_to_max(got, want, rtol=GRAD_RTOL) -> None:
-    """Every entry within ``rtol`` of the largest entry of ``want``."""
-    want = np.asarray(want, dtype=np.float64)
-    got = np.asarray(got, dtype=np.float64)
-    assert got.shape == want.shape
-    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err <= rtol, f"max error {err:.3g} of the largest entry"
-
-
-def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
-    """Embeddings, an unnormalised class matrix and labels, with one target at cos = 1 (inside
-    the clamped band), one at cos = -1 (past theta_max) and one class shared by two samples."""
-    rng = np.random.RandomState(seed)
-    emb = rng.randn(n, d).astype(np.float32)
-    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
-    labels = rng.choice(c, size=n, replace=False)
-    labels[3] = labels[2]
-    weight[labels[0]] = emb[0] * 0.03
-    weight[labels[1]] = -emb[1] * 0.04
-    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
 
 
 # One process: the dp head for every margin, SGD against torch's rule (the rate changes at the

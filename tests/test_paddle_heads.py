@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import oracle
-from framework_checks import check_recorded_sgd_steps
+from framework_checks import check_recorded_sgd_steps, close_to_max, head_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
@@ -41,28 +41,6 @@ def run_pd(python: str, argv: list[str], env: dict[str, str], timeout: float = 1
                           timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n" \
                                  f"{proc.stderr[-5000:]}"
-
-
-def close_to_max(got, want, rtol=GRAD_RTOL) -> None:
-    """Every entry within ``rtol`` of the largest entry of ``want``."""
-    want = np.asarray(want, dtype=np.float64)
-    got = np.asarray(got, dtype=np.float64)
-    assert got.shape == want.shape
-    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err <= rtol, f"max error {err:.3g} of the largest entry"
-
-
-def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
-    """Embeddings, an unnormalised class matrix and labels, with one target at cos = 1 (the
-    clamped band), one at cos = -1 (past theta_max) and one class shared by two samples."""
-    rng = np.random.RandomState(seed)
-    emb = rng.randn(n, d).astype(np.float32)
-    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
-    labels = rng.choice(c, size=n, replace=False)
-    labels[3] = labels[2]
-    weight[labels[0]] = emb[0] * 0.03
-    weight[labels[1]] = -emb[1] * 0.04
-    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
 
 
 def sampled_oracle(emb, weight, labels, ids, margins):

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 import oracle
-from framework_checks import check_recorded_sgd_steps, randomise_norm_layers
+from framework_checks import (check_recorded_sgd_steps, close_to_max, head_inputs,
+                              randomise_norm_layers)
 from trainperf.backends.torch.backbones import build_backbone
 
 pytestmark = pytest.mark.slow
@@ -192,19 +193,6 @@ def _torch_forward(case: str, name: str, kwargs: dict, side: int, batch: int, wo
             "after": {k: v.numpy() for k, v in model.state_dict().items() if "running" in k}}
 
 
-def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
-    """One target at cos = 1 (the clamped band), one at cos = -1 (past theta_max), and one
-    class shared by two samples."""
-    rng = np.random.RandomState(seed)
-    emb = rng.randn(n, d).astype(np.float32)
-    weight = (rng.randn(c, d) * 0.05).astype(np.float32)
-    labels = rng.choice(c, size=n, replace=False)
-    labels[3] = labels[2]
-    weight[labels[0]] = emb[0] * 0.03
-    weight[labels[1]] = -emb[1] * 0.04
-    return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
-
-
 @pytest.fixture(scope="module")
 def tf_side(tmp_path_factory, tf_python):
     work = tmp_path_factory.mktemp("tf_units")
@@ -269,12 +257,6 @@ def test_training_forward_and_gradients_equal_torch(tf_side, case):
                                    err_msg=name)
 
 
-def _close_to_max(got, want, rtol=1e-5) -> None:
-    want = np.asarray(want, dtype=np.float64)
-    err = np.abs(np.asarray(got, dtype=np.float64) - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err <= rtol, f"max error {err:.3g} of the largest entry"
-
-
 @pytest.mark.parametrize("loss", list(MARGINS))
 def test_dp_head_equals_the_oracle(tf_side, loss):
     """Loss, logits and both gradients of the margin-softmax head (TensorFlow's autodiff of the
@@ -286,8 +268,8 @@ def test_dp_head_equals_the_oracle(tf_side, loss):
                                        cos_eps=oracle.FP32_COS_EPS)
     assert float(got["loss"]) == pytest.approx(ref["loss"], rel=1e-5)
     np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
-    _close_to_max(got["grad_emb"], ref["grad_emb"])
-    _close_to_max(got["grad_weight"], ref["grad_weight"])
+    close_to_max(got["grad_emb"], ref["grad_emb"])
+    close_to_max(got["grad_weight"], ref["grad_weight"])
 
 
 @pytest.mark.parametrize("case", list(UPDATES))
