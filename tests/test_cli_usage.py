@@ -17,7 +17,9 @@ from trainperf.cli import main
     (["report", "/nonexistent/folder"], "no results.json"),
     (["run", "tiny-arcface", "--framework", "caffe"], "unknown framework 'caffe'"),
     (["run", "tiny-arcface", "--framework", "torch,torch"], "twice"),
-    (["run", "tiny-arcface", "--framework", "mxnet", "--nnodes", "2"], "one node"),
+    (["run", "tiny-arcface", "--framework", "mxnet", "--nnodes", "2"], "--rdzv HOST:PORT"),
+    (["run", "tiny-arcface", "--framework", "mxnet", "--mxnet-kvstore", "device", "--nnodes",
+      "2", "--rdzv", "127.0.0.1:29400"], "one node"),
     (["align", "tiny-arcface", "--framework", "torch"], "another framework"),
     (["env", "create", "caffe"], "unknown framework"),
 ])

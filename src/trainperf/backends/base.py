@@ -6,11 +6,16 @@ runner never imports a framework.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ..config import Topology, Tuning
+
+
+COLLECTIVE_TIMEOUT_ENV = "TRAINPERF_COLLECTIVE_TIMEOUT_S"
+"""Seconds a rank waits in a collective before it gives its peer up (set for multi-node runs)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,52 @@ class EnvSpec:
 
 
 @dataclass(frozen=True)
+class Cluster:
+    """Where every process of a run lives, as each node's launcher sees it: the nodes'
+    addresses and, per node, ports free there for this run. Made by the runner after the nodes
+    have met (``trainperf.scale.rendezvous``), or for one node over loopback."""
+
+    node_rank: int
+    nproc_per_node: int
+    addrs: tuple[str, ...]
+    """One per node rank, each reachable from every other node."""
+    ports: tuple[tuple[int, ...], ...]
+    """One tuple per node rank: ports free on that node (the first of node 0 is the run's
+    coordinator or master port)."""
+
+    def __post_init__(self) -> None:
+        if len(self.addrs) != len(self.ports) or not self.addrs:
+            raise ValueError("a cluster needs one address and one port list per node")
+        if not 0 <= self.node_rank < len(self.addrs):
+            raise ValueError(f"node rank {self.node_rank} outside {len(self.addrs)} nodes")
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.addrs)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def master(self) -> tuple[str, int]:
+        return self.addrs[0], self.ports[0][0]
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc_per_node + local_rank
+
+    def to_json(self) -> str:
+        return json.dumps({"node_rank": self.node_rank, "nproc_per_node": self.nproc_per_node,
+                           "addrs": list(self.addrs), "ports": [list(p) for p in self.ports]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Cluster":
+        d = json.loads(text)
+        return cls(int(d["node_rank"]), int(d["nproc_per_node"]), tuple(d["addrs"]),
+                   tuple(tuple(int(x) for x in p) for p in d["ports"]))
+
+
+@dataclass(frozen=True)
 class LaunchRequest:
     """What a backend needs to start one run."""
 
@@ -41,6 +92,10 @@ class LaunchRequest:
     tuning: Tuning
     spec_path: Path
     events_path: Path
+    cluster: Cluster | None = None
+    """Several nodes: where every node is (None: one node, over loopback)."""
+    cluster_path: Path | None = None
+    """``cluster`` as JSON, written by the runner for launchers that take ``--cluster``."""
 
     @property
     def worker_args(self) -> list[str]:
@@ -70,8 +125,11 @@ class Backend:
     """Most nodes the backend's launch can span (None: no limit)."""
     cannot_run: str | None = None
     """Why this backend's environment can be built but no run started (None: it runs)."""
+    hand_ranks: bool = False
+    """Several nodes can start from ``--node-rank/--master-addr`` alone (torch's launcher);
+    False: the backend needs every node's address, which only ``--rdzv`` gathers."""
 
-    def check(self, fc: str, nnodes: int) -> None:
+    def check(self, fc: str, nnodes: int, rdzv: bool = False) -> None:
         """ValueError when this backend cannot run the asked workload and layout."""
         if self.cannot_run:
             raise ValueError(f"the {self.name} backend cannot run yet: {self.cannot_run}")
@@ -81,3 +139,6 @@ class Backend:
         if self.max_nodes is not None and nnodes > self.max_nodes:
             raise ValueError(f"the {self.name} backend runs on one node here; multi-node "
                              f"launch is not available for it yet")
+        if nnodes > 1 and not rdzv and not self.hand_ranks:
+            raise ValueError(f"the {self.name} backend needs every node's address to start "
+                             f"several nodes: use --rdzv HOST:PORT instead of --node-rank")

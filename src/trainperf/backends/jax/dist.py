@@ -1,9 +1,10 @@
 """The distributed layout of a JAX run: one mesh axis of ranks, and global arrays on it.
 
-``spawn`` starts one process per rank with ``TRAINPERF_COORDINATOR`` (host:port of rank 0's
-coordination service), ``TRAINPERF_NUM_PROCESSES`` and ``TRAINPERF_PROCESS_ID``;
-:func:`layout_from_env` calls ``jax.distributed.initialize`` with them (CPU collectives then run
-over gloo, GPU ones over NCCL). Every process drives one device, and the mesh is the 1-D axis
+``spawn`` starts one process per rank, on one node or several, with ``TRAINPERF_COORDINATOR``
+(host:port of rank 0's coordination service, on the first node), ``TRAINPERF_NUM_PROCESSES`` and
+``TRAINPERF_PROCESS_ID`` (the global rank); :func:`initialize_from_env` calls
+``jax.distributed.initialize`` with them (CPU collectives then run over gloo, on the interface
+``GLOO_SOCKET_IFNAME`` names where it is set; GPU ones over NCCL). Every process drives one device, and the mesh is the 1-D axis
 ``"r"`` of all devices in rank order.
 
 The same layout also describes one process driving several devices (tests force several CPU
@@ -151,7 +152,31 @@ def initialize_from_env() -> bool:
     jax.distributed.initialize(coordinator_address=os.environ["TRAINPERF_COORDINATOR"],
                                num_processes=nproc,
                                process_id=int(os.environ["TRAINPERF_PROCESS_ID"]))
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        gloo_on_interface(interface)
     return True
+
+
+def gloo_on_interface(interface: str) -> None:
+    """Make the CPU client's gloo collectives listen on ``interface``. JAX's own CPU client
+    binds gloo to whatever the hostname resolves to, which on many clusters is not the network
+    the nodes met on; torch's and Paddle's gloo read ``GLOO_SOCKET_IFNAME`` (the runner sets it
+    for multi-node runs), JAX's does not, and takes the interface only as an argument of a
+    private factory. So the CPU backend's factory is replaced, before any backend starts, by one
+    that passes it. An MPI choice (``jax_cpu_collectives_implementation``) is left alone."""
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    if jax.config.jax_cpu_collectives_implementation not in (None, "gloo"):
+        return
+
+    def make_cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(
+            distributed_client=distributed.global_state.client, interface=interface)
+        return xla_bridge.make_cpu_client(collectives)
+
+    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
 
 
 def layout_from_env(distributed: bool) -> Layout:

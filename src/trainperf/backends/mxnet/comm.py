@@ -6,9 +6,15 @@ The launcher (``launch.py``) chooses one of three layouts and says which through
 - ``TRAINPERF_KVSTORE=device``: one process driving ``TRAINPERF_CONTEXTS`` contexts, gradients
   summed by kvstore ``device`` (as insightface's MXNet ArcFace and gluon-cv trained on one
   machine). Context ``i`` is rank ``i``; data parallel only (no sharded head).
-- ``TRAINPERF_KVSTORE=dist_sync``: one process per rank, talking through a parameter server
-  (the launcher runs the scheduler and the server and sets the ``DMLC_*`` variables); the rank is
-  the kvstore's. ``TRAINPERF_LOCAL_RANK`` is the launch index on the node (the GPU it uses).
+- ``TRAINPERF_KVSTORE=dist_sync``: one process per rank, talking through parameter servers
+  (the launcher runs the scheduler and the servers and sets the ``DMLC_*`` variables), on one
+  node or several. The rank is ``TRAINPERF_RANK``, the launcher's (node rank * ranks per node +
+  local rank), not the kvstore's: ps-lite numbers workers by sorting their hosts and ports, so
+  its rank 0 may be on any node, while the runner reads the events rank 0 writes on node 0.
+  Nothing below depends on which numbering is used as long as every rank has its own: the
+  kvstore sums without looking at ranks, and the values it keeps at ``init`` (its own rank 0's)
+  are the same on every rank (see :meth:`Comm.register`). ``TRAINPERF_LOCAL_RANK`` is the launch
+  index on the node (the GPU it uses).
 
 Collectives run over the ``dist_sync`` kvstore with integer keys, all drawn from one counter so
 that gradient keys and collective keys never collide. All-reduce-sum is a pushpull: the server
@@ -113,10 +119,12 @@ class Comm:
 
     def register(self, arrays: Sequence[Sequence[mx.nd.NDArray]]) -> list[int]:
         """Give each entry (one array per context, e.g. a parameter's copies) a kvstore key
-        and make every copy equal to rank 0's first one: in ``dist_sync`` the store keeps
-        the value rank 0 initialises a key with and every rank pulls it back (as Gluon's
-        Trainer broadcasts parameters). Call at set-up, on every rank, in the same order.
-        Returns the keys, to pass to :meth:`sum_`."""
+        and make every copy equal to one rank's first one: in ``dist_sync`` the store keeps
+        the value the kvstore's own rank 0 initialises a key with (which need not be
+        :attr:`rank` 0) and every rank pulls it back (as Gluon's Trainer broadcasts
+        parameters). Callers pass the same values on every rank (one seed), so which rank's
+        is kept changes nothing. Call at set-up, on every rank, in the same order. Returns
+        the keys, to pass to :meth:`sum_`."""
         keys = [self.new_key() for _ in arrays]
         if self.kv is None or not keys:
             return keys
@@ -205,4 +213,8 @@ def comm_from_env(device_kind: str) -> Comm:
     if mode == "local":
         return Comm("local", 0, 1, local_rank, device_type, contexts, None)
     kv = mx.kv.create("dist_sync")
-    return Comm("dist_sync", kv.rank, kv.num_workers, local_rank, device_type, contexts, kv)
+    rank = int(os.environ.get("TRAINPERF_RANK", kv.rank))
+    if not 0 <= rank < kv.num_workers:
+        raise ValueError(f"TRAINPERF_RANK {rank} is outside the kvstore's {kv.num_workers} "
+                         f"workers")
+    return Comm("dist_sync", rank, kv.num_workers, local_rank, device_type, contexts, kv)

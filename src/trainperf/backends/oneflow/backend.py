@@ -1,5 +1,8 @@
 """The OneFlow backend, opt-in (``trainperf env create oneflow``): its environment, and its ranks
-started one process each by ``trainperf.backends.spawn`` with torch-style variables.
+started one process each by ``trainperf.backends.spawn`` with the variables OneFlow's own
+launcher (``oneflow.distributed.launch``) sets: torch-style ``MASTER_ADDR``/``MASTER_PORT`` (node
+0's first port), ``WORLD_SIZE``, ``RANK`` (global) and ``LOCAL_RANK``. OneFlow learns the other
+ranks' addresses at that rendezvous; it sets no node rank or per-rank endpoint.
 
 OneFlow (the seeds' other system) published its last wheel, 0.9.0, for Python 3.8-3.10 only, as
 a ~1 GB CUDA build that imports (on CPU too) only with cuDNN and cuBLAS libraries it does not
@@ -12,7 +15,7 @@ import glob
 import os
 from pathlib import Path
 
-from ..base import Backend, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Cluster, EnvSpec, Launch, LaunchRequest
 
 PYTHONS = ("3.10", "3.9", "3.8")
 PACKAGES = ("oneflow==0.9.0", "numpy<2")
@@ -31,18 +34,24 @@ def library_path(python: str) -> str:
     return os.pathsep.join(folders + [p for p in [os.environ.get("LD_LIBRARY_PATH")] if p])
 
 
-def rank_env(rank: int, nproc: int, ports: list[int]) -> dict[str, str]:
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0]),
-            "WORLD_SIZE": str(nproc), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
+    # No CUDA_VISIBLE_DEVICES: OneFlow places a global tensor of rank r on its node's device
+    # r % ranks-per-node, so every process must see all of its node's GPUs.
+    addr, port = cluster.master
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(cluster.world_size), "RANK": str(cluster.global_rank(local_rank)),
+            "LOCAL_RANK": str(local_rank)}
 
 
 def launch(req: LaunchRequest) -> Launch:
+    from ..spawn import cluster_args  # not at the top: see spawn's docstring
     return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=oneflow",
-                   f"--nproc={req.topology.devices_per_node}", "--", *req.worker_args],
+                   f"--nproc={req.topology.devices_per_node}", *cluster_args(req), "--",
+                   *req.worker_args],
                   env={"LD_LIBRARY_PATH": library_path(req.python)})
 
 
 BACKEND = Backend(
     name="oneflow", framework="oneflow", launch=launch,
     env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
-    fc_modes=("dp", "mp"), max_nodes=1)
+    fc_modes=("dp", "mp"))

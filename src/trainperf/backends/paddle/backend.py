@@ -1,9 +1,10 @@
 """The PaddlePaddle backend: its environment, and its ranks started one process each by
-``trainperf.backends.spawn`` with the variables Paddle's own launcher would set."""
+``trainperf.backends.spawn`` with the variables Paddle's own launcher would set, on one node or
+several."""
 
 from __future__ import annotations
 
-from ..base import Backend, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Cluster, EnvSpec, Launch, LaunchRequest
 
 PACKAGES = ("paddlepaddle==3.3.1", "numpy>=1.26,<3")
 # Paddle's CUDA wheels of 3.x are published on its own index, not on PyPI.
@@ -13,13 +14,16 @@ PROBE = ("import json, paddle, numpy; print(json.dumps({'paddle': paddle.__versi
          "'numpy': numpy.__version__, 'cuda': paddle.device.is_compiled_with_cuda()}))")
 
 
-def rank_env(rank: int, nproc: int, ports: list[int]) -> dict[str, str]:
-    endpoints = [f"127.0.0.1:{p}" for p in ports[1:1 + nproc]]
-    return {"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(nproc),
+def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
+    from ..spawn import coordinator, rank_endpoints  # not at the top: see spawn's docstring
+    endpoints = rank_endpoints(cluster)
+    rank = cluster.global_rank(local_rank)
+    return {"PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": str(cluster.world_size),
             "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-            "PADDLE_CURRENT_ENDPOINT": endpoints[rank], "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
-            "PADDLE_RANK_IN_NODE": str(rank), "PADDLE_LOCAL_SIZE": str(nproc),
-            "FLAGS_selected_gpus": str(rank)}
+            "PADDLE_CURRENT_ENDPOINT": endpoints[rank], "PADDLE_MASTER": coordinator(cluster),
+            "PADDLE_RANK_IN_NODE": str(local_rank),
+            "PADDLE_LOCAL_SIZE": str(cluster.nproc_per_node),
+            "FLAGS_selected_gpus": str(local_rank)}
 
 
 CUDNN_SEARCH_FLAG = "FLAGS_cudnn_exhaustive_search"
@@ -29,11 +33,12 @@ shape, keep the fastest). Given through the environment, which Paddle reads when
 
 
 def launch(req: LaunchRequest) -> Launch:
+    from ..spawn import cluster_args  # not at the top: see spawn's docstring
     return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=paddle",
-                   f"--nproc={req.topology.devices_per_node}", "--", *req.worker_args],
+                   f"--nproc={req.topology.devices_per_node}", *cluster_args(req), "--",
+                   *req.worker_args],
                   env={CUDNN_SEARCH_FLAG: "1" if req.tuning.cudnn_benchmark else "0"})
 
 
 BACKEND = Backend(name="paddle", framework="paddle", launch=launch,
-                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp", "mp", "pfc"),
-                  max_nodes=1)
+                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp", "mp", "pfc"))

@@ -1,13 +1,14 @@
 """The TensorFlow 2 backend: its environment (TensorFlow 2.21, which brings Keras 3; the models
 are written on ``tf.Variable`` and ``tf.nn``, see ``models.py``), and its ranks started one
 process each by ``trainperf.backends.spawn`` as the workers of a ``MultiWorkerMirroredStrategy``
-(``TF_CONFIG``: every worker on a 127.0.0.1 port, this process's task index = its rank)."""
+(``TF_CONFIG``: every rank of every node, each on its own port, this process's task index = its
+global rank)."""
 
 from __future__ import annotations
 
 import json
 
-from ..base import Backend, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Cluster, EnvSpec, Launch, LaunchRequest
 
 PACKAGES = ("tensorflow-cpu==2.21.0",)
 CUDA_PACKAGES = ("tensorflow[and-cuda]==2.21.0",)
@@ -15,18 +16,21 @@ PROBE = ("import json, tensorflow as tf, numpy; print(json.dumps({'tensorflow': 
          " 'keras': tf.keras.__version__, 'numpy': numpy.__version__}))")
 
 
-def rank_env(rank: int, nproc: int, ports: list[int]) -> dict[str, str]:
-    workers = [f"127.0.0.1:{p}" for p in ports[1:1 + nproc]]
-    config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
-    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": str(rank),
+def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
+    from ..spawn import rank_endpoints  # not at the top: see spawn's docstring
+    config = {"cluster": {"worker": rank_endpoints(cluster)},
+              "task": {"type": "worker", "index": cluster.global_rank(local_rank)}}
+    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": str(local_rank),
             "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def launch(req: LaunchRequest) -> Launch:
+    from ..spawn import cluster_args  # not at the top: see spawn's docstring
     return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=tf",
-                   f"--nproc={req.topology.devices_per_node}", "--", *req.worker_args])
+                   f"--nproc={req.topology.devices_per_node}", *cluster_args(req), "--",
+                   *req.worker_args])
 
 
 # Data parallel only: the sharded heads (mp, pfc) are not written for TensorFlow.
 BACKEND = Backend(name="tf", framework="tensorflow", launch=launch,
-                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp",), max_nodes=1)
+                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp",))

@@ -1,8 +1,8 @@
 """The distributed layout of one TensorFlow worker process, and its collectives.
 
 ``trainperf.backends.spawn`` starts one process per rank with ``TF_CONFIG`` naming every worker
-(``127.0.0.1`` ports) and this process's task index (``backend.rank_env``); the task index is the
-rank. With several ranks the process joins a ``MultiWorkerMirroredStrategy``: RING collectives
+of every node (each rank's own port) and this process's task index (``backend.rank_env``); the
+task index is the global rank. With several ranks the process joins a ``MultiWorkerMirroredStrategy``: RING collectives
 on a CPU (gRPC between processes), NCCL on GPUs. With one rank it uses TensorFlow's default
 strategy, which puts no collective in the graph, as torch runs one process without DDP.
 
@@ -59,7 +59,7 @@ class Comm:
             tf.config.set_visible_devices([], "GPU")
             device_type = "cpu"
         else:
-            # One GPU per process (the launcher sets CUDA_VISIBLE_DEVICES to the rank); the
+            # One GPU per process (the launcher sets CUDA_VISIBLE_DEVICES to the local rank); the
             # allocator grows on demand instead of taking the whole device up front.
             tf.config.set_visible_devices(gpus[:1], "GPU")
             tf.config.experimental.set_memory_growth(gpus[0], True)

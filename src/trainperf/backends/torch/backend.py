@@ -14,9 +14,13 @@ def launch(req: LaunchRequest) -> Launch:
     if topo.nnodes == 1:
         argv.append("--standalone")
     else:
-        argv += [f"--nnodes={topo.nnodes}", f"--node-rank={topo.node_rank}",
-                 f"--master-addr={topo.master_addr}", f"--master-port={topo.master_port}"]
+        # After a rendezvous the runner knows every node; the launch itself is then the same
+        # as a hand-given one, with node 0's first free port as the master port.
+        node_rank, (addr, port) = ((req.cluster.node_rank, req.cluster.master) if req.cluster
+                                   else (topo.node_rank, (topo.master_addr, topo.master_port)))
+        argv += [f"--nnodes={topo.nnodes}", f"--node-rank={node_rank}",
+                 f"--master-addr={addr}", f"--master-port={port}"]
     return Launch(argv + ["-m", WORKER_MODULE, *req.worker_args])
 
 
-BACKEND = Backend(name="torch", framework="pytorch", launch=launch)
+BACKEND = Backend(name="torch", framework="pytorch", launch=launch, hand_ranks=True)

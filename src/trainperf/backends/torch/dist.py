@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..base import COLLECTIVE_TIMEOUT_ENV
 
 
 # Newer torch renames all_gather_into_tensor; keep working on both (the package asks torch>=2.4).
@@ -56,7 +59,10 @@ def init_from_env(device_kind: str) -> DistContext:
     if world_size == 1:
         return DistContext(device=device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
+    # A peer that vanishes without closing its connections (a dead node, a cut link) fails
+    # the collective after this long instead of torch's default of 10 to 30 minutes.
+    timeout = timedelta(seconds=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "1800")))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     return DistContext(rank, world_size, local_rank, device, dist.group.WORLD)
 
