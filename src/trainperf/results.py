@@ -208,17 +208,23 @@ def validate(doc: Any) -> None:
                     raise ValueError(f"run {r['run']} of case {c['case']} lacks {key!r}")
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """Load and validate ``results.json`` from a folder or a file path."""
+def read_json(path: str | Path, name: str) -> tuple[Path, Any]:
+    """(the file, its JSON) from a file path or a folder holding ``name``; ValueError saying
+    what is wrong with it in one line."""
     p = Path(path)
     if p.is_dir():
-        p = p / "results.json"
+        p = p / name
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        return p, json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"no results.json at {p}") from None
+        raise ValueError(f"no {name} at {p}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{p} is not valid JSON ({exc.msg}, line {exc.lineno})") from None
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load and validate ``results.json`` from a folder or a file path."""
+    p, doc = read_json(path, "results.json")
     try:
         validate(doc)
     except ValueError as exc:

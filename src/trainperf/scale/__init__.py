@@ -1,0 +1,1 @@
+"""Beyond one machine: rendezvous, Slurm scripts, the fabric benchmark and the scaling model."""
