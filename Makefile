@@ -19,7 +19,7 @@ STAMP := .stamp-install-$(subst /,_,$(PY))
 # opt-in: `trainperf env create oneflow`, 3.9 GB). Built before the suite, not inside its time.
 TEST_ENVS ?= mxnet paddle jax tf
 
-.PHONY: install envs bench test clean
+.PHONY: install envs slurm bench test clean
 
 $(STAMP): pyproject.toml
 ifneq ($(HAVE_TORCH),yes)
@@ -38,7 +38,13 @@ bench: install
 envs: install
 	$(PY) -m trainperf.cli env create $(TEST_ENVS) --cpu
 
-test: envs
+# Debian's slurm-wlm and munge for tests/test_slurm.py's single-host Slurm, installed here so
+# apt's time is not the suite's. Best effort: where they cannot be installed (no root, no apt)
+# that test skips and says why.
+slurm: install
+	-$(PY) tests/slurm_host.py install
+
+test: envs slurm
 	$(PY) -m pytest -q
 
 clean:

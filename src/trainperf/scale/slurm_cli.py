@@ -1,0 +1,192 @@
+"""`trainperf slurm`: its arguments and the command. The script and the job's handling are in
+``slurm.py``; this module only turns a command line into them.
+
+The run options are `trainperf run`'s own (``cli._add_run_options``), read back into an argv for
+the script; the ones that place a node (node count, rank, addresses, rendezvous) are the
+script's to set, from Slurm's variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from . import slurm
+
+# dest -> why the user may not set it: the script derives it per task.
+SET_BY_SCRIPT = {
+    "nnodes": "the node count is the job's task count ($SLURM_NTASKS)",
+    "node_rank": "node ranks are handed out at the rendezvous",
+    "master_addr": "the nodes meet at the allocation's first host",
+    "master_port": "the rendezvous port is --rdzv-port (or the job id's default)",
+    "rdzv": "the nodes meet at the allocation's first host (--rdzv-port picks the port)",
+}
+# Run options the command handles itself rather than passing on as given.
+OWN_DESTS = {"out", "devices"}
+EXIT_OK, EXIT_RUN_FAILED = 0, 1
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+class _SetByScript(argparse.Action):
+    """A run option the script sets: giving it is a usage error that says why."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is set by the job script: {SET_BY_SCRIPT[self.dest]}")
+
+
+def run_option_defaults() -> dict[str, object]:
+    """Every option of `trainperf run` the script passes on, with run's default."""
+    from ..cli import _add_run_options
+
+    scratch = argparse.ArgumentParser(add_help=False)
+    _add_run_options(scratch)
+    return {dest: value for dest, value in vars(scratch.parse_args([])).items()
+            if dest not in SET_BY_SCRIPT and dest not in OWN_DESTS}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add ``slurm`` to the CLI's subcommands."""
+    from ..cli import _add_run_options
+
+    p = sub.add_parser(
+        "slurm", conflict_handler="resolve",  # to take over run's --out, --devices and more
+        help="write an sbatch script that runs a benchmark on several nodes (and submit it)",
+        description="Write OUT/trainperf.sbatch: one `trainperf run` per node through srun, "
+                    "meeting at the allocation's first host. With --submit, submit it, follow "
+                    "the job to its end and write OUT/report.md as `run` does. OUT must be on "
+                    "a filesystem every node sees.")
+    p.add_argument("recipe")
+    _add_run_options(p)
+    for dest in SET_BY_SCRIPT:
+        p.add_argument(_flag(dest), action=_SetByScript)
+    p.add_argument("--devices", help="processes per node, as for run (default: "
+                   "--gpus-per-node, or 1 on CPU nodes)")
+    p.add_argument("--out", help="output folder on a shared filesystem (default "
+                   "results/slurm-<recipe>-<time>)")
+    g = p.add_argument_group("Slurm")
+    g.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    g.add_argument("--gpus-per-node", type=int, default=0,
+                   help="GPUs to allocate per node (default 0: CPU nodes)")
+    g.add_argument("--partition")
+    g.add_argument("--time", dest="time_limit", metavar="TIME",
+                   help="the job's time limit, in sbatch's forms (e.g. 30, 2:00:00)")
+    g.add_argument("--account")
+    g.add_argument("--job-name", help="default trainperf-<recipe>")
+    g.add_argument("--rdzv-port", type=int,
+                   help=f"port the nodes meet at (default {slurm.RDZV_PORT_BASE} + job id mod "
+                        f"{slurm.RDZV_PORT_SPAN}; ${slurm.PORT_ENV} at submission overrides)")
+    g.add_argument("--tasks-per-node", type=int, default=1,
+                   help="advanced: tasks per host that each act as one node, to try several "
+                        "nodes' runs on one CPU host (default 1)")
+    g.add_argument("--submit", action="store_true",
+                   help="submit the script, follow the job to its end and write the report")
+    return p
+
+
+def run_argv(args: argparse.Namespace) -> list[str]:
+    """The `trainperf run` options that reproduce ``args``: --devices, then every option whose
+    value differs from run's default."""
+    argv = ["--devices", str(args.devices)]
+    for dest, default in run_option_defaults().items():
+        value = getattr(args, dest)
+        if value == default:
+            continue
+        if isinstance(value, bool):
+            # run's switches are all store_true: a value that differs from its default is
+            # the switch given.
+            assert value is True, dest
+            argv.append(_flag(dest))
+        else:
+            argv += [_flag(dest), str(value)]
+    return argv
+
+
+def check_with_run(job: slurm.SlurmJob) -> None:
+    """Parse the command every task will run with run's own parser and plan it, so a usage
+    error shows here rather than on the cluster after the queue."""
+    from ..cli import build_parser, plan_from_args
+
+    nnodes = job.nodes * job.tasks_per_node
+    argv = ["run", job.recipe, *job.run_argv, "--nnodes", str(nnodes),
+            "--rdzv", f"localhost:{job.rdzv_port or slurm.RDZV_PORT_BASE}",
+            "--out", str(job.out_dir / slurm.NODE_DIR.format(0))]
+    args, unknown = build_parser().parse_known_args(argv)
+    assert not unknown, f"run does not take {unknown}"
+    plan_from_args(args)
+
+
+def job_from_args(args: argparse.Namespace) -> slurm.SlurmJob:
+    from ..config import parse_int_list
+    from ..recipes import get_recipe
+
+    get_recipe(args.recipe)
+    if args.devices is None:
+        args.devices = str(args.gpus_per_node or 1)
+    devices = parse_int_list(args.devices, "--devices")
+    if args.gpus_per_node and max(devices) > args.gpus_per_node:
+        raise ValueError(f"--devices {args.devices} asks for more processes per node than "
+                         f"--gpus-per-node {args.gpus_per_node}")
+    out = Path(args.out or f"results/slurm-{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    job = slurm.SlurmJob(recipe=args.recipe, run_argv=tuple(run_argv(args)), out_dir=out,
+                         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         tasks_per_node=args.tasks_per_node, partition=args.partition,
+                         time_limit=args.time_limit, account=args.account,
+                         job_name=args.job_name, rdzv_port=args.rdzv_port)
+    if slurm.node_dirs(job.out_dir):
+        raise ValueError(f"{job.out_dir} already holds a job's node folders; choose another "
+                         f"--out")
+    check_with_run(job)
+    return job
+
+
+def cmd_slurm(args: argparse.Namespace) -> int:
+    job = job_from_args(args)
+    command_line = shlex.join(["trainperf", *sys.argv[1:]]) if sys.argv[1:2] == ["slurm"] \
+        else None
+    path = slurm.write_script(job, command_line)
+    if not args.submit:
+        print(f"script: {path}")
+        print(f"submit it with: sbatch {shlex.quote(str(path))}")
+        return EXIT_OK
+    return submit_and_follow(job, path)
+
+
+def submit_and_follow(job: slurm.SlurmJob, path: Path) -> int:
+    from ..cli import _interrupt_on_sigterm
+    from ..report.assemble import write_report
+
+    job_id = slurm.submit(path)
+    print(f"slurm job {job_id}: submitted ({path}); its log: {job.output_path(job_id)}",
+          flush=True)
+    _interrupt_on_sigterm()
+    try:
+        end = slurm.follow(job_id, say=lambda text: print(text, flush=True))
+    except KeyboardInterrupt:
+        print(f"trainperf: interrupted; cancelling slurm job {job_id}", file=sys.stderr)
+        slurm.cancel(job_id)
+        return 130
+    print(f"--- last lines of {job.output_path(job_id)} ---")
+    print(slurm.tail(job.output_path(job_id)))
+    print("---")
+    try:
+        leader = slurm.find_leader(job.out_dir)
+    except ValueError as exc:
+        print(f"trainperf: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    # As `run` writes it, from the node that kept the measurements.
+    report = write_report([str(leader)], job.out_dir, False)
+    print(report.read_text(encoding="utf-8"))
+    print(f"results: {leader / 'results.json'}")
+    print(f"report: {report}")
+    ok = end.state == "COMPLETED" and slurm.all_runs_ok(leader)
+    return EXIT_OK if ok else EXIT_RUN_FAILED

@@ -1,0 +1,379 @@
+"""A real Slurm on this one host for the tests: munged, slurmctld and slurmd started from a
+temporary folder, with their own ports, socket and configuration, so they touch neither a Slurm
+nor a munge the host may already run, and are all stopped afterwards.
+
+    python tests/slurm_host.py install   # Debian's slurm-wlm and munge, best effort (make test)
+
+Tests take the ``slurm_cluster`` fixture; where the cluster cannot start it skips them with the
+step that failed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel", "srun")
+PACKAGES = ("slurm-wlm", "munge")
+INSTALL_HINT = "`python tests/slurm_host.py install` (run by `make test`) installs them"
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+class Unavailable(RuntimeError):
+    """The cluster cannot start here; the message says which step failed."""
+
+
+def missing_programs() -> list[str]:
+    return [p for p in DAEMONS + CLIENTS if shutil.which(p) is None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 1) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+class SlurmHost:
+    """One single-node cluster: ``start()`` raises ``Unavailable``, ``stop()`` always cleans up
+    (it is safe to call twice and after a start that failed half way)."""
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self.conf: Path | None = None
+        self.node = socket.gethostname().split(".")[0]
+        self.partition = "trainperf"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._old_conf: str | None = None
+        self._env_set = False
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if os.geteuid() != 0:
+            raise Unavailable("a test Slurm needs root (slurmd starts jobs as their users)")
+        missing = missing_programs()
+        if missing:
+            raise Unavailable(f"Slurm is not installed (missing {', '.join(missing)}); "
+                              f"{INSTALL_HINT}")
+        try:
+            socket.gethostbyname(self.node)
+        except OSError:
+            raise Unavailable(f"this host's name {self.node!r} does not resolve; the jobs "
+                              f"meet at it") from None
+        atexit.register(self.stop)  # a session stopped by Ctrl-C still leaves no daemons
+        # A short path of its own: munge's and slurmstepd's sockets live under it, and a Unix
+        # socket's path must stay under about 100 bytes.
+        self.root = Path(tempfile.mkdtemp(prefix="trainperf-slurm-"))
+        self._start_munge()
+        self.conf = self._write_conf()
+        self._old_conf = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = str(self.conf)  # every client (and the jobs) use this one
+        self._env_set = True
+        self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
+        self._wait("slurmctld to answer", self._controller_up)
+        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
+        self._wait(f"node {self.node} to be idle", self._node_idle)
+
+    def _start_munge(self) -> None:
+        assert self.root is not None
+        munge = self.root / "munge"
+        munge.mkdir(mode=0o700)
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        self.munge_socket = munge / "munge.socket"
+        # --force: the socket's folder is private to root, which munged would otherwise refuse
+        # for lack of "execute for all" (only root talks to it here).
+        self._spawn("munged", ["munged", "--foreground", "--force",
+                               f"--socket={self.munge_socket}", f"--key-file={key}",
+                               f"--log-file={munge / 'munged.log'}",
+                               f"--pid-file={munge / 'munged.pid'}",
+                               f"--seed-file={munge / 'munged.seed'}"])
+        self._wait("munged's socket", self.munge_socket.exists)
+
+    def _node_line(self) -> str:
+        """This host as slurmd sees it (CPUs, sockets, cores, threads, memory), so the
+        controller does not drain the node for a mismatch."""
+        try:
+            out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True,
+                                 timeout=30).stdout
+            line = next(ln for ln in out.splitlines() if ln.startswith("NodeName="))
+        except (OSError, subprocess.SubprocessError, StopIteration):
+            mib = psutil.virtual_memory().total // 2**20
+            line = f"NodeName={self.node} CPUs={os.cpu_count() or 1} RealMemory={mib}"
+        fields = [f for f in line.split() if not f.startswith("NodeName=")]
+        return " ".join([f"NodeName={self.node}", "NodeAddr=127.0.0.1", *fields,
+                         "State=UNKNOWN"])
+
+    def _write_conf(self) -> Path:
+        assert self.root is not None
+        for sub in ("state", "spool", "log"):
+            (self.root / sub).mkdir()
+        r = self.root
+        lines = [
+            "ClusterName=trainperf-test",
+            f"SlurmctldHost={self.node}(127.0.0.1)",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            # Ports of its own, so a Slurm already on the host (6817/6818) is left alone.
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            f"StateSaveLocation={r / 'state'}",
+            f"SlurmdSpoolDir={r / 'spool'}",
+            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            # No cgroups, no accounting daemon: what a container or a bare VM can run.
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "MpiDefault=none",
+            "SwitchType=switch/none",
+            "SchedulerType=sched/builtin",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            # Trust the node line even where slurmd counts the hardware differently.
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            # A finished job stays visible (squeue, scontrol) for this long: enough for the
+            # test to read its end, short enough not to pile up.
+            "MinJobAge=60",
+            "KillWait=5",
+            self._node_line(),
+            f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE "
+            f"State=UP",
+        ]
+        conf = r / "slurm.conf"
+        conf.write_text("\n".join(lines) + "\n")
+        return conf
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        assert self.root is not None
+        log = open(self.root / f"{name}.stdout", "wb")
+        env = dict(os.environ)
+        if self.conf is not None:
+            env["SLURM_CONF"] = str(self.conf)
+        # A session of its own: a Ctrl-C meant for pytest must not kill the daemons before
+        # stop() has cancelled the jobs they run.
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env,
+                                            start_new_session=True)
+        log.close()
+
+    def _wait(self, what: str, ready) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise Unavailable(f"{name} exited ({proc.returncode}) while waiting for "
+                                      f"{what}: {self._log_of(name)}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise Unavailable(f"timed out after {START_TIMEOUT_S:.0f} s waiting for {what}: "
+                          f"{self._log_of('slurmd' if 'slurmd' in self.procs else 'slurmctld')}")
+
+    def _log_of(self, name: str) -> str:
+        assert self.root is not None
+        logs = {"munged": self.root / "munge" / "munged.log",
+                "slurmctld": self.root / "log" / "slurmctld.log",
+                "slurmd": self.root / "log" / "slurmd.log"}
+        for path in (logs.get(name), self.root / f"{name}.stdout"):
+            if path is not None and path.exists() and path.stat().st_size:
+                return _tail(path)
+        return "(no log)"
+
+    def _query(self, argv: list[str]) -> str | None:
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    def _controller_up(self) -> bool:
+        return "UP" in (self._query(["scontrol", "ping"]) or "")
+
+    def _node_idle(self) -> bool:
+        state = self._query(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"]) or ""
+        return state.strip() == "idle"
+
+    # -- while running ----------------------------------------------------------------------
+
+    def job_ids(self) -> list[str]:
+        """Jobs the controller still lists (pending, running or completing)."""
+        out = self._query(["squeue", "-h", "-o", "%i"])
+        return out.split() if out else []
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            self._cancel_jobs()
+        for name in ("slurmd", "slurmctld", "munged"):
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                _end(proc)
+        self._end_job_processes()
+        if self._env_set:
+            if self._old_conf is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = self._old_conf
+            self._env_set = False
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+
+    def _cancel_jobs(self) -> None:
+        ids = self.job_ids()
+        if not ids:
+            return
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while self.job_ids() and time.monotonic() < deadline:
+            time.sleep(0.3)
+
+    def _end_job_processes(self) -> None:
+        """slurmstepd leaves slurmd's process tree at once, so a job the controller could not
+        end would outlive the daemons: find its processes by this cluster's configuration,
+        which every one of them inherits."""
+        if self.conf is None:
+            return
+        mine = str(self.conf)
+        left = []
+        for p in psutil.process_iter():
+            if p.pid == os.getpid():
+                continue
+            try:
+                if p.environ().get("SLURM_CONF") == mine:
+                    left.append(p)
+            except psutil.Error:
+                continue
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=STOP_TIMEOUT_S)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """A started single-host cluster (``SLURM_CONF`` points at it while the module runs), or a
+    skip that names what failed."""
+    host = SlurmHost()
+    try:
+        host.start()
+    except Unavailable as exc:
+        host.stop()
+        pytest.skip(f"no test Slurm: {exc}")
+    except BaseException:
+        host.stop()
+        raise
+    try:
+        yield host
+    finally:
+        host.stop()
+
+
+# -- install ---------------------------------------------------------------------------------
+
+def install() -> int:
+    """Install Debian's Slurm and munge where they are missing and apt can: best effort, it
+    always returns 0 (the tests that need them skip and say why)."""
+    missing = missing_programs()
+    if not missing:
+        print("slurm_host: Slurm and munge are installed")
+        return 0
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        print(f"slurm_host: missing {', '.join(missing)}; installing needs root and apt-get "
+              f"(the Slurm test will skip)")
+        return 0
+    started = time.monotonic()
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install_cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    with _no_service_starts():
+        ok = _apt(install_cmd, env)
+        if not ok:  # a stale package list is the usual cause
+            ok = _apt(["apt-get", "update", "-q"], env) and _apt(install_cmd, env)
+    took = time.monotonic() - started
+    if ok and not missing_programs():
+        print(f"slurm_host: installed {' '.join(PACKAGES)} in {took:.0f} s")
+    else:
+        print(f"slurm_host: could not install {' '.join(PACKAGES)} (the Slurm test will skip)")
+    return 0
+
+
+def _apt(argv: list[str], env: dict[str, str]) -> bool:
+    try:
+        return subprocess.run(argv, env=env, timeout=900).returncode == 0
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"slurm_host: {' '.join(argv[:2])}: {exc}")
+        return False
+
+
+class _no_service_starts:
+    """Debian's packages start their daemons on installation unless policy-rc.d says no; the
+    tests start their own, and a host must not be left running a munged nobody asked for."""
+
+    path = Path("/usr/sbin/policy-rc.d")
+
+    def __enter__(self):
+        self.created = False
+        if not self.path.exists():
+            try:
+                self.path.write_text("#!/bin/sh\n# trainperf tests/slurm_host.py: installing\n"
+                                     "exit 101\n")
+                self.path.chmod(0o755)
+                self.created = True
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.created:
+            self.path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["install"]:
+        sys.exit("usage: python tests/slurm_host.py install")
+    sys.exit(install())
