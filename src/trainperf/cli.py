@@ -14,6 +14,8 @@ from . import results
 from .backends import BACKENDS, get_backend
 from .config import MXNET_KVSTORES, DataSpec, Measure, Topology, Tuning, parse_bytes, parse_int_list
 from .recipes import RECIPES, get_recipe
+from .scale import commbench_cli, project_cli
+from .scale.slurm_cli import add_parser as add_slurm_parser, cmd_slurm
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -31,6 +33,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--rdzv", metavar="HOST:PORT",
+                   help="several nodes: run the same command on every node; they meet at "
+                        "HOST:PORT (torch's c10d rendezvous, hosted by the node that is HOST) "
+                        "and get their node ranks there, instead of --node-rank/--master-addr")
+    p.add_argument("--rdzv-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a node waits for the others, at each meeting and in a "
+                        "collective whose peer vanished (default 300)")
     p.add_argument("--batch-size", help="per device; a list sweeps cases (default: recipe's)")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--fc", choices=["dp", "mp", "pfc"])
@@ -162,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     align.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     align.add_argument("--out", help="folder for the weights, runs and align.json")
     _add_data_commands(sub)
+    project_cli.add_parser(sub)
+    commbench_cli.add_parser(sub)
+    add_slurm_parser(sub)
     bench = sub.add_parser("bench", help="the default suite, sized to this machine")
     bench.add_argument("--out", default="bench-results")
     return parser
@@ -209,15 +221,22 @@ def plan_from_args(args: argparse.Namespace):
                     ddp_static_graph=not args.no_ddp_static_graph,
                     ddp_broadcast_buffers=args.ddp_broadcast_buffers,
                     mxnet_kvstore=args.mxnet_kvstore)
+    if args.rdzv:
+        from .scale.rendezvous import parse_endpoint
+
+        parse_endpoint(args.rdzv)
     base = Topology(1, args.nnodes, args.node_rank, args.master_addr, args.master_port,
-                    args.device)
+                    args.device, args.rdzv, args.rdzv_timeout)
     devices = parse_int_list(args.devices, "--devices")
     cases = plan_cases(devices, batches, base)
     out = Path(getattr(args, "resume", None) or args.out or
                f"results/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     frameworks = parse_frameworks(args.framework)
     for name in frameworks:
-        get_backend(name).check(workload.fc, base.nnodes)
+        get_backend(name).check(workload.fc, base.nnodes, base.rdzv is not None)
+    if "mxnet" in frameworks and base.nnodes > 1 and tuning.mxnet_kvstore == "device":
+        raise ValueError("--mxnet-kvstore device runs in one process on one node; several "
+                         "nodes use dist_sync")
     if getattr(args, "data", None):
         return data_plans(args, Plan(recipe.name, workload, measure, cases, out, tuning,
                                      recipe.reference_model, frameworks[0]), frameworks)
@@ -295,13 +314,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         close = getattr(progress, "close", None)
         if close:
             close()
+    all_ok = all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
+    if docs and all(doc.get("role") == "follower" for doc in docs):
+        # Rank 0, and every figure, lives on another node: a report here would only list
+        # runs without figures.
+        runs = sum(len(c["runs"]) for doc in docs for c in doc["cases"])
+        print(f"this node was a follower: {runs} run(s) "
+              f"{'all exited cleanly' if all_ok else 'not all ok'}; node 0's output folder "
+              "holds the figures and the report")
+        return EXIT_OK if all_ok else EXIT_RUN_FAILED
     out = Path(args.resume or plans[0].out_dir) if len(plans) == 1 else plans[0].out_dir.parent
     path = write_report([str(p.out_dir) for p in plans], out,
                         with_references=len(plans) > 1 and not args.data)
     print(path.read_text(encoding="utf-8"))
     for plan in plans:
         print(f"results: {plan.out_dir / 'results.json'}")
-    all_ok = all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
     return EXIT_OK if all_ok else EXIT_RUN_FAILED
 
 
@@ -538,7 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"list": lambda _: cmd_list(), "run": cmd_run, "report": cmd_report,
                 "export": cmd_export, "search": cmd_search, "references": cmd_references,
                 "ingest": cmd_ingest, "bench": cmd_bench, "env": cmd_env, "align": cmd_align,
-                "data": cmd_data}
+                "data": cmd_data, "project": project_cli.run,
+                "commbench": commbench_cli.run,
+                "slurm": cmd_slurm}
     try:
         return commands[args.command](args)
     except ValueError as exc:

@@ -228,8 +228,21 @@ class Topology:
     master_port: int = 29500
     device: str = "auto"
     """``auto`` picks cuda when available, else cpu."""
+    rdzv: str | None = None
+    """``HOST:PORT`` where the nodes meet and get their ranks (``scale.rendezvous``); None: the
+    node rank and master address are given by hand."""
+    rdzv_timeout_s: float = 300.0
+    """How long a node waits for the others: at each meeting, and in a collective whose peer
+    vanished without closing its connections."""
 
     def __post_init__(self) -> None:
+        if self.rdzv is not None:
+            if self.nnodes < 2:
+                raise ValueError("--rdzv is for several nodes: give --nnodes N (N > 1) too")
+            if self.node_rank != 0:
+                raise ValueError("--rdzv assigns node ranks; drop --node-rank")
+        if not self.rdzv_timeout_s > 0:
+            raise ValueError(f"--rdzv-timeout must be > 0 seconds, got {self.rdzv_timeout_s}")
         if self.devices_per_node < 1:
             raise ValueError(f"--devices must be >= 1, got {self.devices_per_node}")
         if self.nnodes < 1:

@@ -22,10 +22,12 @@ import psutil
 
 from . import envs, protocol, results
 from .backends import get_backend
-from .backends.base import LaunchRequest
+from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
+from .backends.spawn import PORTS_PER_RUN
 from .config import DataSpec, Measure, Topology, Tuning, Workload
 from .env import host_env
 from .protocol import End, Error, Event, ProtocolError, RunSpec, Start, Step
+from .scale.rendezvous import NodeGroup, RendezvousError, interface_of
 
 POLL_S = 0.2
 KILL_GRACE_S = 5.0
@@ -182,6 +184,23 @@ def log_tail(path: Path, lines: int = 8) -> str:
     return "\n".join(useful[-lines:])
 
 
+def multinode_env(topo: Topology, group: NodeGroup | None) -> dict[str, str]:
+    """What every process of a multi-node run is told beyond its rank."""
+    env = {COLLECTIVE_TIMEOUT_ENV: f"{topo.rdzv_timeout_s:g}"}
+    # Gloo binds to what the hostname resolves to, which on many clusters (and in network
+    # namespaces) is not the network the nodes met on.
+    iface = interface_of(group.local_addr) if group else None
+    if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = iface
+    return env
+
+
+def looks_like_lost_peer(error: str | None) -> bool:
+    text = (error or "").lower()
+    return any(w in text for w in ("connection closed", "connection reset", "broken pipe",
+                                   "connection refused", "timed out", "timeout"))
+
+
 def decide_status(events: list[Event], timed_out: bool) -> tuple[str, str | None]:
     """The run's status and error text, from what it wrote and how it ended."""
     errors = [e for e in events if isinstance(e, Error)]
@@ -223,6 +242,10 @@ class Runner:
         self.start_events: dict[tuple[str, int], Start] = {}
         self.env: dict[str, Any] = {}
         self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
+        """Rank 0 lives on another node; with ``--rdzv`` known once the nodes have met."""
+        self.group: NodeGroup | None = None
+        self.group_lost: str | None = None
+        """Why the nodes cannot meet any more (the runs left are recorded as not run)."""
         self.backend = get_backend(plan.framework)
         self.python = envs.interpreter(plan.framework)
         self.pythonpath: str | None = None
@@ -321,16 +344,55 @@ class Runner:
             self._append_event({"event": "runner_start", "t": time.time(), "env": self.env})
 
     def _each_run(self) -> Iterator[None]:
-        for case in self.plan.cases:
-            key = (case.key.name, case.batch_size)
-            done = {r["run"] for r in self.records.get(key, [])}
-            for run in range(1, self.plan.measure.runs + 1):
-                if run in done:
-                    continue
-                record = self._run_one(case, run)
-                self.records.setdefault(key, []).append(record)
-                self.write_results()
-                yield
+        try:
+            for case in self.plan.cases:
+                key = (case.key.name, case.batch_size)
+                done = {r["run"] for r in self.records.get(key, [])}
+                for run in range(1, self.plan.measure.runs + 1):
+                    if run in done:
+                        continue
+                    record = self._run_one(case, run)
+                    self.records.setdefault(key, []).append(record)
+                    self.write_results()
+                    yield
+        finally:
+            if self.group is not None:
+                self.group.close()
+
+    def _meet(self, case: Case, run: int) -> Cluster:
+        """Meet the other nodes before this run (the first time, join them and learn this
+        node's rank). RendezvousError when they cannot: that run, and every later one, is
+        recorded as failed without starting."""
+        if self.group_lost:
+            raise RendezvousError(f"not run: {self.group_lost}")
+        topo = case.topology
+        if self.group is None:
+            group = NodeGroup(topo.rdzv, topo.nnodes, topo.rdzv_timeout_s,
+                              run_id=f"trainperf-{self.plan.framework}-"
+                                     f"{self.plan.data_role.replace(' ', '-')}")
+            try:
+                group.join(self.plan.settings())
+            except RendezvousError as exc:
+                self.group_lost = str(exc)
+                group.close()
+                raise
+            self.group = group
+            self.is_follower = group.node_rank > 0
+        label = f"{case.key.name}_b{case.batch_size}_run{run}"
+        try:
+            return self.group.meet(label, topo.devices_per_node,
+                                   PORTS_PER_RUN + topo.devices_per_node)
+        except RendezvousError as exc:
+            self.group_lost = f"the nodes lost each other before {label}: {exc}"
+            raise
+
+    def _not_run(self, label: str, tags: dict, error: str) -> dict:
+        """The record of a run that could not start because the nodes did not meet."""
+        self._append_event({"event": "run_start", "t": time.time(), **tags})
+        record = results.run_record(tags["run"], [], "failed", error)
+        self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
+        self.progress.run_finished(label, record)
+        return record
 
     def _run_one(self, case: Case, run: int) -> dict:
         label = f"{case.key.name} b{case.batch_size} run {run}"
@@ -345,8 +407,18 @@ class Runner:
                        cpu_threads_per_process(case.topology.devices_per_node), self.plan.init,
                        self.plan.data)
         results.write_json_atomic(spec_path, spec.to_dict())
+        tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
+        cluster, cluster_path = None, None
+        if case.topology.rdzv:
+            try:
+                cluster = self._meet(case, run)
+            except RendezvousError as exc:
+                return self._not_run(label, tags, str(exc))
+            cluster_path = run_dir / "cluster.json"
+            cluster_path.write_text(cluster.to_json(), encoding="utf-8")
         launch = self.backend.launch(LaunchRequest(self.python, case.topology, self.plan.tuning,
-                                                   spec_path, worker_events))
+                                                   spec_path, worker_events, cluster,
+                                                   cluster_path))
         # Every process of the run inherits the tag, helpers such as a parameter server
         # included, so what a run left behind can be found.
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINPERF_RUN_ID=str(run_dir.resolve()),
@@ -354,7 +426,8 @@ class Runner:
         env.setdefault("OMP_NUM_THREADS", str(spec.threads))
         if self.pythonpath:
             env["PYTHONPATH"] = self.pythonpath
-        tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
+        if case.topology.nnodes > 1:
+            env.update(multinode_env(case.topology, self.group))
         self._append_event({"event": "run_start", "t": time.time(), **tags})
         self.progress.run_started(label, measure.iters)
 
@@ -386,7 +459,10 @@ class Runner:
         if status == "failed" and error is None:
             error = log_tail(log_path) or f"launcher exited with code {proc.returncode}"
         if self.is_follower and status == "failed" and proc.returncode == 0:
-            status = "ok"  # rank 0 is on node 0: a clean exit is all this node can report
+            # Rank 0 is on another node: a clean exit is all this node can report.
+            status, error = "ok", None
+        if status == "failed" and case.topology.nnodes > 1 and looks_like_lost_peer(error):
+            error = f"{error} (a peer node stopped or its network failed)"
         record = results.run_record(run, seen, status, error, proc.returncode)
         if status == "ok" and proc.returncode != 0:
             warnings.append(f"processes exited with code {proc.returncode} after the "
