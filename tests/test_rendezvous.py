@@ -20,7 +20,8 @@ from run_util import left_behind
 from trainperf.backends import get_backend
 from trainperf.cli import main
 from trainperf.config import Topology
-from trainperf.scale.rendezvous import free_ports_on, parse_endpoint
+from trainperf.backends.spawn import free_ports
+from trainperf.scale.rendezvous import parse_endpoint
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +111,7 @@ def test_endpoint_and_layout_errors():
         Topology(nnodes=2, rdzv="127.0.0.1:29400", rdzv_timeout_s=0)
     # Only torch's launcher starts from a hand-given node rank and master address.
     get_backend("torch").check("dp", 2, rdzv=False)
-    ports = free_ports_on("127.0.0.1", 5)
+    ports = free_ports(5, "127.0.0.1")
     assert len(set(ports)) == 5
 
 
@@ -124,14 +125,14 @@ def test_cli_rejects_bad_rendezvous_options(tmp_path, capsys):
 
 
 def test_two_nodes_meet_over_loopback(tmp_path):
-    endpoint = f"127.0.0.1:{free_ports_on('127.0.0.1', 1)[0]}"
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     procs = [start_node(tmp_path / f"n{n}", endpoint, "--runs", "2", "--iters", "6")
              for n in (0, 1)]
     check_pair(tmp_path, finish(procs))
 
 
 def test_a_node_that_never_comes_is_a_recorded_failure(tmp_path):
-    endpoint = f"127.0.0.1:{free_ports_on('127.0.0.1', 1)[0]}"
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     proc = start_node(tmp_path / "n0", endpoint, "--runs", "2", "--iters", "6", timeout_s=3)
     assert finish([proc]) == [1]
     _, runs = runs_of(tmp_path / "n0")
@@ -142,7 +143,7 @@ def test_a_node_that_never_comes_is_a_recorded_failure(tmp_path):
 
 
 def test_a_node_killed_mid_run_is_a_recorded_failure_on_the_other(tmp_path):
-    endpoint = f"127.0.0.1:{free_ports_on('127.0.0.1', 1)[0]}"
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     procs = [start_node(tmp_path / f"n{n}", endpoint, "--runs", "1", "--iters", "100000")
              for n in (0, 1)]
     leader = None

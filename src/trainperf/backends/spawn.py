@@ -45,13 +45,15 @@ frameworks that give each rank one. A backend uses what it needs."""
 LOOPBACK = "127.0.0.1"
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now (held open together so none is handed out twice)."""
+def free_ports(n: int, addr: str = LOOPBACK) -> list[int]:
+    """``n`` distinct ports free on ``addr`` now (held open together so none is handed out
+    twice)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     socks = []
     try:
         for _ in range(n):
-            s = socket.socket()
-            s.bind((LOOPBACK, 0))
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.bind((addr, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:

@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 
 from ..backends.base import Cluster
+from ..backends.spawn import free_ports
 
 POLL_S = 0.1
 DEFAULT_TIMEOUT_S = 300.0
@@ -82,21 +83,6 @@ def interface_of(addr: str) -> str | None:
         if any(s.address.split("%")[0] == addr for s in snics):
             return name
     return None
-
-
-def free_ports_on(addr: str, n: int) -> list[int]:
-    """``n`` distinct ports free on ``addr`` now (held together so none repeats)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(family, socket.SOCK_STREAM)
-            s.bind((addr, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def settings_digest(settings: dict[str, Any]) -> str:
@@ -179,7 +165,7 @@ class NodeGroup:
         """Meet again before run ``label``: every node's free ports for it."""
         if self._store is None or self.node_rank is None:
             raise RendezvousError("the nodes have not met yet")
-        ports = free_ports_on(self.local_addr, nports)
+        ports = free_ports(nports, self.local_addr)
         self._set(f"run/{label}/{self.node_rank}", json.dumps(ports))
         found = [json.loads(v) for v in self._wait_all(f"run/{label}", label)]
         return Cluster(self.node_rank, nproc_per_node, self.addrs,
