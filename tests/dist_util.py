@@ -42,6 +42,7 @@ def _entry(rank: int, world_size: int, outdir: str, fn, args) -> None:
 def run_ranks(fn, world_size: int, *args) -> list:
     """Call ``fn(ctx, *args)`` on ``world_size`` gloo ranks; returns the per-rank results."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(world_size, outdir, fn, args), nprocs=world_size)
+        mp.start_processes(_entry, args=(world_size, outdir, fn, args), nprocs=world_size,
+                           start_method="fork")
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]

@@ -1,4 +1,5 @@
-"""The torch backend's launch: ``torch.distributed.run`` in trainperf's own interpreter."""
+"""The torch backend's launch: ``torch.distributed.run`` in trainperf's own interpreter (one
+process on one node starts the worker directly)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ WORKER_MODULE = "trainperf.backends.torch.worker"
 
 def launch(req: LaunchRequest) -> Launch:
     topo = req.topology
+    if topo.nnodes == 1 and topo.devices_per_node == 1:
+        # One process needs no launcher: torchrun would only add a second interpreter that
+        # imports torch (seconds per run) to set these variables.
+        return Launch([req.python, "-m", WORKER_MODULE, *req.worker_args],
+                      {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_WORLD_SIZE": "1"})
     argv = [req.python, "-m", "torch.distributed.run",
             f"--nproc-per-node={topo.devices_per_node}"]
     if topo.nnodes == 1:
@@ -23,4 +30,5 @@ def launch(req: LaunchRequest) -> Launch:
     return Launch(argv + ["-m", WORKER_MODULE, *req.worker_args])
 
 
-BACKEND = Backend(name="torch", framework="pytorch", launch=launch, hand_ranks=True)
+BACKEND = Backend(name="torch", framework="pytorch", launch=launch, hand_ranks=True,
+                  trains=True)
