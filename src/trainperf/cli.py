@@ -12,7 +12,8 @@ from pathlib import Path
 
 from . import results
 from .backends import BACKENDS, get_backend
-from .config import MXNET_KVSTORES, DataSpec, Measure, Topology, Tuning, parse_bytes, parse_int_list
+from .config import (MXNET_KVSTORES, DataSpec, Measure, Topology, TrainSpec, Tuning,
+                     parse_accuracy, parse_bytes, parse_int_list)
 from .recipes import RECIPES, get_recipe
 from .scale import commbench_cli, project_cli
 from .scale.slurm_cli import add_parser as add_slurm_parser, cmd_slurm
@@ -20,13 +21,7 @@ from .scale.slurm_cli import add_parser as add_slurm_parser, cmd_slurm
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--framework", default="torch",
-                   help=f"backend(s) to run: {', '.join(BACKENDS)}; a list sweeps them "
-                        "side by side (default torch)")
-    p.add_argument("--mxnet-kvstore", choices=list(MXNET_KVSTORES), default="dist_sync",
-                   help="mxnet on several devices: one process per rank with a parameter "
-                        "server (dist_sync, default) or one process for all (device)")
+def _add_topology_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="1", help="processes per node; a list sweeps cases "
                    "(default 1)")
     p.add_argument("--nnodes", type=int, default=1)
@@ -40,6 +35,30 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rdzv-timeout", type=float, default=300.0, metavar="S",
                    help="seconds a node waits for the others, at each meeting and in a "
                         "collective whose peer vanished (default 300)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+
+
+def _add_tuning_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mxnet-kvstore", choices=list(MXNET_KVSTORES), default="dist_sync",
+                   help="mxnet on several devices: one process per rank with a parameter "
+                        "server (dist_sync, default) or one process for all (device)")
+    p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
+    p.add_argument("--no-cudnn-benchmark", action="store_true",
+                   help="GPU: do not let cuDNN time its algorithms (it does by default)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=Tuning.ddp_bucket_mb,
+                   help=f"DDP gradient bucket size in MiB (default {Tuning.ddp_bucket_mb:g})")
+    p.add_argument("--ddp-broadcast-buffers", action="store_true",
+                   help="re-send rank 0's BatchNorm buffers before every forward (off by "
+                        "default, as in arcface_torch)")
+    p.add_argument("--no-ddp-static-graph", action="store_true",
+                   help="do not tell DDP the graph is the same every step")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--framework", default="torch",
+                   help=f"backend(s) to run: {', '.join(BACKENDS)}; a list sweeps them "
+                        "side by side (default torch)")
+    _add_topology_options(p)
     p.add_argument("--batch-size", help="per device; a list sweeps cases (default: recipe's)")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--fc", choices=["dp", "mp", "pfc"])
@@ -51,20 +70,67 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
     p.add_argument("--memory-limit", help="per-process memory cap for CPU runs, e.g. 8GiB")
-    p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
-    p.add_argument("--no-cudnn-benchmark", action="store_true",
-                   help="GPU: do not let cuDNN time its algorithms (it does by default)")
-    p.add_argument("--ddp-bucket-mb", type=float, default=Tuning.ddp_bucket_mb,
-                   help=f"DDP gradient bucket size in MiB (default {Tuning.ddp_bucket_mb:g})")
-    p.add_argument("--ddp-broadcast-buffers", action="store_true",
-                   help="re-send rank 0's BatchNorm buffers before every forward (off by "
-                        "default, as in arcface_torch)")
-    p.add_argument("--no-ddp-static-graph", action="store_true",
-                   help="do not tell DDP the graph is the same every step")
+    _add_tuning_options(p)
     p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train to a verification accuracy: time and steps to "
+                                     "target, the accuracy curve, throughput")
+    p.add_argument("recipe")
+    p.add_argument("--data", required=True, metavar="PREFIX",
+                   help="PREFIX.rec/.idx to train on (insightface's face layout)")
+    p.add_argument("--val", required=True, metavar="A.bin[,B.bin]",
+                   help="verification sets (insightface .bin); the first decides the target")
+    p.add_argument("--target", required=True,
+                   help="accuracy on the first --val set that ends a run: 0.95 or 95%%")
+    p.add_argument("--max-steps", type=int, default=10_000,
+                   help="steps after which a run stops anyway (default 10000)")
+    p.add_argument("--eval-every", type=int, default=500,
+                   help="steps between evaluations: time to target is known to this "
+                        "resolution (default 500)")
+    p.add_argument("--checkpoint-every", type=int,
+                   help="steps between checkpoints (default: at every evaluation)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="go on with the runs in DIR from their last checkpoints (give the "
+                        "same options)")
+    p.add_argument("--framework", default="torch",
+                   help="backend(s) that train; a list sweeps them (default torch)")
+    p.add_argument("--fc", default=None, help="head mode(s): dp, mp, pfc; a list sweeps them "
+                   "(default: recipe's)")
+    p.add_argument("--sample-ratio", help="pfc ratio(s); a list sweeps them (default 0.1 for "
+                   "pfc)")
+    p.add_argument("--precision", help="fp32, bf16, fp16; a list sweeps them (default: "
+                   "recipe's)")
+    p.add_argument("--pfc-update", choices=["sparse", "dense"])
+    p.add_argument("--batch-size", type=int, help="per device (default: recipe's)")
+    p.add_argument("--num-classes", type=int,
+                   help="default: the identities the dataset announces")
+    p.add_argument("--lr", type=float, help="base learning rate (default: recipe's)")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=20,
+                   help="steps of each run left out of its throughput (default 20)")
+    p.add_argument("--timeout", type=float, default=7 * 24 * 3600.0,
+                   help="seconds per run (default a week)")
+    _add_topology_options(p)
+    _add_tuning_options(p)
+    p.add_argument("--decoder", default="auto", help="JPEG decoder (default: fastest installed)")
+    p.add_argument("--loader-workers", type=int,
+                   help="loader processes per rank (default: cores per rank less one, 1 to 8)")
+    p.add_argument("--out", help="output folder (default results/train-<recipe>-<time>)")
+
+
+def _add_verify_parser(sub) -> None:
+    p = sub.add_parser("verify", help="verification accuracy of a checkpoint")
+    p.add_argument("checkpoint", help="a checkpoint folder, or a folder of them (the newest)")
+    p.add_argument("--val", required=True, metavar="A.bin[,B.bin]",
+                   help="verification sets (insightface .bin)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    p.add_argument("--far", type=float, default=1e-3,
+                   help="false-accept rate of the TAR column (default 1e-3)")
 
 
 def _add_data_options(p: argparse.ArgumentParser) -> None:
@@ -96,6 +162,11 @@ def _add_data_commands(sub) -> None:
     synth.add_argument("--images-per-identity", type=int, required=True)
     synth.add_argument("--size", type=int, default=112, help="image side (default 112)")
     synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--val-pairs", type=int, default=600, metavar="N",
+                       help="also write PREFIX.val.bin, N verification pairs (half of them "
+                            "same-identity) of identities not in the training set, in "
+                            "insightface's .bin format (default 600, a tenth of lfw.bin's "
+                            "6000 and quick to write; 0: none)")
     synth.add_argument("--out", required=True, metavar="PREFIX")
     bench = data_sub.add_parser("bench", help="decoded images/s of the loader per worker count")
     bench.add_argument("prefix")
@@ -171,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     align.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     align.add_argument("--out", help="folder for the weights, runs and align.json")
     _add_data_commands(sub)
+    _add_train_parser(sub)
+    _add_verify_parser(sub)
     project_cli.add_parser(sub)
     commbench_cli.add_parser(sub)
     add_slurm_parser(sub)
@@ -192,6 +265,24 @@ def cmd_list() -> int:
         tbl.add_row(r.name, w.backbone, str(w.num_classes), str(w.batch_size), r.description)
     Console().print(tbl)
     return EXIT_OK
+
+
+def tuning_from_args(args: argparse.Namespace) -> Tuning:
+    return Tuning(cudnn_benchmark=not args.no_cudnn_benchmark,
+                  ddp_bucket_mb=args.ddp_bucket_mb,
+                  ddp_static_graph=not args.no_ddp_static_graph,
+                  ddp_broadcast_buffers=args.ddp_broadcast_buffers,
+                  mxnet_kvstore=args.mxnet_kvstore)
+
+
+def topology_from_args(args: argparse.Namespace) -> Topology:
+    """The topology every case shares (``--devices`` makes the cases)."""
+    if args.rdzv:
+        from .scale.rendezvous import parse_endpoint
+
+        parse_endpoint(args.rdzv)
+    return Topology(1, args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                    args.device, args.rdzv, args.rdzv_timeout)
 
 
 def plan_from_args(args: argparse.Namespace):
@@ -216,17 +307,8 @@ def plan_from_args(args: argparse.Namespace):
                       timeout_s=args.timeout,
                       memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
                       else None)
-    tuning = Tuning(cudnn_benchmark=not args.no_cudnn_benchmark,
-                    ddp_bucket_mb=args.ddp_bucket_mb,
-                    ddp_static_graph=not args.no_ddp_static_graph,
-                    ddp_broadcast_buffers=args.ddp_broadcast_buffers,
-                    mxnet_kvstore=args.mxnet_kvstore)
-    if args.rdzv:
-        from .scale.rendezvous import parse_endpoint
-
-        parse_endpoint(args.rdzv)
-    base = Topology(1, args.nnodes, args.node_rank, args.master_addr, args.master_port,
-                    args.device, args.rdzv, args.rdzv_timeout)
+    tuning = tuning_from_args(args)
+    base = topology_from_args(args)
     devices = parse_int_list(args.devices, "--devices")
     cases = plan_cases(devices, batches, base)
     out = Path(getattr(args, "resume", None) or args.out or
@@ -330,6 +412,107 @@ def cmd_run(args: argparse.Namespace) -> int:
     for plan in plans:
         print(f"results: {plan.out_dir / 'results.json'}")
     return EXIT_OK if all_ok else EXIT_RUN_FAILED
+
+
+def train_plans_from_args(args: argparse.Namespace) -> list:
+    from . import train, verify
+    from .data.dali_feed import choose_decoder
+    from .data.layout import open_dataset
+    from .runner import Plan, plan_cases
+
+    recipe = get_recipe(args.recipe)
+    frameworks = parse_frameworks(args.framework)
+    fcs = [f.strip() for f in (args.fc or recipe.workload.fc).split(",") if f.strip()]
+    ratios = ([float(r) for r in args.sample_ratio.split(",") if r.strip()]
+              if args.sample_ratio else None)
+    precisions = [p.strip() for p in (args.precision or recipe.workload.precision).split(",")
+                  if p.strip()]
+    chosen = train.variants(fcs, ratios, precisions, frameworks)
+    target = parse_accuracy(args.target)
+    choose_decoder(args.decoder)
+    dataset = open_dataset(args.data)
+    changes = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr),
+                                 ("pfc_update", args.pfc_update)) if v is not None}
+    changes["num_classes"] = args.num_classes or dataset.num_classes or \
+        recipe.workload.num_classes
+    if recipe.workload.task == "face":
+        from .data.pipeline import first_image_size
+
+        # Faces train at the size they were aligned to (insightface's 112 for its sets);
+        # resizing every image to the recipe's side would train another model.
+        side, width = first_image_size(dataset)
+        if side == width and side != recipe.workload.input_size:
+            changes["input_size"] = side
+    if args.channels_last:
+        changes["channels_last"] = True
+    workload = recipe.workload.replace(**changes)
+    for v in chosen:
+        v.apply(workload)  # Workload checks every variant's settings now
+    dataset.check_classes(workload.num_classes)
+    vals = [p.strip() for p in args.val.split(",") if p.strip()]
+    names = [verify.read_bin(p).name for p in vals]  # a bad file fails here, not mid-run
+    if len(set(names)) != len(names):
+        raise ValueError(f"--val names two sets alike ({', '.join(names)}): results key them "
+                         "by file name")
+    spec = TrainSpec(tuple(str(Path(p).resolve()) for p in vals), target, args.max_steps,
+                     args.eval_every, args.checkpoint_every)
+    # Training's throughput counts the steps after each attempt's warm-up.
+    measure = Measure(runs=args.runs, iters=max(args.max_steps, args.warmup + 1),
+                      warmup=args.warmup, timeout_s=args.timeout)
+    base = topology_from_args(args)
+    for v in chosen:
+        get_backend(v.framework).check(v.fc, base.nnodes, base.rdzv is not None, train=True)
+    cases = plan_cases(parse_int_list(args.devices, "--devices"), [workload.batch_size], base)
+    out = Path(args.resume or args.out or
+               f"results/train-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    data = DataSpec(str(Path(dataset.prefix).resolve()), args.decoder, args.loader_workers)
+    base_plan = Plan(recipe.name, workload, measure, cases, out, tuning_from_args(args),
+                     recipe.reference_model, data=data, data_role="real", train=spec)
+    if workload.input_size != recipe.workload.input_size:
+        print(f"training at {workload.input_size}x{workload.input_size}, the size of "
+              f"{dataset.prefix}'s images (the recipe's is {recipe.workload.input_size})",
+              file=sys.stderr)
+    return train.plans(base_plan, chosen)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .progress import make_progress
+    from .report.assemble import write_report
+    from .runner import Runner
+
+    plans = train_plans_from_args(args)
+    runners = [Runner(plan) for plan in plans]
+    _interrupt_on_sigterm()
+    progress = make_progress()
+    docs = []
+    try:
+        for runner in runners:
+            runner.progress = progress
+            again = bool(args.resume) and (runner.out / "events.jsonl").exists()
+            docs.append(runner.run(resume=again))
+    finally:
+        close = getattr(progress, "close", None)
+        if close:
+            close()
+    out = Path(args.resume or plans[0].out_dir) if len(plans) == 1 else plans[0].out_dir.parent
+    path = write_report([str(p.out_dir) for p in plans], out)
+    print(path.read_text(encoding="utf-8"))
+    all_ok = all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
+    return EXIT_OK if all_ok else EXIT_RUN_FAILED
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from . import verify
+    from .backends.torch.evaluation import verify_checkpoint
+
+    vals = [p.strip() for p in args.val.split(",") if p.strip()]
+    if not vals:
+        raise ValueError("--val needs at least one .bin file")
+    where, figures = verify_checkpoint(args.checkpoint, vals, args.device, args.batch_size,
+                                       args.far)
+    print(f"checkpoint {where}")
+    print(verify.format_table(figures))
+    return EXIT_OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -496,9 +679,12 @@ def cmd_data(args: argparse.Namespace) -> int:
         from .data.synth import synthesize
 
         done = synthesize(args.out, args.identities, args.images_per_identity, size=args.size,
-                          seed=args.seed)
+                          seed=args.seed, val_pairs=args.val_pairs)
         print(f"wrote {done['images']} images of {done['identities']} identities to "
               f"{done['prefix']}.rec ({done['bytes'] / 2**20:.1f} MiB)")
+        if done["val_bin"]:
+            print(f"wrote {done['val_pairs']} verification pairs of held-out identities to "
+                  f"{done['val_bin']}")
         return EXIT_OK
     return cmd_data_bench(args)
 
@@ -566,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
                 "export": cmd_export, "search": cmd_search, "references": cmd_references,
                 "ingest": cmd_ingest, "bench": cmd_bench, "env": cmd_env, "align": cmd_align,
                 "data": cmd_data, "project": project_cli.run,
-                "commbench": commbench_cli.run,
+                "commbench": commbench_cli.run, "train": cmd_train, "verify": cmd_verify,
                 "slurm": cmd_slurm}
     try:
         return commands[args.command](args)

@@ -217,6 +217,81 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class TrainSpec:
+    """Training to a verification accuracy (``trainperf train``): when to evaluate, when to stop
+    and where the checkpoints go. The steps themselves are the workload's."""
+
+    val: tuple[str, ...]
+    """Verification sets (insightface ``.bin``); the first decides whether the target is met."""
+    target: float
+    """Accuracy (a fraction, 10-fold mean) on the first set that ends the run."""
+    max_steps: int
+    """Optimizer steps after which the run stops whether or not it met the target."""
+    eval_every: int
+    """Steps between evaluations; time to target is known to this resolution."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints (None: at every evaluation)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; a run that finds one there resumes from the newest."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    eval_batch_size: int = 64
+    """Images per forward pass of the evaluation (each image and its flip)."""
+    far: float = 1e-3
+    """False-accept rate at which the true-accept rate (TAR) is reported."""
+
+    def __post_init__(self) -> None:
+        if not self.val:
+            raise ValueError("--val needs at least one verification set (.bin)")
+        if not 0.0 < self.target <= 1.0:
+            raise ValueError(f"--target is an accuracy in (0, 1] (or a percentage like 95%), "
+                             f"got {self.target}")
+        if self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.eval_every < 1:
+            raise ValueError(f"--eval-every must be >= 1, got {self.eval_every}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size must be >= 1, got {self.eval_batch_size}")
+        if not 0.0 < self.far < 1.0:
+            raise ValueError(f"far must be in (0, 1), got {self.far}")
+
+    @property
+    def save_every(self) -> int:
+        return self.checkpoint_every or self.eval_every
+
+    def replace(self, **changes: Any) -> "TrainSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["val"] = list(self.val)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainSpec":
+        d = dict(d)
+        d["val"] = tuple(d.get("val") or ())
+        return _from_dict(cls, d, "train")
+
+
+def parse_accuracy(text: str) -> float:
+    """``0.95`` or ``95%`` as the fraction 0.95."""
+    s = text.strip()
+    try:
+        value = float(s[:-1]) / 100.0 if s.endswith("%") else float(s)
+    except ValueError:
+        raise ValueError(f"--target takes an accuracy like 0.95 or 95%, got {text!r}") from None
+    if value > 1.0:
+        raise ValueError(f"--target {text!r} is above 1: write a fraction (0.95) or a "
+                         f"percentage with its sign (95%)")
+    return value
+
+
+@dataclass(frozen=True)
 class Topology:
     """Where a run executes: nodes, processes per node and the rendezvous point."""
 
@@ -335,6 +410,6 @@ def parse_bytes(text: str) -> int:
 
 
 __all__ = [
-    "Workload", "Tuning", "DataSpec", "Topology", "Measure", "FC_MODES", "PRECISIONS", "MARGINS",
-    "parse_int_list", "parse_bytes",
+    "Workload", "Tuning", "DataSpec", "TrainSpec", "Topology", "Measure", "FC_MODES",
+    "PRECISIONS", "MARGINS", "parse_int_list", "parse_bytes", "parse_accuracy",
 ]

@@ -21,6 +21,8 @@ How a run goes
      order, written as soon as the step's time is known): ``index`` (0-based), ``seconds``,
      ``samples`` (global samples of the step), ``warmup`` (``index < measure.warmup``); with
      real data (``spec.data``) also ``data_wait_s``, the host seconds it waited for its batch.
+   - ``eval`` (:class:`Eval`, rank 0, training runs only, after every evaluation): the
+     verification accuracies and how long the run has trained so far.
    - ``end`` (:class:`End`, rank 0, once, after the last step): the window's figures.
    - ``error`` (:class:`Error`, any rank, when it fails): ``kind`` is ``oom`` for an
      out-of-memory, else ``exception``; ``message`` one line; ``traceback`` a list of lines.
@@ -38,6 +40,16 @@ Timing rules every worker follows
   Never a mean of per-step rates, never rank 0's rate times the world size.
 - Per-step ``seconds`` come from device events where the device runs asynchronously, else from
   the host clock. Every step of the window has its ``step`` event by the time ``end`` is written.
+
+Training to accuracy
+--------------------
+A spec with ``train`` (``trainperf.config.TrainSpec``) asks the worker to train on ``data``
+until the first verification set's 10-fold accuracy reaches ``train.target`` or
+``train.max_steps`` steps are done. It evaluates every ``eval_every`` steps (and after the
+last), writing an ``eval`` event each time; ``step`` events and the timing rules stay as above,
+except that the device is also synchronised around each evaluation and checkpoint, which are
+outside every step's time. ``end`` then carries ``train``: the outcome and the whole curve.
+Training time is the sum of the step times, over every attempt of a resumed run.
 
 Status
 ------
@@ -59,7 +71,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .config import DataSpec, Measure, Tuning, Workload
+from .config import DataSpec, Measure, TrainSpec, Tuning, Workload
 
 PROTOCOL = "trainperf.protocol/v1"
 ERROR_KINDS = ("oom", "exception")
@@ -94,13 +106,16 @@ class RunSpec:
     """Real data (``trainperf.config.DataSpec``): batches come from a RecordIO file through
     the input pipeline; None: synthetic tensors made on the device once. With real data every
     ``step`` event carries ``data_wait_s``."""
+    train: TrainSpec | None = None
+    """Train to a verification accuracy (see "Training to accuracy"); None: a throughput run."""
     protocol: str = PROTOCOL
 
     def to_dict(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
                 "device": self.device, "threads": self.threads, "init": self.init,
-                "data": self.data.to_dict() if self.data else None}
+                "data": self.data.to_dict() if self.data else None,
+                "train": self.train.to_dict() if self.train else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
@@ -113,7 +128,8 @@ class RunSpec:
             return cls(Workload.from_dict(d["workload"]), Measure.from_dict(d["measure"]),
                        Tuning.from_dict(d.get("tuning", {})), d.get("device", "auto"),
                        d.get("threads"), d.get("init"),
-                       DataSpec.from_dict(d["data"]) if d.get("data") else None)
+                       DataSpec.from_dict(d["data"]) if d.get("data") else None,
+                       TrainSpec.from_dict(d["train"]) if d.get("train") else None)
         except KeyError as exc:
             raise ProtocolError(f"spec lacks {exc.args[0]!r}") from None
 
@@ -207,6 +223,10 @@ class End(Event):
     baseline_memory_bytes: int | None = None
     data_wait_s_per_rank: list[float] | None = None
     """Real data: each rank's seconds waiting for batches inside the window."""
+    train: dict[str, Any] | None = None
+    """Training runs: ``stopped_by`` (``target`` or ``max_steps``), ``steps``, ``train_s``,
+    ``time_to_target_s``, ``steps_to_target``, ``samples_to_target`` (None when not reached),
+    ``resumed_from_steps`` and ``curve`` (every ``eval`` event's figures, in order)."""
 
     @classmethod
     def of_window(cls, window_s: float, measure: Measure, global_batch: int,
@@ -220,6 +240,29 @@ class End(Event):
                    nonfinite_losses=sum(not math.isfinite(v) for v in losses),
                    skipped_steps_in_window=sum(i >= measure.warmup for i in skipped_steps),
                    **extra)
+
+
+@dataclass(kw_only=True)
+class Eval(Event):
+    """Written by rank 0 of a training run after each evaluation."""
+
+    KIND: ClassVar[str] = "eval"
+    step: int
+    """Optimizer steps done when evaluated."""
+    samples: int
+    """Global samples trained on so far."""
+    train_s: float
+    """Seconds of training so far (the sum of step times, every attempt of the run)."""
+    eval_s: float
+    """Seconds this evaluation took (not part of ``train_s``)."""
+    sets: dict[str, Any]
+    """Per verification set: ``pairs``, ``accuracy``, ``accuracy_std``, ``tar``, ``far``."""
+    accuracy: float
+    """The first set's accuracy: what the target is compared with."""
+    reached: bool
+    """Whether ``accuracy`` met the target at this evaluation."""
+    loss: float | None = None
+    """Mean training loss (rank 0) of the steps since the previous evaluation."""
 
 
 @dataclass(kw_only=True)
@@ -248,7 +291,7 @@ class Error(Event):
         return 3 if self.kind == "oom" else 1
 
 
-EVENT_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (Start, Step, End, Error)}
+EVENT_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (Start, Step, Eval, End, Error)}
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

@@ -3,6 +3,7 @@ and outside readers. Also the DLPerf export."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -12,7 +13,7 @@ from typing import Any
 
 from . import stats
 from .devices import mfu_peak
-from .protocol import End, Event, Start, Step
+from .protocol import End, Eval, Event, Start, Step
 
 SCHEMA = "trainperf.results/v1"
 RUN_STATUSES = ("ok", "oom", "failed", "timeout")
@@ -69,6 +70,7 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
         "skipped_steps_in_window": end.skipped_steps_in_window if end else None,
         "final_loss_scale": end.final_loss_scale if end else None,
         **data_waits(steps, end),
+        **training_outcome(events, end),
         "error": error,
         "exit_code": exit_code,
         "warnings": warnings,
@@ -86,6 +88,41 @@ def data_waits(steps: list[Step], end: End | None) -> dict[str, Any]:
             "data_wait_window_s_per_rank": per_rank,
             "data_wait_share": (max(per_rank) / end.window_s
                                 if per_rank and end.window_s else None)}
+
+
+def training_outcome(events: list[Event], end: End | None) -> dict[str, Any]:
+    """Training runs: the outcome and the accuracy curve; a run that did not finish keeps the
+    curve of the evaluations it reported. Nothing for throughput runs."""
+    if end is not None and end.train is not None:
+        return {"train": end.train}
+    curve = [{k: v for k, v in dataclasses.asdict(e).items() if k not in ("rank", "t")}
+             for e in events if isinstance(e, Eval)]
+    if not curve:
+        return {}
+    reached = next((e for e in curve if e["reached"]), None)
+    return {"train": {"stopped_by": None, "steps": curve[-1]["step"],
+                      "train_s": curve[-1]["train_s"],
+                      "time_to_target_s": reached["train_s"] if reached else None,
+                      "steps_to_target": reached["step"] if reached else None,
+                      "samples_to_target": reached["samples"] if reached else None,
+                      "best_accuracy": max(e["accuracy"] for e in curve), "curve": curve}}
+
+
+def training_summary(runs: list[dict]) -> dict[str, Any]:
+    """A training case over its runs: how many reached the target and the medians of those
+    that did (time and steps to target). Nothing for throughput cases."""
+    trained = [r["train"] for r in runs if r.get("train")]
+    if not trained:
+        return {}
+    hit = [t for t in trained if t.get("time_to_target_s") is not None]
+    return {"target": next((t.get("target") for t in trained if t.get("target")), None),
+            "target_set": next((t.get("target_set") for t in trained if t.get("target_set")),
+                               None),
+            "runs_reached_target": len(hit),
+            "median_time_to_target_s": stats.median([t["time_to_target_s"] for t in hit]),
+            "median_steps_to_target": stats.median([t["steps_to_target"] for t in hit]),
+            "best_accuracy": max((t["best_accuracy"] for t in trained
+                                  if t.get("best_accuracy") is not None), default=None)}
 
 
 def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | None
@@ -131,6 +168,7 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
                                          if r["status"] == "ok"
                                          and r.get("data_wait_share") is not None]),
         "flags": st.flags,
+        **({"training": summary} if (summary := training_summary(runs)) else {}),
     }
 
 

@@ -24,7 +24,7 @@ from . import envs, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN
-from .config import DataSpec, Measure, Topology, Tuning, Workload
+from .config import DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
 from .env import host_env
 from .protocol import End, Error, Event, ProtocolError, RunSpec, Start, Step
 from .scale.rendezvous import NodeGroup, RendezvousError, interface_of
@@ -63,6 +63,11 @@ class Plan:
     data_role: str = "synthetic"
     """``real``; ``synthetic`` (a plain run); ``synthetic baseline`` (the compute-only twin of a
     real-data plan, which the report sets beside it)."""
+    train: TrainSpec | None = None
+    """Train to a verification accuracy instead of timing a fixed number of steps; each run
+    keeps its checkpoints in its own folder, so ``--resume`` goes on from them."""
+    variant: str | None = None
+    """What sets this plan apart in a training matrix (``mp fp32``, ``pfc0.1 bf16``)."""
 
     def data_record(self) -> dict[str, Any]:
         """What the results say of the data: its source, and the loader settings asked for."""
@@ -74,6 +79,8 @@ class Plan:
         """Every setting that changes a run's work or limits; a folder's runs all share them."""
         topo = self.cases[0].topology
         data = {} if self.data_role == "synthetic" else {"data": self.data_record()}
+        if self.train is not None:
+            data["train"] = self.train.to_dict()
         return {"recipe": self.recipe, "framework": self.framework, **data,
                 "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
@@ -307,6 +314,9 @@ class Runner:
                                cases, model=self.plan.model, tuning=self.plan.tuning.to_dict())
         doc["framework"] = self.plan.framework
         doc["data"] = self.plan.data_record()
+        if self.plan.train is not None:
+            doc["train"] = {**self.plan.train.to_dict(), "variant": self.plan.variant}
+            doc["train"].pop("checkpoint_dir", None)
         inputs = [e.settings.get("input") for e in self.start_events.values()
                   if e.settings.get("input")]
         if inputs:
@@ -347,12 +357,21 @@ class Runner:
         try:
             for case in self.plan.cases:
                 key = (case.key.name, case.batch_size)
-                done = {r["run"] for r in self.records.get(key, [])}
+                runs = self.records.setdefault(key, [])
+                # A training run that failed or was stopped goes on from its last checkpoint
+                # on --resume; a throughput run that failed stays a result.
+                done = {r["run"] for r in runs
+                        if self.plan.train is None or r["status"] == "ok"}
                 for run in range(1, self.plan.measure.runs + 1):
                     if run in done:
                         continue
                     record = self._run_one(case, run)
-                    self.records.setdefault(key, []).append(record)
+                    earlier = [r for r in runs if r["run"] == run]
+                    if earlier:
+                        record["earlier_attempts"] = [
+                            {"status": r["status"], "error": r["error"]} for r in earlier]
+                        runs[:] = [r for r in runs if r["run"] != run]
+                    runs.append(record)
                     self.write_results()
                     yield
         finally:
@@ -402,10 +421,13 @@ class Runner:
                                               run_dir / "worker.log")
         worker_events.unlink(missing_ok=True)
         measure = self.plan.measure
+        train = self.plan.train
+        if train is not None:
+            train = train.replace(checkpoint_dir=str((run_dir / "checkpoints").resolve()))
         spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
                        self.plan.tuning, case.topology.device,
                        cpu_threads_per_process(case.topology.devices_per_node), self.plan.init,
-                       self.plan.data)
+                       self.plan.data, train)
         results.write_json_atomic(spec_path, spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         cluster, cluster_path = None, None

@@ -125,12 +125,19 @@ class Backend:
     """Most nodes the backend's launch can span (None: no limit)."""
     cannot_run: str | None = None
     """Why this backend's environment can be built but no run started (None: it runs)."""
+    trains: bool = False
+    """Its worker can train to a verification accuracy (``trainperf train``): real-data input,
+    checkpoints and verification sets."""
     hand_ranks: bool = False
     """Several nodes can start from ``--node-rank/--master-addr`` alone (torch's launcher);
     False: the backend needs every node's address, which only ``--rdzv`` gathers."""
 
-    def check(self, fc: str, nnodes: int, rdzv: bool = False) -> None:
+    def check(self, fc: str, nnodes: int, rdzv: bool = False, train: bool = False) -> None:
         """ValueError when this backend cannot run the asked workload and layout."""
+        if train and not self.trains:
+            raise ValueError(f"the {self.name} backend does not train to accuracy yet (its "
+                             "worker has no real-data input, checkpoints or verification); "
+                             "`trainperf train` runs --framework torch")
         if self.cannot_run:
             raise ValueError(f"the {self.name} backend cannot run yet: {self.cannot_run}")
         if fc not in self.fc_modes:

@@ -47,13 +47,15 @@ class RankSampler:
     tail so it splits evenly, and takes every ``world``-th entry from its rank on.
     """
 
-    def __init__(self, size: int, rank: int, world: int, seed: int, shuffle: bool = True
-                 ) -> None:
+    def __init__(self, size: int, rank: int, world: int, seed: int, shuffle: bool = True,
+                 start: int = 0) -> None:
         if size < world:
             raise ValueError(f"the dataset holds {size} images, fewer than the {world} ranks")
         self.size, self.rank, self.world = size, rank, world
         self.seed, self.shuffle = seed, shuffle
         self.per_rank = size // world
+        self.start = start
+        """Samples of this rank's stream to skip (a resumed training run goes on from there)."""
 
     def epoch(self, epoch: int) -> np.ndarray:
         order = (np.random.default_rng([self.seed, epoch]).permutation(self.size)
@@ -61,9 +63,11 @@ class RankSampler:
         return order[:self.per_rank * self.world][self.rank::self.world]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        for epoch in itertools.count():
-            for index in self.epoch(epoch):
+        first_epoch, skip = divmod(self.start, self.per_rank)
+        for epoch in itertools.count(first_epoch):
+            for index in self.epoch(epoch)[skip:]:
                 yield epoch, int(index)
+            skip = 0
 
 
 class RecordImages(torch.utils.data.Dataset):
@@ -232,9 +236,10 @@ class DeviceFeed:
 def open_feed(prefix: str, *, task: str, size: int, num_classes: int, batch_size: int,
               rank: int, world: int, local_world: int, seed: int, device: torch.device,
               decoder: str = "auto", workers: int | None = None, prefetch_batches: int = 4,
-              channels_last: bool = False, trace: str | None = None
+              channels_last: bool = False, trace: str | None = None, start: int = 0
               ) -> tuple[DeviceFeed, dict]:
-    """The feed of one rank and a description of it (what the results record)."""
+    """The feed of one rank and a description of it (what the results record); ``start``
+    samples of the rank's stream are skipped."""
     dataset = open_dataset(prefix)
     dataset.check_classes(num_classes)
     dataset.check_batches(world, batch_size)
@@ -245,6 +250,9 @@ def open_feed(prefix: str, *, task: str, size: int, num_classes: int, batch_size
             "prefetch_batches": prefetch_batches, "images_per_rank_per_epoch": per_rank,
             "steps_per_epoch": per_rank // batch_size}
     if decoder == "dali":
+        if start:
+            raise ValueError("the DALI feed cannot start mid-stream: resume a training run "
+                             "with another --decoder")
         feed, how = open_dali_feed(
             dataset, task=task, size=size, batch_size=batch_size, rank=rank, world=world,
             seed=seed, device=device, threads=workers, prefetch_batches=prefetch_batches,
@@ -252,7 +260,8 @@ def open_feed(prefix: str, *, task: str, size: int, num_classes: int, batch_size
             native_size=first_image_size(dataset))
         return feed, {**info, **how}
     images = RecordImages(dataset, decoder, task, size, num_classes, seed)
-    loader = make_loader(images, RankSampler(len(dataset), rank, world, seed), batch_size,
+    loader = make_loader(images, RankSampler(len(dataset), rank, world, seed, start=start),
+                         batch_size,
                          workers, prefetch_batches, pin_memory=device.type == "cuda")
     feed = DeviceFeed(loader, device, mean, std, channels_last, trace)
     return feed, {**info, "decoder": images.decoder_name, "pin_memory": device.type == "cuda"}

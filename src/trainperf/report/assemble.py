@@ -11,6 +11,7 @@ from .input import input_section
 from .markdown import render_report, unique_labels
 from .plots import plot_scaling
 from .references import references_section
+from .training import plot_training, training_section
 
 
 def is_search_dir(path: str | Path) -> bool:
@@ -30,6 +31,10 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     pipeline = input_section(docs)
     if pipeline:
         extra.insert(0, pipeline)
+    training = training_section(docs)
+    if training:
+        extra.insert(0, training)
+        plots = plot_training(docs, out) + plots
     for d in searches:
         extra.append(capacity_section(json.loads((Path(d) / "search.json").read_text())))
     if with_references:

@@ -24,9 +24,10 @@ def synthetic_batch(workload: Workload, ctx: DistContext) -> tuple[torch.Tensor,
     return images, labels
 
 
-def real_feed(data: DataSpec, workload: Workload, ctx: DistContext):
-    """The rank's feed of real batches and its description. ``TRAINPERF_DATA_TRACE`` (tests)
-    names a folder where each rank writes the samples it was fed."""
+def real_feed(data: DataSpec, workload: Workload, ctx: DistContext, start: int = 0):
+    """The rank's feed of real batches and its description, ``start`` samples into the rank's
+    stream. ``TRAINPERF_DATA_TRACE`` (tests) names a folder where each rank writes the samples
+    it was fed."""
     from ...data.pipeline import open_feed
 
     trace_dir = os.environ.get("TRAINPERF_DATA_TRACE")
@@ -36,5 +37,5 @@ def real_feed(data: DataSpec, workload: Workload, ctx: DistContext):
         world=ctx.world_size, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         seed=workload.seed, device=ctx.device, decoder=data.decoder,
         workers=data.loader_workers, prefetch_batches=data.prefetch_batches,
-        channels_last=workload.channels_last,
+        channels_last=workload.channels_last, start=start,
         trace=os.path.join(trace_dir, f"w{ctx.world_size}_rank{ctx.rank}.txt") if trace_dir else None)

@@ -102,6 +102,29 @@ def step_settings(step: TrainStep, device: torch.device) -> dict:
             if step.workload.precision == "fp16" else None}
 
 
+def emit_start(events: EventWriter, ctx: DistContext, step: TrainStep, baseline: int,
+               input_info: dict | None, **settings) -> None:
+    """Rank 0's ``start`` event: what runs, and what the worker predicts of it."""
+    if ctx.rank != 0:  # only rank 0 reports; rank 0 also holds the largest class shard
+        return
+    workload = step.workload
+    params, fwd_flops = backbone_profile(
+        workload.backbone, workload.input_size, embedding_size=workload.embedding_size,
+        num_classes=workload.num_classes, output_block=workload.output_block)
+    flops = train_flops_per_sample(
+        fwd_flops, workload.embedding_size if workload.task == "face" else 0,
+        classes_computed(workload, step, ctx))
+    model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
+    events.emit(Start(
+        world_size=ctx.world_size, global_batch=workload.batch_size * ctx.world_size,
+        device=str(ctx.device), env=framework_env(ctx.device), workload=workload.to_dict(),
+        settings={**step_settings(step, ctx.device), "input": input_info, **settings},
+        backbone_params=params,
+        train_flops_per_sample=sum(flops.values()), train_flops_by_op=flops,
+        pfc_update=step.pfc_update, baseline_memory_bytes=baseline,
+        predicted_peak_bytes=baseline + model.total_bytes, memory_model=model.to_dict()))
+
+
 def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     workload, measure = spec.workload, spec.measure
     baseline = current_memory(ctx.device)
@@ -116,22 +139,7 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     else:
         images, labels = synthetic_batch(workload, ctx)
     global_batch = workload.batch_size * ctx.world_size
-    if ctx.rank == 0:  # only rank 0 reports; rank 0 also holds the largest class shard
-        params, fwd_flops = backbone_profile(
-            workload.backbone, workload.input_size, embedding_size=workload.embedding_size,
-            num_classes=workload.num_classes, output_block=workload.output_block)
-        flops = train_flops_per_sample(
-            fwd_flops, workload.embedding_size if workload.task == "face" else 0,
-            classes_computed(workload, step, ctx))
-        model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
-        events.emit(Start(
-            world_size=ctx.world_size, global_batch=global_batch, device=str(ctx.device),
-            env=framework_env(ctx.device), workload=workload.to_dict(),
-            settings={**step_settings(step, ctx.device), "input": input_info},
-            backbone_params=params,
-            train_flops_per_sample=sum(flops.values()), train_flops_by_op=flops,
-            pfc_update=step.pfc_update, baseline_memory_bytes=baseline,
-            predicted_peak_bytes=baseline + model.total_bytes, memory_model=model.to_dict()))
+    emit_start(events, ctx, step, baseline, input_info)
     faults = parse_faults(ctx.world_size)
     waits: list[float] = []
 
@@ -188,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         ctx = init_from_env(spec.device)
-        run(spec, events, ctx)
+        if spec.train is not None:
+            from .train_loop import train  # the time-to-accuracy scenario
+
+            train(spec, events, ctx)
+        else:
+            run(spec, events, ctx)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
         capped = spec is not None and spec.measure.memory_limit_bytes is not None
         error = Error.of_exception(exc, is_oom(exc, capped))

@@ -90,7 +90,9 @@ class MarginSoftmaxHead(nn.Module):
             labels = all_gather(labels, self.ctx)
         local = labels - self.class_start
         local = torch.where((local >= 0) & (local < self.num_local), local, -1)
-        if not self.sampling:
+        if not self.sampling or not self.training:
+            # Evaluation (eval mode) scores every class of the shard: the loss of the model,
+            # not of one step's sample.
             return embeddings, local, self.weight
         index, local = sample_classes(local, self.num_local, self.num_sample)
         self.index = index
