@@ -11,7 +11,7 @@ from .input import input_section
 from .markdown import render_report, unique_labels
 from .plots import plot_scaling
 from .references import references_section
-from .training import plot_training, training_section
+from .training import is_training, plot_training, training_section
 
 
 def is_search_dir(path: str | Path) -> bool:
@@ -28,7 +28,8 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     plots = plot_scaling(docs, labels, out) if docs else []
     extra = [] if plots or not docs else [
         "(No plots: install the `plot` extra, matplotlib, to get them.)"]
-    pipeline = input_section(docs)
+    # Training runs have no synthetic twin: their data waits are in their results.
+    pipeline = input_section([d for d in docs if not is_training(d)])
     if pipeline:
         extra.insert(0, pipeline)
     training = training_section(docs)
