@@ -13,7 +13,7 @@ from pathlib import Path
 from . import results
 from .backends import BACKENDS, get_backend
 from .config import (MXNET_KVSTORES, DataSpec, Measure, Topology, TrainSpec, Tuning,
-                     parse_accuracy, parse_bytes, parse_int_list)
+                     parse_accuracy, parse_bytes, parse_int_list, parse_list)
 from .recipes import RECIPES, get_recipe
 from .scale import commbench_cli, project_cli
 from .scale.slurm_cli import add_parser as add_slurm_parser, cmd_slurm
@@ -333,16 +333,11 @@ def data_plans(args: argparse.Namespace, plan, frameworks: list[str]) -> list:
     (``OUT/synthetic``), run first so the compute-only figure is there to compare with."""
     from dataclasses import replace
 
-    from .data.dali_feed import choose_decoder
-    from .data.layout import open_dataset
-
     if frameworks != ["torch"]:
         raise ValueError("--data runs the torch backend only; the other frameworks read "
                          "synthetic data")
-    choose_decoder(args.decoder)
-    dataset = open_dataset(args.data)
+    dataset, data = open_data(args)
     dataset.check_classes(plan.workload.num_classes)
-    data = DataSpec(str(Path(dataset.prefix).resolve()), args.decoder, args.loader_workers)
     real = replace(plan, out_dir=plan.out_dir / "real", data=data, data_role="real")
     if args.no_synthetic_baseline:
         return [real]
@@ -350,8 +345,20 @@ def data_plans(args: argparse.Namespace, plan, frameworks: list[str]) -> list:
             real]
 
 
+def open_data(args: argparse.Namespace):
+    """The ``--data`` dataset (checked readable) and what the runs are told of it, with the
+    ``--decoder`` checked and the loader settings asked for."""
+    from .data.dali_feed import choose_decoder
+    from .data.layout import open_dataset
+
+    choose_decoder(args.decoder)
+    dataset = open_dataset(args.data)
+    return dataset, DataSpec(str(Path(dataset.prefix).resolve()), args.decoder,
+                             args.loader_workers)
+
+
 def parse_frameworks(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = parse_list(text)
     if not names:
         raise ValueError("--framework needs at least one name")
     if len(set(names)) != len(names):
@@ -373,30 +380,40 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def run_plans(plans: list, resume: bool, take_turns: bool = False) -> list[dict]:
+    """Run every plan under one progress display (with ``take_turns``, one run of each in
+    turn); their results documents. ``resume`` finishes the folders that hold runs."""
     from .progress import make_progress
-    from .report.assemble import write_report
     from .runner import Runner, interleave
 
-    plans = plan_from_args(args)
     runners = [Runner(plan) for plan in plans]  # every environment checked before any run
     _interrupt_on_sigterm()
     progress = make_progress()
-    docs = []
     try:
         resumes = []
         for runner in runners:
             runner.progress = progress
-            resumes.append(bool(args.resume) and (runner.out / "events.jsonl").exists())
-        if args.data:  # the real-data runs and their synthetic twin take turns
-            docs = interleave(runners, resumes)
-        else:
-            docs = [runner.run(resume=again) for runner, again in zip(runners, resumes)]
+            resumes.append(resume and (runner.out / "events.jsonl").exists())
+        if take_turns:
+            return interleave(runners, resumes)
+        return [runner.run(resume=again) for runner, again in zip(runners, resumes)]
     finally:
         close = getattr(progress, "close", None)
         if close:
             close()
-    all_ok = all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
+
+
+def all_runs_ok(docs: list[dict]) -> bool:
+    return all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .report.assemble import write_report
+
+    plans = plan_from_args(args)
+    # With --data the real-data runs and their synthetic twin take turns.
+    docs = run_plans(plans, bool(args.resume), take_turns=bool(args.data))
+    all_ok = all_runs_ok(docs)
     if docs and all(doc.get("role") == "follower" for doc in docs):
         # Rank 0, and every figure, lives on another node: a report here would only list
         # runs without figures.
@@ -416,21 +433,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def train_plans_from_args(args: argparse.Namespace) -> list:
     from . import train, verify
-    from .data.dali_feed import choose_decoder
-    from .data.layout import open_dataset
     from .runner import Plan, plan_cases
 
     recipe = get_recipe(args.recipe)
     frameworks = parse_frameworks(args.framework)
-    fcs = [f.strip() for f in (args.fc or recipe.workload.fc).split(",") if f.strip()]
-    ratios = ([float(r) for r in args.sample_ratio.split(",") if r.strip()]
-              if args.sample_ratio else None)
-    precisions = [p.strip() for p in (args.precision or recipe.workload.precision).split(",")
-                  if p.strip()]
-    chosen = train.variants(fcs, ratios, precisions, frameworks)
+    ratios = ([float(r) for r in parse_list(args.sample_ratio)] if args.sample_ratio
+              else None)
+    chosen = train.variants(parse_list(args.fc or recipe.workload.fc), ratios,
+                            parse_list(args.precision or recipe.workload.precision), frameworks)
     target = parse_accuracy(args.target)
-    choose_decoder(args.decoder)
-    dataset = open_dataset(args.data)
+    dataset, data = open_data(args)
     changes = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr),
                                  ("pfc_update", args.pfc_update)) if v is not None}
     changes["num_classes"] = args.num_classes or dataset.num_classes or \
@@ -449,7 +461,7 @@ def train_plans_from_args(args: argparse.Namespace) -> list:
     for v in chosen:
         v.apply(workload)  # Workload checks every variant's settings now
     dataset.check_classes(workload.num_classes)
-    vals = [p.strip() for p in args.val.split(",") if p.strip()]
+    vals = parse_list(args.val)
     names = [verify.read_bin(p).name for p in vals]  # a bad file fails here, not mid-run
     if len(set(names)) != len(names):
         raise ValueError(f"--val names two sets alike ({', '.join(names)}): results key them "
@@ -465,7 +477,6 @@ def train_plans_from_args(args: argparse.Namespace) -> list:
     cases = plan_cases(parse_int_list(args.devices, "--devices"), [workload.batch_size], base)
     out = Path(args.resume or args.out or
                f"results/train-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    data = DataSpec(str(Path(dataset.prefix).resolve()), args.decoder, args.loader_workers)
     base_plan = Plan(recipe.name, workload, measure, cases, out, tuning_from_args(args),
                      recipe.reference_model, data=data, data_role="real", train=spec)
     if workload.input_size != recipe.workload.input_size:
@@ -476,36 +487,21 @@ def train_plans_from_args(args: argparse.Namespace) -> list:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .progress import make_progress
     from .report.assemble import write_report
-    from .runner import Runner
 
     plans = train_plans_from_args(args)
-    runners = [Runner(plan) for plan in plans]
-    _interrupt_on_sigterm()
-    progress = make_progress()
-    docs = []
-    try:
-        for runner in runners:
-            runner.progress = progress
-            again = bool(args.resume) and (runner.out / "events.jsonl").exists()
-            docs.append(runner.run(resume=again))
-    finally:
-        close = getattr(progress, "close", None)
-        if close:
-            close()
+    docs = run_plans(plans, bool(args.resume))
     out = Path(args.resume or plans[0].out_dir) if len(plans) == 1 else plans[0].out_dir.parent
     path = write_report([str(p.out_dir) for p in plans], out)
     print(path.read_text(encoding="utf-8"))
-    all_ok = all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
-    return EXIT_OK if all_ok else EXIT_RUN_FAILED
+    return EXIT_OK if all_runs_ok(docs) else EXIT_RUN_FAILED
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from . import verify
     from .backends.torch.evaluation import verify_checkpoint
 
-    vals = [p.strip() for p in args.val.split(",") if p.strip()]
+    vals = parse_list(args.val)
     if not vals:
         raise ValueError("--val needs at least one .bin file")
     where, figures = verify_checkpoint(args.checkpoint, vals, args.device, args.batch_size,
@@ -658,7 +654,7 @@ def cmd_align(args: argparse.Namespace) -> int:
                            f"{time.strftime('%Y%m%d-%H%M%S')}")
     req = AlignRequest(recipe.name, workload, framework,
                        parse_int_list(args.devices, "--devices"),
-                       [m.strip() for m in args.fc.split(",") if m.strip()],
+                       parse_list(args.fc),
                        args.steps, args.timeout, out)
     _interrupt_on_sigterm()
     outcome = run_alignment(req)

@@ -389,6 +389,11 @@ def parse_int_list(text: str, what: str) -> list[int]:
     return values
 
 
+def parse_list(text: str) -> list[str]:
+    """``a, b,c`` as ["a", "b", "c"]: the items of a comma-separated flag, blanks dropped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def parse_bytes(text: str) -> int:
     """Parse ``8GiB``, ``512MiB``, ``2GB`` or a plain byte count."""
     units = {
@@ -411,5 +416,5 @@ def parse_bytes(text: str) -> int:
 
 __all__ = [
     "Workload", "Tuning", "DataSpec", "TrainSpec", "Topology", "Measure", "FC_MODES",
-    "PRECISIONS", "MARGINS", "parse_int_list", "parse_bytes", "parse_accuracy",
+    "PRECISIONS", "MARGINS", "parse_int_list", "parse_list", "parse_bytes", "parse_accuracy",
 ]

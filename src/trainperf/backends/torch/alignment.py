@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ...config import Workload
-from .backbones import build_backbone
+from .backbones import workload_backbone
 from .dist import DistContext
 from .step import TrainStep
 
@@ -22,10 +22,7 @@ def write_start(workload: Workload, world_size: int, path: Path) -> int:
     """Write the starting point of ``world_size`` ranks to ``path`` (.npz); returns the
     backbone's parameter count."""
     torch.manual_seed(workload.seed)
-    backbone = build_backbone(
-        workload.backbone, embedding_size=workload.embedding_size,
-        num_classes=workload.num_classes, input_size=workload.input_size,
-        output_block=workload.output_block, dropout=workload.dropout)
+    backbone = workload_backbone(workload)
     arrays = {f"backbone/{k}": v.detach().numpy().copy()
               for k, v in backbone.state_dict().items() if not k.endswith("num_batches_tracked")}
     rng = np.random.default_rng(workload.seed + 12345)

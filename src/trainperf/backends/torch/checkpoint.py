@@ -149,6 +149,15 @@ def save(root: str | os.PathLike, step: TrainStep, ctx: DistContext, progress: d
     return final
 
 
+def read_backbone(path: Path, device) -> dict[str, Any]:
+    """``backbone.pt`` of the checkpoint at ``path``: its ``model``, ``momentum`` and
+    ``loss_scale``."""
+    try:
+        return torch.load(path / "backbone.pt", map_location=device, weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"{path / 'backbone.pt'}: cannot read ({exc})") from None
+
+
 def check_fits(manifest: dict[str, Any], workload: Workload, where: Path) -> None:
     saved = manifest.get("workload", {})
     now = workload.to_dict()
@@ -194,10 +203,7 @@ def load(path: str | os.PathLike, step: TrainStep, ctx: DistContext) -> dict[str
     path = Path(path)
     manifest = read_manifest(path)
     check_fits(manifest, step.workload, path)
-    try:
-        saved = torch.load(path / "backbone.pt", map_location=ctx.device, weights_only=True)
-    except (OSError, RuntimeError) as exc:
-        raise CheckpointError(f"{path / 'backbone.pt'}: cannot read ({exc})") from None
+    saved = read_backbone(path, ctx.device)
     step.backbone.load_state_dict(saved["model"])
     main = step.optimizers[0]
     for name, param in step.backbone.named_parameters():

@@ -48,8 +48,8 @@ def verify_checkpoint(path: str, val_paths: list[str], device_kind: str = "auto"
                       batch_size: int = 64, far: float = 1e-3) -> tuple[str, dict[str, dict]]:
     """The checkpoint folder used and each set's figures for its backbone."""
     from ...config import Workload
-    from .backbones import build_backbone
-    from .checkpoint import CheckpointError, read_manifest, resolve
+    from .backbones import workload_backbone
+    from .checkpoint import CheckpointError, read_backbone, read_manifest, resolve
     from .dist import resolve_device
 
     where = resolve(path)
@@ -59,13 +59,7 @@ def verify_checkpoint(path: str, val_paths: list[str], device_kind: str = "auto"
                               "for face embeddings")
     sets = [verify.read_bin(p, size=workload.input_size) for p in val_paths]
     device = resolve_device(device_kind)
-    backbone = build_backbone(workload.backbone, embedding_size=workload.embedding_size,
-                              num_classes=workload.num_classes, input_size=workload.input_size,
-                              output_block=workload.output_block, dropout=workload.dropout)
-    try:
-        state = torch.load(where / "backbone.pt", map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as exc:
-        raise CheckpointError(f"{where / 'backbone.pt'}: cannot read ({exc})") from None
-    backbone.load_state_dict(state["model"])
+    backbone = workload_backbone(workload)
+    backbone.load_state_dict(read_backbone(where, "cpu")["model"])
     backbone.to(device)
     return str(where), evaluate_sets(backbone, sets, device, batch_size, far)

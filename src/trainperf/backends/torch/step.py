@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...config import Tuning, Workload
-from .backbones import build_backbone, get_spec
+from .backbones import get_spec, workload_backbone
 from .dist import DistContext
 from .heads import MarginSoftmaxHead, SampledRowsSGD
 from .loss_scale import DynamicLossScaler
@@ -73,11 +73,7 @@ class TrainStep:
         device = ctx.device
         # Same seed on every rank: identical initial backbones (DDP would broadcast anyway).
         torch.manual_seed(workload.seed)
-        backbone = build_backbone(
-            workload.backbone, embedding_size=workload.embedding_size,
-            num_classes=workload.num_classes, input_size=workload.input_size,
-            output_block=workload.output_block, dropout=workload.dropout,
-        ).to(device)
+        backbone = workload_backbone(workload).to(device)
         if workload.channels_last:
             backbone = backbone.to(memory_format=torch.channels_last)
         self.backbone = backbone

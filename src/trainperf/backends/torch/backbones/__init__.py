@@ -46,5 +46,12 @@ def build_backbone(name: str, **kwargs) -> nn.Module:
     return get_spec(name).build(**kwargs)
 
 
+def workload_backbone(workload) -> nn.Module:
+    """The backbone a ``Workload`` trains (freshly initialised from torch's global seed)."""
+    return build_backbone(workload.backbone, embedding_size=workload.embedding_size,
+                          num_classes=workload.num_classes, input_size=workload.input_size,
+                          output_block=workload.output_block, dropout=workload.dropout)
+
+
 # Importing the families registers them.
 from . import iresnet, mobilefacenet, resnet_v1b  # noqa: E402,F401
