@@ -29,6 +29,10 @@ from .env import gpu_count
 MANIFEST = "trainperf-env.json"
 
 
+class NoPython(ValueError):
+    """The framework's wheels exist for no Python version this machine has."""
+
+
 def env_root() -> Path:
     return Path(os.environ.get("TRAINPERF_ENV_DIR") or Path.home() / ".cache/trainperf/envs")
 
@@ -114,6 +118,10 @@ def _pip_index_args() -> list[str]:
         if option:
             for v in value.strip().strip("'\"").split():
                 args += [option, v]
+    if "--extra-index-url" in args:
+        # pip takes the best version from every index; uv, unless told, only looks at the
+        # first index that has the package at all.
+        args += ["--index-strategy", "unsafe-best-match"]
     return args
 
 
@@ -127,7 +135,7 @@ def base_python(backend: Backend) -> str:
     for version in wanted:
         for found in _interpreters(version):
             return found
-    raise ValueError(f"the {backend.name} environment needs Python {' or '.join(wanted)} "
+    raise NoPython(f"the {backend.name} environment needs Python {' or '.join(wanted)} "
                      f"(its wheels exist for no other), and none is on PATH; install one "
                      f"(e.g. `uv python install {wanted[0]}` or your distribution's "
                      f"python{wanted[0]}) and run again")
@@ -149,11 +157,12 @@ def _interpreters(version: str) -> list[str]:
 
 
 def _build(path: Path, python: str, packages: list[str], no_deps: list[str], log) -> None:
-    uv = shutil.which("uv")
+    # The uv installed beside this interpreter (the ``envs`` extra), else one on PATH.
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     steps = [(packages, [])] + ([(no_deps, ["--no-deps"])] if no_deps else [])
     if uv:
         # uv creates and fills a venv several times faster than pip and shares one wheel cache.
-        subprocess.run([uv, "venv", "--quiet", "--python", python, str(path)],
+        subprocess.run([uv, "venv", "--quiet", "--seed", "--python", python, str(path)],
                        check=True, stdout=log, stderr=log)
         for wanted, flags in steps:
             subprocess.run([uv, "pip", "install", "--quiet", "--python",
