@@ -172,6 +172,14 @@ class Tuning:
     parameter server (as torch runs one process per rank), or ``device``, one process driving
     every device (as insightface's MXNet ArcFace and gluon-cv ran). The same arithmetic."""
 
+    tf_onednn: bool = False
+    """TensorFlow's oneDNN custom CPU ops (``TF_ENABLE_ONEDNN_OPTS``), off unless asked for.
+    On CPUs with AVX-512, the oneDNN in TensorFlow 2.21 writes past a buffer in the backward of
+    a 1x1 stride-2 convolution (the weight gradient, NHWC) whose input has fewer than 16
+    channels: the heap is corrupted and the run dies of SIGSEGV or SIGABRT, or goes on with
+    wrong weight gradients. Off, TensorFlow runs its own Eigen kernels for those ops. Only
+    TensorFlow's CPU kernels change; its GPU kernels are the same either way."""
+
     def __post_init__(self) -> None:
         if not self.ddp_bucket_mb > 0:
             raise ValueError(f"--ddp-bucket-mb must be > 0, got {self.ddp_bucket_mb}")

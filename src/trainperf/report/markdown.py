@@ -170,6 +170,9 @@ def settings_text(doc: dict) -> str:
         # Compilation falls in the warm-up, outside the measured window; said so it is seen.
         parts.append(f"compilation (in the warm-up, not measured) {min(compile_s):.1f}-"
                      f"{max(compile_s):.1f} s per case")
+    onednn = {c.get("onednn_opts") for c in cases} - {None}
+    if onednn:
+        parts.append("TensorFlow's oneDNN CPU ops " + ("on" if onednn == {True} else "off"))
     scaling = next((c["loss_scaling"] for c in cases if c.get("loss_scaling")), None)
     if scaling:
         parts.append(f"fp16 loss scaling {scaling}")
