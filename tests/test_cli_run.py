@@ -47,7 +47,7 @@ def test_results_follow_the_schema(e2e):
                               "memory_limit_bytes": None}
     assert doc["tuning"] == {"cudnn_benchmark": True, "ddp_bucket_mb": 25.0,
                              "ddp_static_graph": True, "ddp_broadcast_buffers": False,
-                             "mxnet_kvstore": "dist_sync"}
+                             "mxnet_kvstore": "dist_sync", "tf_onednn": False}
     assert doc["framework"] == "torch"
     assert doc["model"] == "iresnet_tiny"  # no DLPerf key for the tiny recipe
     env = doc["env"]
@@ -68,6 +68,16 @@ def test_results_follow_the_schema(e2e):
             assert r["predicted_peak_bytes"] > r["baseline_memory_bytes"] > 0
             assert len(r["step_times_s"]) == 20 and len(r["warmup_step_times_s"]) == 10
             assert np.isfinite(r["loss_first"]) and np.isfinite(r["loss_last"])
+    # The launcher's account of every rank: one exit each, clean, and an output file of its own.
+    for c in doc["cases"]:
+        for r in c["runs"]:
+            folder = e2e / "runs" / f"{c['case']}_b8_run{r['run']}"
+            exits = [json.loads(line) for line in (folder / "events.jsonl").read_text()
+                     .splitlines() if '"exit"' in line]
+            assert sorted(e["rank"] for e in exits) == list(range(c["world_size"]))
+            assert all(e["returncode"] == 0 and not e["stopped"] for e in exits)
+            assert {Path(e["log"]).name for e in exits} == {
+                f"rank-{n}.log" for n in range(c["world_size"])}
 
 
 def test_window_holds_the_counted_steps(e2e):
@@ -255,19 +265,39 @@ def test_two_nodes_over_loopback(tmp_path):
 
 
 def test_status_rules():
-    from trainperf.protocol import End, Error, Start
-    from trainperf.runner import decide_status
+    from trainperf.outcome import decide
+    from trainperf.protocol import End, Error, Exit, Start, Step
 
-    start = Start(world_size=2, global_batch=16, device="cpu", env={}, workload={})
+    def status(events, timed_out=False):
+        got = decide(events, timed_out)
+        return got.status, got.error
+
+    start = Start(world_size=2, global_batch=16, device="cpu", env={}, workload={}, t=1.0)
+    steps = [Step(index=i, seconds=1.0, samples=16, warmup=False, t=2.0 + i) for i in range(3)]
     end = End(samples_per_s=1.0, window_s=1.0, window_samples=1, window_steps=1,
-              loss_first=1.0, loss_last=1.0)
-    # Once the window is reported the run is ok, whatever its exit (a crash at shutdown is
-    # kept as a warning by the runner).
-    assert decide_status([start, end], False) == ("ok", None)
-    assert decide_status([start], False) == ("failed", None)
-    assert decide_status([start], True)[0] == "timeout"
+              loss_first=1.0, loss_last=1.0, t=10.0)
+    clean = [Exit(rank=r, returncode=0, t=11.0) for r in range(2)]
+    # Once the window is reported and every process left cleanly the run is ok; an exception
+    # at shutdown (its own error event, its protocol exit code) is kept as a warning.
+    assert status([start, end, *clean]) == ("ok", None)
+    late = Error(kind="exception", rank=1, message="RuntimeError: at teardown", t=10.5)
+    assert status([start, end, late, Exit(rank=1, returncode=1, t=11.0)]) == ("ok", None)
+    assert status([start]) == ("failed", None)
+    assert status([start], True)[0] == "timeout"
     peer = Error(kind="exception", rank=0, message="Connection closed")
     cause = Error(kind="exception", rank=1, message="ValueError: x")
-    assert decide_status([start, peer, cause], False) == ("failed", "ValueError: x")
+    assert status([start, peer, cause]) == ("failed", "ValueError: x")
     oom = Error(kind="oom", rank=1, message="OOM")
-    assert decide_status([start, peer, oom], False) == ("oom", "OOM")
+    assert status([start, peer, oom]) == ("oom", "OOM")
+    # A native death is the cause, named with where rank 0 was, even after the window: the
+    # peer's broken connection comes after it, and a process the launcher stopped is no cause.
+    segv = Exit(rank=1, returncode=-11, t=3.5)
+    stopped = Exit(rank=0, returncode=-15, stopped=True, t=4.0)
+    assert status([start, *steps, peer, segv, stopped]) == (
+        "failed", "rank 1 died of SIGSEGV (signal 11) at step 2; then rank 0: Connection closed")
+    after = Exit(rank=1, returncode=-6, t=10.5)
+    assert status([start, *steps, end, after, clean[0]]) == (
+        "failed", "rank 1 died of SIGABRT (signal 6) after the last step")
+    helper = Exit(rank=-1, process="server on node 0", returncode=134, t=1.5)
+    assert status([start, helper]) == (
+        "failed", "server on node 0 exited with code 134 (SIGABRT) before the first step")

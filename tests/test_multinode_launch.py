@@ -112,7 +112,9 @@ def test_mxnet_runs_the_scheduler_on_node_zero_and_a_server_on_every_node():
             assert p.env["DMLC_NUM_SERVER"] == "2" and p.env["DMLC_NUM_WORKER"] == "4"
             assert p.env["DMLC_NODE_HOST"] == ADDRS[node]
             assert "DMLC_INTERFACE" not in p.env  # lo would be unreachable from the other node
-            assert p.helper == (p.role != "worker")
+            assert bool(p.helper) == (p.role != "worker")
+            assert p.rank == (-1 if p.helper else int(p.env["TRAINPERF_RANK"]))
+    assert [h.helper for h in second["server"]] == ["server on node 1"]
     assert [(w.env["TRAINPERF_RANK"], w.env["TRAINPERF_LOCAL_RANK"]) for w in second["worker"]
             ] == [("2", "0"), ("3", "1")]
     assert second["worker"][0].argv[-2:] == args
@@ -136,7 +138,7 @@ def test_mxnet_on_one_node_is_as_before():
 def test_every_backend_takes_several_nodes_and_passes_the_cluster_file(name, tmp_path):
     backend = BACKENDS[name]
     assert backend.max_nodes is None
-    backend.check("dp", 2, rdzv=True)
+    backend.check("dp", 2)
     path = tmp_path / "cluster.json"
     topo = Topology(devices_per_node=1)
     one = backend.launch(LaunchRequest("py", topo, Tuning(), tmp_path / "s", tmp_path / "e"))

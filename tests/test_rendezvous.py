@@ -31,14 +31,14 @@ STEP_LINE = '"event": "step"'
 
 
 def start_node(out: Path, endpoint: str, *extra: str, netns: str | None = None,
-               timeout_s: float = 60) -> subprocess.Popen:
+               timeout_s: float = 60, env: dict[str, str] | None = None) -> subprocess.Popen:
     prefix = ["ip", "netns", "exec", netns] if netns else []
     argv = [*prefix, sys.executable, "-m", "trainperf.cli", "run", *NODE_ARGS, "--rdzv",
             endpoint, "--rdzv-timeout", str(timeout_s), "--out", str(out), *extra]
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "wb")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
 def finish(procs: list[subprocess.Popen], limit_s: float = 300) -> list[int]:
@@ -109,8 +109,10 @@ def test_endpoint_and_layout_errors():
         Topology(nnodes=2, node_rank=1, rdzv="127.0.0.1:29400")
     with pytest.raises(ValueError, match="--rdzv-timeout"):
         Topology(nnodes=2, rdzv="127.0.0.1:29400", rdzv_timeout_s=0)
-    # Only torch's launcher starts from a hand-given node rank and master address.
-    get_backend("torch").check("dp", 2, rdzv=False)
+    # Every backend starts from a hand-given node rank and master address too: node 0 hosts
+    # the store the nodes meet on.
+    for name in ("torch", "paddle", "mxnet"):
+        get_backend(name).check("dp", 2)
     ports = free_ports(5, "127.0.0.1")
     assert len(set(ports)) == 5
 
@@ -161,6 +163,32 @@ def test_a_node_killed_mid_run_is_a_recorded_failure_on_the_other(tmp_path):
     _, runs = runs_of(tmp_path / f"n{leader}")
     assert runs[0]["status"] == "failed"
     assert "peer node stopped" in runs[0]["error"]
+    assert left_behind(tmp_path) == []
+
+
+def test_a_rank_that_dies_after_the_last_step_fails_the_run_on_both_nodes(tmp_path):
+    """Global rank 1 (node 1's only rank) aborts after the last step of every run, once rank 0
+    on node 0 has written ``end``. Node 0 hears it from node 1 and records each run as failed
+    with that cause instead of waiting on its dead peer (which would end in a timeout, not a
+    failure), and both nodes go on to the next run."""
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    fault = {"TRAINPERF_FAULT": "abort=munmap_chunk(): invalid pointer@6:2/1"}
+    procs = [start_node(tmp_path / f"n{n}", endpoint, "--runs", "2", "--iters", "6",
+                        "--timeout", "240", env=fault) for n in (0, 1)]
+    codes = finish(procs)
+    docs = {n: runs_of(tmp_path / f"n{n}") for n in (0, 1)}
+    logs = {n: (tmp_path / f"n{n}.log").read_text(errors="replace")[-1500:] for n in (0, 1)}
+    assert codes == [1, 1], logs
+    for n, (_, runs) in docs.items():
+        assert [r["status"] for r in runs] == ["failed", "failed"], (n, runs)
+        for r in runs:
+            assert "rank 1 died of SIGABRT (signal 6)" in r["error"], r["error"]
+            assert "munmap_chunk(): invalid pointer" in r["error"]
+    leader = next(n for n, (doc, _) in docs.items() if doc.get("role") != "follower")
+    for r in docs[leader][1]:
+        # Rank 0 measured the window before its peer died; the cause leads the error.
+        assert r["window_s"] and r["samples_per_s"] is None
+        assert r["error"].startswith("node 1: rank 1 died of SIGABRT (signal 6)"), r["error"]
     assert left_behind(tmp_path) == []
 
 

@@ -48,6 +48,9 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
         settings = case["settings"]
         assert settings["compile_s"] > 0
         assert settings["communication"] == (None if case["world_size"] == 1 else "RING")
+        # oneDNN's custom CPU ops are off unless asked for, as TensorFlow itself reports.
+        assert settings["onednn_opts"] is False
+    assert doc["tuning"]["tf_onednn"] is False
     env = doc["env"]
     version = json.loads(Path(tf_python).parent.parent.joinpath("trainperf-env.json")
                          .read_text())["versions"]["tensorflow"]
@@ -78,12 +81,17 @@ def test_alignment_with_torch_on_two_ranks(tmp_path, tf_python):
 def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, tf_python):
     """In one invocation (TensorFlow's start-up is the cost): on 2 ranks, rank 0 raises while
     rank 1 waits on it in the gradient all-reduce; on 1 rank, the process is killed outright
-    (SIGKILL, writing nothing). Both at step 0, before TensorFlow spends seconds compiling."""
+    (SIGKILL, writing nothing). Both at step 0, before TensorFlow spends seconds compiling.
+    ``--tf-onednn`` reaches the workers: the raising rank's start event says that TensorFlow
+    runs its oneDNN ops (no step runs, so none of them can crash here)."""
     monkeypatch.setenv("TRAINPERF_FAULT", "raise@0:2,kill@0:1")
     code = main(["run", "tiny-arcface", "--framework", "tf", "--devices", "1,2", *SHORT,
-                 "--out", str(tmp_path / "r")])
+                 "--tf-onednn", "--out", str(tmp_path / "r")])
     assert code == 1
-    killed, raised = [c["runs"][0] for c in results.load(tmp_path / "r")["cases"]]
+    doc = results.load(tmp_path / "r")
+    assert doc["tuning"]["tf_onednn"] is True
+    assert doc["cases"][1]["settings"]["onednn_opts"] is True
+    killed, raised = [c["runs"][0] for c in doc["cases"]]
     assert killed["status"] == raised["status"] == "failed"
     assert killed["samples_per_s"] is None and raised["samples_per_s"] is None
     assert "injected failure" in raised["error"]

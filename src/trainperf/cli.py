@@ -42,6 +42,10 @@ def _add_tuning_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mxnet-kvstore", choices=list(MXNET_KVSTORES), default="dist_sync",
                    help="mxnet on several devices: one process per rank with a parameter "
                         "server (dist_sync, default) or one process for all (device)")
+    p.add_argument("--tf-onednn", action="store_true",
+                   help="tf: turn TensorFlow's oneDNN custom CPU ops on (off by default: "
+                        "they corrupt memory on AVX-512 CPUs in 1x1 stride-2 convolutions "
+                        "with few channels)")
     p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
     p.add_argument("--no-cudnn-benchmark", action="store_true",
                    help="GPU: do not let cuDNN time its algorithms (it does by default)")
@@ -229,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--force", action="store_true", help="rebuild even if it is ready")
     create.add_argument("--cpu", action="store_true",
                         help="install the CPU build even on a machine with a GPU")
+    create.add_argument("--where-possible", action="store_true",
+                        help="skip, with a line saying why, a framework whose wheels exist "
+                             "for no Python this machine has (any other failure still fails)")
     env_sub.add_parser("list", help="each framework's environment and versions")
     align = sub.add_parser("align", help="check that a framework trains the same numbers as "
                            "PyTorch from the same weights and batch")
@@ -272,7 +279,7 @@ def tuning_from_args(args: argparse.Namespace) -> Tuning:
                   ddp_bucket_mb=args.ddp_bucket_mb,
                   ddp_static_graph=not args.no_ddp_static_graph,
                   ddp_broadcast_buffers=args.ddp_broadcast_buffers,
-                  mxnet_kvstore=args.mxnet_kvstore)
+                  mxnet_kvstore=args.mxnet_kvstore, tf_onednn=args.tf_onednn)
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -315,7 +322,7 @@ def plan_from_args(args: argparse.Namespace):
                f"results/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     frameworks = parse_frameworks(args.framework)
     for name in frameworks:
-        get_backend(name).check(workload.fc, base.nnodes, base.rdzv is not None)
+        get_backend(name).check(workload.fc, base.nnodes)
     if "mxnet" in frameworks and base.nnodes > 1 and tuning.mxnet_kvstore == "device":
         raise ValueError("--mxnet-kvstore device runs in one process on one node; several "
                          "nodes use dist_sync")
@@ -473,7 +480,7 @@ def train_plans_from_args(args: argparse.Namespace) -> list:
                       warmup=args.warmup, timeout_s=args.timeout)
     base = topology_from_args(args)
     for v in chosen:
-        get_backend(v.framework).check(v.fc, base.nnodes, base.rdzv is not None, train=True)
+        get_backend(v.framework).check(v.fc, base.nnodes, train=True)
     cases = plan_cases(parse_int_list(args.devices, "--devices"), [workload.batch_size], base)
     out = Path(args.resume or args.out or
                f"results/train-{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -624,7 +631,13 @@ def cmd_env(args: argparse.Namespace) -> int:
         for name in args.names:
             get_backend(name)
         for name in args.names:
-            st = envs.create(name, force=args.force, cuda=False if args.cpu else None)
+            try:
+                st = envs.create(name, force=args.force, cuda=False if args.cpu else None)
+            except envs.NoPython as exc:
+                if not args.where_possible:
+                    raise
+                print(f"{name}: skipped: {exc}")
+                continue
             versions = ", ".join(f"{k} {v}" for k, v in st.versions.items())
             print(f"{name}: {st.state} at {st.path} ({versions or st.detail})")
         return EXIT_OK

@@ -8,8 +8,9 @@ How a run goes
 --------------
 1. The runner writes a **spec** (a JSON object, :class:`RunSpec`) to a file and starts the run's
    process tree: one process per rank, each given ``--spec SPEC_PATH --events EVENTS_PATH``.
-   How ranks find each other is the backend's launch business (the torch backend uses
-   ``torch.distributed.run``); a rank learns its rank and the world size from that launch.
+   How ranks find each other is the backend's launch business (the torch backend's ranks get
+   the variables ``torch.distributed.run`` would set); a rank learns its rank and the world
+   size from that launch.
 2. Workers append **events** to ``EVENTS_PATH``: one JSON object per line, each line written with
    one ``write`` to a file opened in append mode, so lines of several ranks never interleave.
    Every event has ``event`` (its kind), ``rank`` (global rank of the writer) and ``t`` (Unix
@@ -27,7 +28,11 @@ How a run goes
    - ``error`` (:class:`Error`, any rank, when it fails): ``kind`` is ``oom`` for an
      out-of-memory, else ``exception``; ``message`` one line; ``traceback`` a list of lines.
 
-3. Every process exits; 0 means it finished cleanly.
+3. Every process exits; 0 means it finished cleanly. The **launcher** (not a worker) then
+   appends one ``exit`` event per process it started (:class:`Exit`): how the process ended,
+   whether the launcher stopped it, and the file that holds its output. A launcher gives every
+   process its own output file, so that a crash is told by the lines of the process that
+   crashed.
 
 Timing rules every worker follows
 ---------------------------------
@@ -55,8 +60,12 @@ Status
 ------
 The runner alone decides a run's status, from the events and how the processes ended: ``oom``
 if any rank wrote an ``oom`` error; ``timeout`` if the run passed ``--timeout`` and was killed;
-``ok`` if ``end`` was written (a crash while shutting down after it is kept as a warning);
-otherwise ``failed``. A worker never writes a status.
+``failed`` if a process died of a signal that its launcher did not send, or exited non-zero
+without writing an ``error`` (a native crash, the kernel's out-of-memory killer), even after
+``end``: a process that corrupted its memory may have done so inside the window; ``ok`` if
+``end`` was written (an exception raised while shutting down after it is kept as a warning);
+otherwise ``failed``. On several nodes, a process that died on any node fails the run on every
+node. A worker never writes a status.
 """
 
 from __future__ import annotations
@@ -291,7 +300,30 @@ class Error(Event):
         return 3 if self.kind == "oom" else 1
 
 
-EVENT_TYPES: dict[str, type[Event]] = {c.KIND: c for c in (Start, Step, Eval, End, Error)}
+@dataclass(kw_only=True)
+class Exit(Event):
+    """Written by the launcher when one process of the run has ended (``rank``: the global
+    rank of that process, -1 for a helper such as a parameter server)."""
+
+    KIND: ClassVar[str] = "exit"
+    returncode: int
+    """As Python's ``subprocess`` gives it: 0 clean, N > 0 the exit code, -N killed by signal
+    N."""
+    stopped: bool = False
+    """The launcher stopped it (SIGTERM, then SIGKILL): another process had failed first, or
+    the launcher itself was stopped."""
+    process: str = ""
+    """What the process was, where not a rank: ``scheduler``, ``server on node 1``."""
+    log: str | None = None
+    """The file that holds the process's stdout and stderr."""
+
+    @property
+    def name(self) -> str:
+        return self.process or f"rank {self.rank}"
+
+
+EVENT_TYPES: dict[str, type[Event]] = {c.KIND: c
+                                       for c in (Start, Step, Eval, End, Error, Exit)}
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

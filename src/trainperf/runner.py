@@ -20,17 +20,24 @@ from typing import Any, Iterator, Protocol
 
 import psutil
 
-from . import envs, protocol, results
+from . import envs, outcome, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
-from .backends.spawn import PORTS_PER_RUN
+from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
 from .config import DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
 from .env import host_env
-from .protocol import End, Error, Event, ProtocolError, RunSpec, Start, Step
+from .protocol import Event, ProtocolError, RunSpec, Start, Step
 from .scale.rendezvous import NodeGroup, RendezvousError, interface_of
 
 POLL_S = 0.2
 KILL_GRACE_S = 5.0
+PEER_POLL_S = 1.0
+"""Several nodes: how often a running node looks whether another node's part of the run has
+failed (its own ranks would then wait on the lost peer)."""
+FAILED_HEAR_S = 15.0
+"""Several nodes: how long a node whose own part failed waits to hear the others (a peer
+whose rank died tells within seconds; one that died whole never will). A node whose part
+succeeded waits ``--rdzv-timeout``, as the others may still be finishing theirs."""
 
 
 @dataclass(frozen=True)
@@ -130,18 +137,24 @@ def cpu_threads_per_process(devices_per_node: int) -> int:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """Stop a launcher and every process under it (torchrun starts workers in new sessions)."""
+    """Stop a launcher and every process under it. The launcher is asked first, so that it
+    stops its ranks itself and records them as stopped; whatever is left after the grace
+    (a launcher that does not answer, a process in a session of its own) is stopped here."""
     try:
         parent = psutil.Process(proc.pid)
         procs = [parent, *parent.children(recursive=True)]
     except psutil.NoSuchProcess:
         procs = []
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=KILL_GRACE_S)
+    for batch in (procs[:1], procs):
+        for p in batch:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(batch, timeout=KILL_GRACE_S)
+        if not alive:
+            break
+    _, alive = psutil.wait_procs(procs, timeout=0)
     for p in alive:
         try:
             p.kill()
@@ -200,31 +213,6 @@ def multinode_env(topo: Topology, group: NodeGroup | None) -> dict[str, str]:
     if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = iface
     return env
-
-
-def looks_like_lost_peer(error: str | None) -> bool:
-    text = (error or "").lower()
-    return any(w in text for w in ("connection closed", "connection reset", "broken pipe",
-                                   "connection refused", "timed out", "timeout"))
-
-
-def decide_status(events: list[Event], timed_out: bool) -> tuple[str, str | None]:
-    """The run's status and error text, from what it wrote and how it ended."""
-    errors = [e for e in events if isinstance(e, Error)]
-    if timed_out:
-        return "timeout", "run exceeded its timeout and was killed"
-    oom = next((e for e in errors if e.kind == "oom"), None)
-    if oom is not None:
-        return "oom", oom.message
-    if any(isinstance(e, End) for e in events):
-        # The window was measured and reported; a crash while the processes shut down does not
-        # undo that. The runner records the exit beside the figure.
-        return "ok", None
-    if errors:
-        # Prefer the root cause: a peer's failure shows up on the others as a broken connection.
-        first = min(errors, key=lambda e: ("connection" in e.message.lower(), e.rank))
-        return "failed", first.message
-    return "failed", None
 
 
 def interleave(runners: list["Runner"], resume: list[bool]) -> list[dict]:
@@ -386,9 +374,13 @@ class Runner:
             raise RendezvousError(f"not run: {self.group_lost}")
         topo = case.topology
         if self.group is None:
-            group = NodeGroup(topo.rdzv, topo.nnodes, topo.rdzv_timeout_s,
+            # By hand, node 0 hosts the store on the master port: every backend then learns
+            # every node's address there, as after a rendezvous.
+            endpoint = topo.rdzv or endpoint_text(topo.master_addr, topo.master_port)
+            group = NodeGroup(endpoint, topo.nnodes, topo.rdzv_timeout_s,
                               run_id=f"trainperf-{self.plan.framework}-"
-                                     f"{self.plan.data_role.replace(' ', '-')}")
+                                     f"{self.plan.data_role.replace(' ', '-')}",
+                              node_rank=None if topo.rdzv else topo.node_rank)
             try:
                 group.join(self.plan.settings())
             except RendezvousError as exc:
@@ -431,7 +423,7 @@ class Runner:
         results.write_json_atomic(spec_path, spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         cluster, cluster_path = None, None
-        if case.topology.rdzv:
+        if case.topology.nnodes > 1:
             try:
                 cluster = self._meet(case, run)
             except RendezvousError as exc:
@@ -440,11 +432,12 @@ class Runner:
             cluster_path.write_text(cluster.to_json(), encoding="utf-8")
         launch = self.backend.launch(LaunchRequest(self.python, case.topology, self.plan.tuning,
                                                    spec_path, worker_events, cluster,
-                                                   cluster_path))
+                                                   cluster_path, run_dir.resolve()))
         # Every process of the run inherits the tag, helpers such as a parameter server
-        # included, so what a run left behind can be found.
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINPERF_RUN_ID=str(run_dir.resolve()),
-                   **launch.env)
+        # included, so what a run left behind can be found. The fault handler prints where
+        # Python was when a process dies of a signal, into that process's own output file.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+                   TRAINPERF_RUN_ID=str(run_dir.resolve()), **launch.env)
         env.setdefault("OMP_NUM_THREADS", str(spec.threads))
         if self.pythonpath:
             env["PYTHONPATH"] = self.pythonpath
@@ -458,6 +451,9 @@ class Runner:
         warnings: list[str] = []
         timed_out = False
         deadline = time.monotonic() + measure.timeout_s
+        peers_failed: dict[int, dict] = {}
+        next_look = time.monotonic() + PEER_POLL_S
+        meeting = f"{case.key.name}_b{case.batch_size}_run{run}"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(launch.argv, stdout=log,
                                     stderr=subprocess.STDOUT, env=env)
@@ -472,27 +468,74 @@ class Runner:
                         kill_tree(proc)
                         self._take(tail.read(), seen, warnings, tags)
                         break
+                    if self.group is not None and time.monotonic() > next_look:
+                        next_look = time.monotonic() + PEER_POLL_S
+                        peers_failed = self._failed_peers(meeting)
+                        if peers_failed:
+                            # This node's ranks would wait on the lost peer until a collective
+                            # gives up on it: the run has failed already.
+                            kill_tree(proc)
+                            self._take(tail.read(), seen, warnings, tags)
+                            break
                     time.sleep(POLL_S)
             except BaseException:
                 kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
                 self._take(tail.read(), seen, warnings, tags)
                 raise
-        status, error = decide_status(seen, timed_out)
-        if status == "failed" and error is None:
-            error = log_tail(log_path) or f"launcher exited with code {proc.returncode}"
-        if self.is_follower and status == "failed" and proc.returncode == 0:
+        here = outcome.decide(seen, timed_out, has_rank0=not self.is_follower)
+        if self.is_follower and here.status == "failed" and here.error is None and (
+                proc.returncode == 0):
             # Rank 0 is on another node: a clean exit is all this node can report.
-            status, error = "ok", None
-        if status == "failed" and case.topology.nnodes > 1 and looks_like_lost_peer(error):
-            error = f"{error} (a peer node stopped or its network failed)"
-        record = results.run_record(run, seen, status, error, proc.returncode)
-        if status == "ok" and proc.returncode != 0:
+            here = outcome.Outcome("ok", None)
+        if here.status == "failed" and here.error is None and peers_failed:
+            here = outcome.Outcome("failed", "its ranks were stopped when another node's "
+                                             "part failed")
+        if here.status == "failed" and here.error is None:
+            words = outcome.last_words(log_path)
+            here = outcome.Outcome("failed", " | ".join(words) if words else
+                                   f"launcher exited with code {proc.returncode}", bool(words))
+        if self.group is not None:
+            wait_s = case.topology.rdzv_timeout_s
+            if here.status != "ok":
+                wait_s = min(wait_s, FAILED_HEAR_S)
+            here = self._agree(meeting, here, peers_failed, wait_s)
+        record = results.run_record(run, seen, here.status, here.error, proc.returncode)
+        if here.status == "ok" and proc.returncode != 0:
             warnings.append(f"processes exited with code {proc.returncode} after the "
                             f"measurement: {log_tail(log_path, 3)}")
         record["warnings"] += warnings
         self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
         self.progress.run_finished(label, record)
         return record
+
+    def _failed_peers(self, meeting: str) -> dict[int, dict]:
+        """The other nodes that have told of a failed part of this run (none where the store is
+        lost: the run's own collectives will tell)."""
+        try:
+            told = self.group.told(meeting)
+        except RendezvousError:
+            return {}
+        return {n: o for n, o in told.items() if o.get("status") != "ok"}
+
+    def _agree(self, meeting: str, here: outcome.Outcome, failed: dict[int, dict],
+               wait_s: float) -> outcome.Outcome:
+        """Tell the other nodes how this node's part ended and hear theirs (waiting ``wait_s``
+        at most, as at a meeting): one outcome on every node, the cause first wherever it
+        happened."""
+        group = self.group
+        try:
+            group.tell(meeting, {"status": here.status, "error": here.error,
+                                 "cause": here.cause})
+            heard = group.hear(meeting, time.monotonic() + wait_s)
+        except RendezvousError as exc:
+            self.group_lost = f"the nodes lost each other after {meeting}: {exc}"
+            text = "; ".join(filter(None, (here.error, str(exc))))
+            if not here.cause:
+                text += " (a peer node stopped or its network failed)"
+            return outcome.Outcome("failed" if here.status == "ok" else here.status, text,
+                                   here.cause)
+        heard.update(failed)
+        return outcome.agree(group.node_rank, here, heard, group.nnodes, wait_s)
 
     def _take(self, new: list[dict], seen: list[Event], warnings: list[str], tags: dict) -> None:
         steps = 0

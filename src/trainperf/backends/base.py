@@ -96,6 +96,8 @@ class LaunchRequest:
     """Several nodes: where every node is (None: one node, over loopback)."""
     cluster_path: Path | None = None
     """``cluster`` as JSON, written by the runner for launchers that take ``--cluster``."""
+    logs_dir: Path | None = None
+    """Where each process's output file goes (None: the launcher's own output)."""
 
     @property
     def worker_args(self) -> list[str]:
@@ -128,11 +130,8 @@ class Backend:
     trains: bool = False
     """Its worker can train to a verification accuracy (``trainperf train``): real-data input,
     checkpoints and verification sets."""
-    hand_ranks: bool = False
-    """Several nodes can start from ``--node-rank/--master-addr`` alone (torch's launcher);
-    False: the backend needs every node's address, which only ``--rdzv`` gathers."""
 
-    def check(self, fc: str, nnodes: int, rdzv: bool = False, train: bool = False) -> None:
+    def check(self, fc: str, nnodes: int, train: bool = False) -> None:
         """ValueError when this backend cannot run the asked workload and layout."""
         if train and not self.trains:
             raise ValueError(f"the {self.name} backend does not train to accuracy yet (its "
@@ -146,6 +145,3 @@ class Backend:
         if self.max_nodes is not None and nnodes > self.max_nodes:
             raise ValueError(f"the {self.name} backend runs on one node here; multi-node "
                              f"launch is not available for it yet")
-        if nnodes > 1 and not rdzv and not self.hand_ranks:
-            raise ValueError(f"the {self.name} backend needs every node's address to start "
-                             f"several nodes: use --rdzv HOST:PORT instead of --node-rank")

@@ -1,7 +1,9 @@
 """Starts the ranks of one run on this node as one process each and takes them all down together
-(stdlib only). Used by every backend whose framework has no launcher worth depending on.
+(stdlib only). Every backend starts its ranks through it (MXNet's launcher adds its scheduler and
+servers through the same pieces).
 
-``python -m trainperf.backends.spawn --backend NAME --nproc N [--cluster PATH] -- WORKER_ARGS...``
+``python -m trainperf.backends.spawn --backend NAME --nproc N [--cluster PATH] [--logs DIR]
+[--events FILE] -- WORKER_ARGS...``
 
 Local rank ``r`` runs ``python -m trainperf.backends.NAME.worker WORKER_ARGS`` with the variables
 that ``trainperf.backends.NAME.backend.rank_env(r, cluster)`` gives: the framework's own way of
@@ -12,8 +14,11 @@ is this node alone, over loopback, with ports found free now.
 
 The launcher exits with the first failing rank's code, or 0. When a rank fails, the others
 (waiting on it forever in a collective) are stopped after a moment to write their own error;
-SIGTERM stops everything. A node supervises its own ranks only: a rank lost on another node shows
-here when a local rank's collective gives up on it.
+SIGTERM stops everything. With ``--logs``, each rank writes its stdout and stderr into
+``DIR/rank-<global rank>.log``; with ``--events``, the launcher appends an ``exit`` event
+(``protocol.Exit``) for each rank as it ends. A node supervises its own ranks only: a rank lost
+on another node shows here when a local rank's collective gives up on it (and in the runner,
+which hears from the other nodes' runners).
 
 The backends' descriptions (``backend.py``) import this module's helpers inside their functions:
 they are imported with the ``trainperf.backends`` package, and this module, imported with it,
@@ -30,9 +35,12 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from .base import Cluster, LaunchRequest
+from ..protocol import EventWriter, Exit
+from .base import Cluster, Launch, LaunchRequest
 
 POLL_S = 0.1
 PEER_GRACE_S = 2.0
@@ -92,6 +100,21 @@ def cluster_args(req: LaunchRequest) -> list[str]:
     return [f"--cluster={req.cluster_path}"]
 
 
+def output_args(req: LaunchRequest) -> list[str]:
+    """A launcher's ``--logs``/``--events`` arguments (``add_output_args``)."""
+    if req.logs_dir is None:
+        return []
+    return [f"--logs={req.logs_dir}", f"--events={req.events_path}"]
+
+
+def spawn_launch(req: LaunchRequest, backend: str, env: dict[str, str] | None = None
+                 ) -> Launch:
+    """The launch of a backend whose ranks this module starts."""
+    return Launch([req.python, "-m", "trainperf.backends.spawn", f"--backend={backend}",
+                   f"--nproc={req.topology.devices_per_node}", *cluster_args(req),
+                   *output_args(req), "--", *req.worker_args], env or {})
+
+
 def read_cluster(path: str, nproc: int) -> Cluster:
     """The cluster the runner wrote for this run; ValueError where it cannot serve ``nproc``
     ranks per node."""
@@ -106,62 +129,143 @@ def read_cluster(path: str, nproc: int) -> Cluster:
     return cluster
 
 
-def stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM, then SIGKILL whatever is still running after ``grace_s``."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
+@dataclass
+class Member:
+    """One process of the run that a launcher started and answers for."""
+
+    proc: subprocess.Popen
+    rank: int
+    """Its global rank; -1 for a helper (a parameter server, a scheduler)."""
+    process: str = ""
+    """What a helper is (``scheduler``, ``server on node 1``); empty for a rank."""
+    log: str | None = None
+    """The file its stdout and stderr go to (None: the launcher's own)."""
+    stopped: bool = False
+    """The launcher signalled it to stop before it had ended on its own."""
+    reported: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.process or f"rank {self.rank}"
+
+
+class Members:
+    """The processes of one run on this node: starts them, each writing into its own file in
+    ``logs``, and appends an ``exit`` event (``protocol.Exit``) to ``events`` for each one as it
+    ends, so that the runner can say which process died first and how."""
+
+    def __init__(self, logs: str | None = None, events: str | None = None) -> None:
+        self.logs = Path(logs) if logs else None
+        self.events = events
+        self.workers: list[Member] = []
+        self.helpers: list[Member] = []
+
+    def start(self, argv: list[str], env: dict[str, str], rank: int, process: str = ""
+              ) -> Member:
+        log = None
+        out = None
+        if self.logs is not None:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            name = process.replace(" ", "-") if process else f"rank-{rank}"
+            log = str(self.logs / f"{name}.log")
+            out = open(log, "ab")
         try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            proc = subprocess.Popen(argv, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own copy
+        member = Member(proc, rank, process, log)
+        (self.helpers if process else self.workers).append(member)
+        return member
+
+    @property
+    def all(self) -> list[Member]:
+        return self.workers + self.helpers
+
+    def report_ended(self) -> None:
+        """An ``exit`` event for every process that has ended since the last call."""
+        for m in self.all:
+            if m.reported or m.proc.poll() is None:
+                continue
+            m.reported = True
+            if self.events:
+                EventWriter(self.events, m.rank).emit(Exit(
+                    returncode=m.proc.returncode, stopped=m.stopped, process=m.process,
+                    log=m.log))
+
+
+def stop(members: list[Member], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL whatever is still running after ``grace_s``."""
+    for m in members:
+        if m.proc.poll() is None:
+            m.stopped = True
+            m.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for m in members:
+        try:
+            m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            m.proc.kill()
+            m.proc.wait()
 
 
-def supervise(workers: list[subprocess.Popen], helpers: list[subprocess.Popen] = (),
-              shutdown_grace_s: float = 10.0, linger_s: float = 0.0) -> int:
+def supervise(members: Members, shutdown_grace_s: float = 10.0, linger_s: float = 0.0) -> int:
     """Wait for the run: the first failing worker's code (the rest stopped), or 0. Helpers
     (servers, schedulers) serve the workers: stopped when the workers are done, ``linger_s``
     later (workers on other nodes may still be collecting their last answers from them), and
     a crashed helper fails the run, since the workers would wait on it forever."""
-    helpers = list(helpers)
-    while True:
-        codes = [p.poll() for p in workers]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            stop(workers, PEER_GRACE_S)
-            stop(helpers, 0.5)
-            return failed[0]
-        if all(c == 0 for c in codes):
-            deadline = time.monotonic() + linger_s
-            while time.monotonic() < deadline and any(h.poll() is None for h in helpers):
-                time.sleep(POLL_S)
-            stop(helpers, shutdown_grace_s)
-            return 0
-        if any(h.poll() not in (None, 0) for h in helpers):
-            stop(workers, PEER_GRACE_S)
-            stop(helpers, 0.5)
-            return 1
-        time.sleep(POLL_S)
+    workers, helpers = members.workers, members.helpers
+    try:
+        while True:
+            members.report_ended()
+            codes = [m.proc.poll() for m in workers]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                stop(workers, PEER_GRACE_S)
+                stop(helpers, 0.5)
+                return failed[0]
+            if all(c == 0 for c in codes):
+                deadline = time.monotonic() + linger_s
+                while time.monotonic() < deadline and any(h.proc.poll() is None
+                                                          for h in helpers):
+                    time.sleep(POLL_S)
+                stop(helpers, shutdown_grace_s)
+                return 0
+            if any(h.proc.poll() not in (None, 0) for h in helpers):
+                stop(workers, PEER_GRACE_S)
+                stop(helpers, 0.5)
+                return 1
+            time.sleep(POLL_S)
+    finally:
+        members.report_ended()
 
 
-def run_supervised(start, linger_s: float = 0.0) -> int:
-    """``start()`` -> (workers, helpers); supervise them, stopping all on SIGTERM (130)."""
-    workers: list[subprocess.Popen] = []
-    helpers: list[subprocess.Popen] = []
+def run_supervised(start: Callable[[Members], None], members: Members,
+                   linger_s: float = 0.0) -> int:
+    """``start(members)`` starts the run's processes; supervise them, stopping all on SIGTERM
+    (130)."""
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        workers, helpers = start()
-        return supervise(workers, helpers, linger_s=linger_s)
+        start(members)
+        return supervise(members, linger_s=linger_s)
     except KeyboardInterrupt:
-        stop(workers + helpers, 2.0)
+        stop(members.all, 2.0)
+        members.report_ended()
         return 130
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """The options every launcher takes for its processes' output and exit events."""
+    parser.add_argument("--logs", default=None,
+                        help="folder for one output file per process (none: this launcher's "
+                             "own stdout and stderr)")
+    parser.add_argument("--events", default=None,
+                        help="JSON-lines file to append an exit event per process to")
 
 
 def worker_args_after_dashes(args: list[str]) -> list[str]:
@@ -175,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default=None,
                         help="JSON of every node of the run (base.Cluster); none: this node")
     parser.add_argument("--module", default=None, help="the worker's module (tests)")
+    add_output_args(parser)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER,
                         help="after --: the worker's arguments (--spec ... --events ...)")
     args = parser.parse_args(argv)
@@ -189,15 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     module = args.module or f"trainperf.backends.{args.backend}.worker"
     cmd = [sys.executable, "-m", module, *worker_args_after_dashes(args.worker_args)]
 
-    def start():
+    def start(members: Members) -> None:
         # One node picks its ports only now, so that none goes stale while the launcher starts.
         where = cluster if args.cluster else local_cluster(args.nproc)
-        workers = [subprocess.Popen(cmd, env=dict(
-            os.environ, TRAINPERF_LOCAL_RANK=str(r), **description.rank_env(r, where)))
-            for r in range(args.nproc)]
-        return workers, []
+        for r in range(args.nproc):
+            members.start(cmd, dict(os.environ, TRAINPERF_LOCAL_RANK=str(r),
+                                    **description.rank_env(r, where)), where.global_rank(r))
 
-    return run_supervised(start)
+    return run_supervised(start, Members(args.logs, args.events))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Pieces every non-torch worker shares (stdlib only): out-of-memory recognition, CPU memory
-figures and limits, GPU names, and the protocol's entry point with its failure handling."""
+"""Pieces the workers share (stdlib only): out-of-memory recognition, CPU memory figures and
+limits, GPU names, the protocol's entry point with its failure handling, and the way out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import resource
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from ..config import Measure
 from ..protocol import Error, EventWriter, RunSpec, Step
@@ -50,6 +50,17 @@ def gpu_names() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def leave(code: int) -> NoReturn:
+    """End the process now, without the interpreter's teardown: every event is written (each
+    line in one ``write``) and every rank is past its last collective, so nothing the run needs
+    is left, while a framework's C++ destructors and atexit hooks, racing with its own
+    background threads, can still crash a process that has finished its work (seen as a
+    SIGABRT after the last step) or take seconds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def worker_main(argv: list[str] | None, doc: str,

@@ -1,12 +1,15 @@
-"""Nodes of a multi-node plan meet through torch's c10d rendezvous instead of hand-given ranks.
+"""The nodes of a multi-node plan meet on a store, before every run and after it.
 
-Every node runs the same ``trainperf run ... --nnodes N --rdzv HOST:PORT``. The first time the
-nodes meet, c10d's dynamic rendezvous gives each its node rank; the node whose address is HOST
-hosts the store for as long as its runner lives. Before every run the nodes meet again on that
-store under the run's name: each publishes ports it has just found free, so that every backend
-can be told where every rank of the run listens (``Cluster``). A node that does not arrive within
-the timeout, or whose store went away with its node, turns into ``RendezvousError``, which the
-runner records as the run's failure.
+Every node runs the same ``trainperf run ... --nnodes N``. With ``--rdzv HOST:PORT`` the first
+meeting is torch's c10d dynamic rendezvous, which gives each node its rank, and the node whose
+address is HOST hosts the store; with ``--node-rank R --master-addr H --master-port P`` the ranks
+are given by hand and node 0 (at H) hosts a plain TCP store on P. Either way the store lives as
+long as the hosting runner. Before every run the nodes meet again on it under the run's name:
+each publishes ports it has just found free, so that every backend can be told where every rank
+of the run listens (``Cluster``). After every run each node tells the others how its part ended,
+so that a rank that died on one node fails the run on every node, with its cause, and no node
+waits on a dead peer. A node that does not arrive within the timeout, or whose store went away
+with its node, turns into ``RendezvousError``, which the runner records as the run's failure.
 
 Node ranks stay fixed for the life of the runners, so one node (rank 0) holds every measurement.
 """
@@ -29,10 +32,16 @@ from ..backends.spawn import free_ports
 
 POLL_S = 0.1
 DEFAULT_TIMEOUT_S = 300.0
+FAREWELL_S = 10.0
+"""How long the hosting node waits, when its plan is done, for the others to have read what
+they still needed from its store (the last run's outcomes)."""
 _STORES: list[Any] = []
 """Every store this process opened, kept until it exits: a store this process hosts may
 serve another plan's meetings (``--data`` runs two plans through one endpoint), and the other
 nodes' last meetings, after this node's own plan is done."""
+_HOSTED: dict[int, Any] = {}
+"""The plain TCP stores this process hosts (hand-given ranks), by port: a second plan through
+the same endpoint meets on the same store."""
 
 
 class RendezvousError(RuntimeError):
@@ -98,14 +107,57 @@ class NodeGroup:
     timeout_s: float = DEFAULT_TIMEOUT_S
     run_id: str = "trainperf"
     node_rank: int | None = None
+    """Given by hand (``--node-rank``): node 0 hosts a plain store at ``endpoint``. None: the
+    rendezvous assigns it."""
     addrs: tuple[str, ...] = ()
     local_addr: str = ""
+    hosting: bool = False
+    """This node's runner hosts the store."""
     _store: Any = field(default=None, repr=False)
     _handler: Any = field(default=None, repr=False)
 
     def join(self, settings: dict[str, Any]) -> None:
         """Meet the other nodes once: node rank, every node's address, and the check that all
         run the same plan."""
+        if self.node_rank is not None:
+            self._join_by_hand()
+        else:
+            self._join_rendezvous()
+        digest = settings_digest(settings)
+        self._set(f"node/{self.node_rank}", json.dumps({"addr": self.local_addr,
+                                                         "plan": digest}))
+        nodes = [json.loads(v) for v in self._wait_all("node", "the first meeting")]
+        differ = [r for r, n in enumerate(nodes) if n["plan"] != digest]
+        if differ:
+            raise RendezvousError(f"node(s) {differ} run another plan than node "
+                                  f"{self.node_rank}: start every node with the same options")
+        self.addrs = tuple(n["addr"] for n in nodes)
+
+    def _join_by_hand(self) -> None:
+        """Node 0 hosts a TCP store at the endpoint (its own address); the others connect,
+        retrying until the timeout."""
+        from torch.distributed import PrefixStore, TCPStore
+
+        host, port = parse_endpoint(self.endpoint)
+        self.local_addr = local_addr_towards(host, port)
+        self.hosting = self.node_rank == 0
+        try:
+            if self.hosting:
+                store = _HOSTED.get(port)
+                if store is None:
+                    store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                     timeout=_delta(max(60.0, self.timeout_s)))
+                    _HOSTED[port] = store
+            else:
+                store = TCPStore(host, port, is_master=False,
+                                 timeout=_delta(self.timeout_s))
+        except Exception as exc:
+            raise RendezvousError(f"cannot reach node 0 at {self.endpoint} within "
+                                  f"{self.timeout_s:.0f} s: {_root(exc)}") from None
+        _STORES.append(store)
+        self._store = PrefixStore(self.run_id, store)
+
+    def _join_rendezvous(self) -> None:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.api import RendezvousError as TorchRdzvError
         from torch.distributed.elastic.rendezvous.api import (
@@ -132,6 +184,7 @@ class NodeGroup:
             try:
                 backend, store = create_backend(params)
                 _STORES.append(store)
+                self.hosting = hosting
                 break
             except (TorchRdzvError, RuntimeError, ValueError) as exc:
                 last = exc
@@ -151,15 +204,6 @@ class NodeGroup:
             raise RendezvousError(f"the rendezvous at {self.endpoint} failed: "
                                   f"{_root(exc)}") from None
         self._store, self.node_rank = info.store, info.rank
-        digest = settings_digest(settings)
-        self._set(f"node/{self.node_rank}", json.dumps({"addr": self.local_addr,
-                                                         "plan": digest}))
-        nodes = [json.loads(v) for v in self._wait_all("node", "the first meeting")]
-        differ = [r for r, n in enumerate(nodes) if n["plan"] != digest]
-        if differ:
-            raise RendezvousError(f"node(s) {differ} run another plan than node "
-                                  f"{self.node_rank}: start every node with the same options")
-        self.addrs = tuple(n["addr"] for n in nodes)
 
     def meet(self, label: str, nproc_per_node: int, nports: int) -> Cluster:
         """Meet again before run ``label``: every node's free ports for it."""
@@ -171,7 +215,44 @@ class NodeGroup:
         return Cluster(self.node_rank, nproc_per_node, self.addrs,
                        tuple(tuple(p) for p in found))
 
+    def tell(self, label: str, outcome: dict[str, Any]) -> None:
+        """Publish how this node's part of run ``label`` ended."""
+        self._set(f"run/{label}/outcome/{self.node_rank}", json.dumps(outcome))
+
+    def told(self, label: str) -> dict[int, dict[str, Any]]:
+        """What the other nodes have told of run ``label`` so far (no waiting)."""
+        out = {}
+        try:
+            for r in range(self.nnodes):
+                key = f"run/{label}/outcome/{r}"
+                if r != self.node_rank and self._store.check([key]):
+                    out[r] = json.loads(self._store.get(key).decode())
+        except Exception as exc:
+            raise self._lost(exc) from None
+        return out
+
+    def hear(self, label: str, deadline: float) -> dict[int, dict[str, Any]]:
+        """Every other node's outcome of run ``label``, waiting until ``deadline``
+        (``time.monotonic``) at most; a node that has not told by then is left out."""
+        while True:
+            heard = self.told(label)
+            if len(heard) == self.nnodes - 1 or time.monotonic() > deadline:
+                return heard
+            time.sleep(POLL_S)
+
     def close(self) -> None:
+        if self._store is not None and self.node_rank is not None:
+            try:
+                # The store goes with this process: the others first read what they need.
+                self._store.set(f"bye/{self.node_rank}", "1")
+                if self.hosting:
+                    deadline = time.monotonic() + FAREWELL_S
+                    keys = [f"bye/{r}" for r in range(self.nnodes)]
+                    while (time.monotonic() < deadline
+                           and not all(self._store.check([k]) for k in keys)):
+                        time.sleep(POLL_S)
+            except Exception:  # a store that is gone has nobody left to wait for
+                pass
         handler, self._handler, self._store = self._handler, None, None
         if handler is not None:
             try:

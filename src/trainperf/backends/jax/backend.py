@@ -23,10 +23,8 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
 
 
 def launch(req: LaunchRequest) -> Launch:
-    from ..spawn import cluster_args  # not at the top: see spawn's docstring
-    return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=jax",
-                   f"--nproc={req.topology.devices_per_node}", *cluster_args(req), "--",
-                   *req.worker_args])
+    from ..spawn import spawn_launch  # not at the top: see spawn's docstring
+    return spawn_launch(req, "jax")
 
 
 BACKEND = Backend(name="jax", framework="jax", launch=launch,

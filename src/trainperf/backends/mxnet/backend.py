@@ -14,12 +14,13 @@ PROBE = ("import json, mxnet, numpy; print(json.dumps({'mxnet': mxnet.__version_
 def launch(req: LaunchRequest) -> Launch:
     """One rank on several nodes still needs the parameter server (``dist_sync``); the
     tuning's ``device`` across nodes is passed on for ``launch.py`` to refuse in one line."""
-    from ..spawn import cluster_args  # not at the top: see spawn's docstring
+    from ..spawn import cluster_args, output_args  # not at the top: see spawn's docstring
     nproc = req.topology.devices_per_node
     several = req.cluster is not None and req.cluster.nnodes > 1
     kvstore = "local" if nproc == 1 and not several else req.tuning.mxnet_kvstore
     return Launch([req.python, "-m", "trainperf.backends.mxnet.launch", f"--nproc={nproc}",
-                   f"--kvstore={kvstore}", *cluster_args(req), "--", *req.worker_args])
+                   f"--kvstore={kvstore}", *cluster_args(req), *output_args(req), "--",
+                   *req.worker_args])
 
 
 BACKEND = Backend(name="mxnet", framework="mxnet", launch=launch,

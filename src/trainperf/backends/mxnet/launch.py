@@ -1,7 +1,9 @@
 """Starts the processes of one MXNet run on this node and takes them all down together (stdlib
 only).
 
-``python -m trainperf.backends.mxnet.launch --nproc N --kvstore KIND [--cluster PATH] -- ARGS...``
+``python -m trainperf.backends.mxnet.launch --nproc N --kvstore KIND [--cluster PATH] [--logs DIR]
+[--events FILE] -- ARGS...`` (``--logs``/``--events``: as ``trainperf.backends.spawn``'s, the
+scheduler's and servers' output and exits included)
 
 - ``local``: one worker process on one context.
 - ``device``: one worker process with N contexts and kvstore ``device`` (how insightface's MXNet
@@ -27,12 +29,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
 from ..base import Cluster
-from ..spawn import local_cluster, read_cluster, run_supervised
+from ..spawn import Members, add_output_args, local_cluster, read_cluster, run_supervised
 
 WORKER_MODULE = "trainperf.backends.mxnet.worker"
 KVSTORES = ("local", "device", "dist_sync")
@@ -48,8 +49,11 @@ class Process:
 
     argv: list[str]
     env: dict[str, str]
-    helper: bool = False
-    """A scheduler or server: serves the workers and is stopped when they are done."""
+    rank: int = -1
+    """A worker's global rank; -1 for a helper."""
+    helper: str = ""
+    """A scheduler or server (``scheduler``, ``server on node 1``): serves the workers and is
+    stopped when they are done. Empty for a worker."""
 
     @property
     def role(self) -> str:
@@ -89,30 +93,26 @@ def plan(nproc: int, kvstore: str, worker_args: list[str], cluster: Cluster | No
             raise ValueError(f"kvstore {kvstore} runs on one node; several nodes take dist_sync")
         return [Process(worker_cmd, {"TRAINPERF_KVSTORE": kvstore,
                                      "TRAINPERF_CONTEXTS": str(nproc),
-                                     "TRAINPERF_LOCAL_RANK": "0"})]
+                                     "TRAINPERF_LOCAL_RANK": "0"}, rank=0)]
     cluster = cluster or local_cluster(nproc)
     # The scheduler and server only route and sum: one thread each leaves the cores to workers.
     quiet = {"OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"}
     roles = ("scheduler", "server") if cluster.node_rank == 0 else ("server",)
+    names = {"scheduler": "scheduler", "server": f"server on node {cluster.node_rank}"}
     helpers = [Process([python, "-c", "import mxnet"], dict(quiet, **dmlc_env(role, cluster)),
-                       helper=True) for role in roles]
+                       helper=names[role]) for role in roles]
     workers = [Process(worker_cmd, dict(
         dmlc_env("worker", cluster), TRAINPERF_KVSTORE="dist_sync", TRAINPERF_CONTEXTS="1",
-        TRAINPERF_LOCAL_RANK=str(r), TRAINPERF_RANK=str(cluster.global_rank(r))))
-        for r in range(nproc)]
+        TRAINPERF_LOCAL_RANK=str(r), TRAINPERF_RANK=str(cluster.global_rank(r))),
+        rank=cluster.global_rank(r)) for r in range(nproc)]
     return helpers + workers
 
 
-def start_all(nproc: int, kvstore: str, worker_args: list[str], module: str = WORKER_MODULE,
-              cluster: Cluster | None = None
-              ) -> tuple[list[subprocess.Popen], list[subprocess.Popen]]:
-    """(workers, helpers): the processes of the run, helpers being the scheduler and server."""
-    workers: list[subprocess.Popen] = []
-    helpers: list[subprocess.Popen] = []
+def start_all(members: Members, nproc: int, kvstore: str, worker_args: list[str],
+              module: str = WORKER_MODULE, cluster: Cluster | None = None) -> None:
+    """Start the processes of the run: the workers, and the scheduler and server."""
     for p in plan(nproc, kvstore, worker_args, cluster, module):
-        (helpers if p.helper else workers).append(
-            subprocess.Popen(p.argv, env=dict(os.environ, **p.env)))
-    return workers, helpers
+        members.start(p.argv, dict(os.environ, **p.env), p.rank, p.helper)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default=None,
                         help="JSON of every node of the run (base.Cluster); none: this node")
     parser.add_argument("--module", default=WORKER_MODULE, help="the worker's module (tests)")
+    add_output_args(parser)
     parser.add_argument("worker_args", nargs=argparse.REMAINDER,
                         help="after --: the worker's arguments (--spec ... --events ...)")
     args = parser.parse_args(argv)
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
     linger = SERVER_LINGER_S if cluster is not None and cluster.nnodes > 1 else 0.0
     return run_supervised(
-        lambda: start_all(args.nproc, args.kvstore, worker_args, args.module, cluster), linger)
+        lambda members: start_all(members, args.nproc, args.kvstore, worker_args, args.module,
+                                  cluster), Members(args.logs, args.events), linger)
 
 
 if __name__ == "__main__":

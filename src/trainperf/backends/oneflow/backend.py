@@ -44,11 +44,8 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
 
 
 def launch(req: LaunchRequest) -> Launch:
-    from ..spawn import cluster_args  # not at the top: see spawn's docstring
-    return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=oneflow",
-                   f"--nproc={req.topology.devices_per_node}", *cluster_args(req), "--",
-                   *req.worker_args],
-                  env={"LD_LIBRARY_PATH": library_path(req.python)})
+    from ..spawn import spawn_launch  # not at the top: see spawn's docstring
+    return spawn_launch(req, "oneflow", {"LD_LIBRARY_PATH": library_path(req.python)})
 
 
 BACKEND = Backend(

@@ -22,7 +22,6 @@ teardown costs about a second per process and decides nothing.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Sequence
 
@@ -30,7 +29,7 @@ import numpy as np
 import paddle
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
+from ..workerkit import (gpu_names, leave, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
                          worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
@@ -185,9 +184,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Every event is written and its file closed. Paddle's interpreter teardown (its C++
-    # destructors) takes about a second per process and decides nothing, so it is skipped.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # Paddle's interpreter teardown (its C++ destructors) takes about a second per process.
+    leave(main())

@@ -25,10 +25,11 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
 
 
 def launch(req: LaunchRequest) -> Launch:
-    from ..spawn import cluster_args  # not at the top: see spawn's docstring
-    return Launch([req.python, "-m", "trainperf.backends.spawn", "--backend=tf",
-                   f"--nproc={req.topology.devices_per_node}", *cluster_args(req), "--",
-                   *req.worker_args])
+    from ..spawn import spawn_launch  # not at the top: see spawn's docstring
+    # Set either way, so that a value left in the user's shell cannot change what the results
+    # say ran (``Tuning.tf_onednn``; the worker records what TensorFlow made of it).
+    return spawn_launch(req, "tf", {"TF_ENABLE_ONEDNN_OPTS": "1" if req.tuning.tf_onednn
+                                    else "0"})
 
 
 # Data parallel only: the sharded heads (mp, pfc) are not written for TensorFlow.

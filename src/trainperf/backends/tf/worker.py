@@ -25,14 +25,13 @@ written when step 0 is done, just before step 0's own event (or, if the run fail
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import numpy as np
 import tensorflow as tf
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
+from ..workerkit import (gpu_names, leave, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
                          worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
@@ -78,6 +77,16 @@ def _version_of(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def onednn_opts() -> bool | None:
+    """Whether TensorFlow runs its oneDNN custom CPU ops in this process, as TensorFlow itself
+    decided from ``TF_ENABLE_ONEDNN_OPTS`` and the CPU (None where it cannot be asked)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def framework_env(comm: Comm, threads: int | None) -> dict:
@@ -131,7 +140,8 @@ def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
         settings.update({
             "compile_s": compile_s[0] if compile_s else None,
             "cudnn_benchmark": spec.tuning.cudnn_benchmark if comm.device_type == "gpu" else None,
-            "ddp": None, "max_steps_in_flight": MAX_STEPS_IN_FLIGHT})
+            "ddp": None, "max_steps_in_flight": MAX_STEPS_IN_FLIGHT,
+            "onednn_opts": onednn_opts()})
         events.emit(Start(
             world_size=comm.world_size, global_batch=global_batch, device=comm.device,
             env=framework_env(comm, spec.threads), workload=workload.to_dict(),
@@ -203,9 +213,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Every event is written and every rank has passed the last barrier: skip the interpreter's
-    # teardown of TensorFlow, which takes seconds and does nothing the run needs.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # TensorFlow's interpreter teardown takes seconds.
+    leave(main())

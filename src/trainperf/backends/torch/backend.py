@@ -1,34 +1,31 @@
-"""The torch backend's launch: ``torch.distributed.run`` in trainperf's own interpreter (one
-process on one node starts the worker directly)."""
+"""The torch backend's launch: its ranks started one process each by ``trainperf.backends.spawn``
+in trainperf's own interpreter, with the variables ``torch.distributed.run`` would set
+(``MASTER_ADDR``/``MASTER_PORT`` on node 0's first free port, ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``...), which ``init_process_group``'s ``env://`` reads.
+
+Not torchrun itself: its elastic agent adds nothing to a run that never restarts, and costs two
+things. An agent whose ranks all finished waits up to 300 s at its exit barrier for the agents
+of the other nodes, so one node waits that long on a node whose rank crashed; and it reports a
+rank's death in a summary of its own, not in the rank's own words.
+"""
 
 from __future__ import annotations
 
-from ..base import Backend, Launch, LaunchRequest
+from ..base import Backend, Cluster, Launch, LaunchRequest
 
-WORKER_MODULE = "trainperf.backends.torch.worker"
+
+def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
+    addr, port = cluster.master
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port),
+            "RANK": str(cluster.global_rank(local_rank)), "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(cluster.world_size),
+            "LOCAL_WORLD_SIZE": str(cluster.nproc_per_node),
+            "GROUP_RANK": str(cluster.node_rank)}
 
 
 def launch(req: LaunchRequest) -> Launch:
-    topo = req.topology
-    if topo.nnodes == 1 and topo.devices_per_node == 1:
-        # One process needs no launcher: torchrun would only add a second interpreter that
-        # imports torch (seconds per run) to set these variables.
-        return Launch([req.python, "-m", WORKER_MODULE, *req.worker_args],
-                      {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_WORLD_SIZE": "1"})
-    argv = [req.python, "-m", "torch.distributed.run",
-            f"--nproc-per-node={topo.devices_per_node}"]
-    if topo.nnodes == 1:
-        argv.append("--standalone")
-    else:
-        # After a rendezvous the runner knows every node; the launch itself is then the same
-        # as a hand-given one, with node 0's first free port as the master port.
-        node_rank, (addr, port) = ((req.cluster.node_rank, req.cluster.master) if req.cluster
-                                   else (topo.node_rank, (topo.master_addr, topo.master_port)))
-        argv += [f"--nnodes={topo.nnodes}", f"--node-rank={node_rank}",
-                 f"--master-addr={addr}", f"--master-port={port}"]
-    return Launch(argv + ["-m", WORKER_MODULE, *req.worker_args])
+    from ..spawn import spawn_launch  # not at the top: see spawn's docstring
+    return spawn_launch(req, "torch")
 
 
-BACKEND = Backend(name="torch", framework="pytorch", launch=launch, hand_ranks=True,
-                  trains=True)
+BACKEND = Backend(name="torch", framework="pytorch", launch=launch, trains=True)

@@ -49,7 +49,8 @@ def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
 
 
 def init_from_env(device_kind: str) -> DistContext:
-    """Join the process group that torch.distributed.run set up through the environment."""
+    """Join the process group described by the environment (``MASTER_ADDR``, ``RANK``...: what
+    the launcher sets, as ``torch.distributed.run`` would)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

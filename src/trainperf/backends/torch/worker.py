@@ -1,4 +1,4 @@
-"""Entry point of one measured run, started on every rank by torch.distributed.run.
+"""Entry point of one measured run, started on every rank by ``trainperf.backends.spawn``.
 
 It follows ``trainperf.protocol`` (spec in, JSON-line events out): rank 0 writes ``start``, one
 ``step`` per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or
@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 
 import torch
 import torch.distributed as dist
 
 from ...faults import inject, parse_faults
+from ..workerkit import leave
 from ...protocol import End, Error, EventWriter, RunSpec, Start, Step
 from ...config import Tuning, Workload
 from .alignment import load_start
@@ -178,6 +178,8 @@ def run(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
         events.emit(End.of_window(window_s, measure, global_batch, loss_values,
                                   step.skipped_steps, final_loss_scale=loss_scale,
                                   baseline_memory_bytes=baseline, **memory, **waited))
+    # A fault planned at step ``iters`` strikes after the last step, as a crash at teardown.
+    inject(faults, measure.iters, ctx.rank, lambda msg: torch.OutOfMemoryError(f"CUDA {msg}"))
     if ctx.distributed:
         # No rank tears its process group down while another still talks to it.
         dist.barrier(group=ctx.group)
@@ -214,4 +216,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
