@@ -16,7 +16,14 @@ def shared_torch_alignment_runs(tmp_path_factory):
     from trainperf import align
 
     old = os.environ.get(align.CACHE_ENV)
-    os.environ[align.CACHE_ENV] = str(tmp_path_factory.mktemp("torch-alignment"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under pytest-xdist every worker's temporary folder sits in one run folder: the
+        # workers share the cache there (its files are written atomically).
+        folder = tmp_path_factory.getbasetemp().parent / "torch-alignment"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("torch-alignment")
+    os.environ[align.CACHE_ENV] = str(folder)
     yield
     if old is None:
         os.environ.pop(align.CACHE_ENV, None)
@@ -80,7 +87,7 @@ def dali_site() -> str:
     and torch stay first. 1.1 GB; built on first use under a file lock."""
     import fcntl
     import importlib
-    import subprocess
+    import shutil
 
     from trainperf import envs
 
@@ -90,8 +97,8 @@ def dali_site() -> str:
     with open(target.parent / "dali-site.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ready.exists() or ready.read_text() != DALI:
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--upgrade",
-                            "--target", str(target), DALI], check=True)
+            shutil.rmtree(target, ignore_errors=True)
+            envs.pip_install(sys.executable, [DALI], target=str(target))
             ready.write_text(DALI)
     if str(target) not in sys.path:
         sys.path.append(str(target))

@@ -156,23 +156,38 @@ def _interpreters(version: str) -> list[str]:
     return out
 
 
-def _build(path: Path, python: str, packages: list[str], no_deps: list[str], log) -> None:
-    # The uv installed beside this interpreter (the ``envs`` extra), else one on PATH.
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
-    steps = [(packages, [])] + ([(no_deps, ["--no-deps"])] if no_deps else [])
+def _uv() -> str | None:
+    """The uv installed beside this interpreter (the ``envs`` extra), else one on PATH."""
+    return shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+
+
+def pip_install(python: str, packages: list[str], flags: list[str] = (), target: str | None = None,
+                log=None) -> None:
+    """Install ``packages`` for the interpreter ``python`` (into ``target`` if given) with uv
+    where it is installed, else pip. CalledProcessError when it fails."""
+    where = ["--target", target] if target else []
+    uv = _uv()
     if uv:
-        # uv creates and fills a venv several times faster than pip and shares one wheel cache.
+        argv = [uv, "pip", "install", "--quiet", "--python", python, *_pip_index_args(),
+                *where, *flags, *packages]
+    else:
+        argv = [python, "-m", "pip", "install", "--quiet", *where, *flags, *packages]
+    subprocess.run(argv, check=True, stdout=log, stderr=log)
+
+
+def _build(path: Path, python: str, packages: list[str], no_deps: list[str], log) -> None:
+    steps = [(packages, [])] + ([(no_deps, ["--no-deps"])] if no_deps else [])
+    uv = _uv()
+    if uv:
+        # uv creates and fills a venv several times faster than pip and shares one wheel
+        # cache. Seeded: some frameworks import setuptools without declaring it, and a venv
+        # made by Python's own ``venv`` holds it.
         subprocess.run([uv, "venv", "--quiet", "--seed", "--python", python, str(path)],
                        check=True, stdout=log, stderr=log)
-        for wanted, flags in steps:
-            subprocess.run([uv, "pip", "install", "--quiet", "--python",
-                            str(path / "bin/python"), *_pip_index_args(), *flags, *wanted],
-                           check=True, stdout=log, stderr=log)
     else:
         subprocess.run([python, "-m", "venv", str(path)], check=True, stdout=log, stderr=log)
-        for wanted, flags in steps:
-            subprocess.run([str(path / "bin/python"), "-m", "pip", "install", "--quiet",
-                            *flags, *wanted], check=True, stdout=log, stderr=log)
+    for wanted, flags in steps:
+        pip_install(str(path / "bin/python"), wanted, flags, log=log)
 
 
 def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -> EnvState:

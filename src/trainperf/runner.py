@@ -34,7 +34,7 @@ KILL_GRACE_S = 5.0
 PEER_POLL_S = 1.0
 """Several nodes: how often a running node looks whether another node's part of the run has
 failed (its own ranks would then wait on the lost peer)."""
-FAILED_HEAR_S = 15.0
+FAILED_HEAR_S = 10.0
 """Several nodes: how long a node whose own part failed waits to hear the others (a peer
 whose rank died tells within seconds; one that died whole never will). A node whose part
 succeeded waits ``--rdzv-timeout``, as the others may still be finishing theirs."""
