@@ -84,6 +84,7 @@ def test_exit_statuses_in_words():
     assert how_it_ended(134) == "exited with code 134 (SIGABRT)"
     assert how_it_ended(1) == "exited with code 1"
     assert how_it_ended(255) == "exited with code 255"
+    assert how_it_ended(-99) == "died of signal 99"
 
 
 def test_last_words_leave_out_banners_and_cut_a_fault_dump(tmp_path):

@@ -56,17 +56,18 @@ def how_it_ended(returncode: int) -> str:
     """``died of SIGSEGV (signal 11)``, ``exited with code 134 (SIGABRT)``, ``exited with code
     1``. A shell or a launcher that wraps a process reports a death by signal N as 128 + N."""
     if returncode < 0:
-        return f"died of {_signal_name(-returncode)} (signal {-returncode})"
-    if 128 < returncode < 128 + 65 and _signal_name(returncode - 128, None):
-        return f"exited with code {returncode} ({_signal_name(returncode - 128)})"
-    return f"exited with code {returncode}"
+        name = _signal_name(-returncode)
+        return (f"died of {name} (signal {-returncode})" if name
+                else f"died of signal {-returncode}")
+    name = _signal_name(returncode - 128) if returncode > 128 else None
+    return f"exited with code {returncode}" + (f" ({name})" if name else "")
 
 
-def _signal_name(number: int, default: str | None = "") -> str | None:
+def _signal_name(number: int) -> str | None:
     try:
         return signal.Signals(number).name
     except ValueError:
-        return default if default is not None else None
+        return None
 
 
 def last_words(log: str | Path | None, count: int = 3) -> list[str]:
