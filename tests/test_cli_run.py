@@ -298,6 +298,12 @@ def test_status_rules():
     after = Exit(rank=1, returncode=-6, t=10.5)
     assert status([start, *steps, end, after, clean[0]]) == (
         "failed", "rank 1 died of SIGABRT (signal 6) after the last step")
+    # Under --memory-limit a native crash is an allocation the cap refused; a kill is not.
+    got = decide([start, *steps, peer, segv, stopped], False, memory_capped=True)
+    assert got.status == "oom" and got.error.endswith("(taken as out of memory: a crash under "
+                                                      "--memory-limit)")
+    killed = Exit(rank=1, returncode=-9, t=3.5)
+    assert decide([start, killed], False, memory_capped=True).status == "failed"
     helper = Exit(rank=-1, process="server on node 0", returncode=134, t=1.5)
     assert status([start, helper]) == (
         "failed", "server on node 0 exited with code 134 (SIGABRT) before the first step")

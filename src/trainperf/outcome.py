@@ -160,9 +160,20 @@ class Outcome:
     """The error names a cause (a death, an exception of its own), not only a lost peer."""
 
 
-def decide(events: list[Event], timed_out: bool, has_rank0: bool = True) -> Outcome:
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
+"""How native code dies when an allocation it did not check fails."""
+
+
+def _crashed(x: Exit) -> bool:
+    code = -x.returncode if x.returncode < 0 else x.returncode - 128
+    return code in CRASH_SIGNALS
+
+
+def decide(events: list[Event], timed_out: bool, has_rank0: bool = True,
+           memory_capped: bool = False) -> Outcome:
     """The run's status and error text, from what its processes wrote and how they ended
-    (``has_rank0``: this node runs rank 0, whose steps say where a death happened)."""
+    (``has_rank0``: this node runs rank 0, whose steps say where a death happened;
+    ``memory_capped``: the processes ran under ``--memory-limit``)."""
     errors = [e for e in events if isinstance(e, Error)]
     dead = deaths(events)
     died = "; ".join(death_text(x, events, has_rank0) for x in dead)
@@ -176,7 +187,13 @@ def decide(events: list[Event], timed_out: bool, has_rank0: bool = True) -> Outc
     errors.sort(key=lambda e: (is_lost_peer(e.message), e.rank))
     if dead:
         after = "; ".join(f"then rank {e.rank}: {e.message}" for e in errors)
-        return Outcome("failed", "; ".join(filter(None, (died, after))), True)
+        text = "; ".join(filter(None, (died, after)))
+        if memory_capped and all(_crashed(x) for x in dead):
+            # Under the cap, malloc returns NULL where the machine would have had memory, and
+            # native code that does not check it crashes: that probe did not fit.
+            return Outcome("oom", f"{text} (taken as out of memory: a crash under "
+                                  f"--memory-limit)", True)
+        return Outcome("failed", text, True)
     if any(isinstance(e, End) for e in events):
         # The window was measured and reported; an exception while shutting down does not
         # undo that. The runner records the exit beside the figure.

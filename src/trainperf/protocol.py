@@ -62,7 +62,9 @@ The runner alone decides a run's status, from the events and how the processes e
 if any rank wrote an ``oom`` error; ``timeout`` if the run passed ``--timeout`` and was killed;
 ``failed`` if a process died of a signal that its launcher did not send, or exited non-zero
 without writing an ``error`` (a native crash, the kernel's out-of-memory killer), even after
-``end``: a process that corrupted its memory may have done so inside the window; ``ok`` if
+``end``: a process that corrupted its memory may have done so inside the window (under a
+memory cap, ``measure.memory_limit_bytes``, a death by SIGSEGV, SIGBUS or SIGABRT is ``oom``:
+native code that does not check an allocation the cap refused crashes); ``ok`` if
 ``end`` was written (an exception raised while shutting down after it is kept as a warning);
 otherwise ``failed``. On several nodes, a process that died on any node fails the run on every
 node. A worker never writes a status.

@@ -482,7 +482,8 @@ class Runner:
                 kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
                 self._take(tail.read(), seen, warnings, tags)
                 raise
-        here = outcome.decide(seen, timed_out, has_rank0=not self.is_follower)
+        here = outcome.decide(seen, timed_out, has_rank0=not self.is_follower,
+                              memory_capped=measure.memory_limit_bytes is not None)
         if self.is_follower and here.status == "failed" and here.error is None and (
                 proc.returncode == 0):
             # Rank 0 is on another node: a clean exit is all this node can report.
