@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Sequence
 
 from .backends import BACKENDS, get_backend
 from .backends.base import Backend
@@ -161,8 +162,8 @@ def _uv() -> str | None:
     return shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
 
 
-def pip_install(python: str, packages: list[str], flags: list[str] = (), target: str | None = None,
-                log=None) -> None:
+def pip_install(python: str, packages: list[str], flags: Sequence[str] = (),
+                target: str | None = None, log=None) -> None:
     """Install ``packages`` for the interpreter ``python`` (into ``target`` if given) with uv
     where it is installed, else pip. CalledProcessError when it fails."""
     where = ["--target", target] if target else []

@@ -366,7 +366,7 @@ class Runner:
             if self.group is not None:
                 self.group.close()
 
-    def _meet(self, case: Case, run: int) -> Cluster:
+    def _meet(self, case: Case, label: str) -> Cluster:
         """Meet the other nodes before this run (the first time, join them and learn this
         node's rank). RendezvousError when they cannot: that run, and every later one, is
         recorded as failed without starting."""
@@ -389,7 +389,6 @@ class Runner:
                 raise
             self.group = group
             self.is_follower = group.node_rank > 0
-        label = f"{case.key.name}_b{case.batch_size}_run{run}"
         try:
             return self.group.meet(label, topo.devices_per_node,
                                    PORTS_PER_RUN + topo.devices_per_node)
@@ -425,7 +424,7 @@ class Runner:
         cluster, cluster_path = None, None
         if case.topology.nnodes > 1:
             try:
-                cluster = self._meet(case, run)
+                cluster = self._meet(case, run_dir.name)
             except RendezvousError as exc:
                 return self._not_run(label, tags, str(exc))
             cluster_path = run_dir / "cluster.json"
@@ -453,7 +452,7 @@ class Runner:
         deadline = time.monotonic() + measure.timeout_s
         peers_failed: dict[int, dict] = {}
         next_look = time.monotonic() + PEER_POLL_S
-        meeting = f"{case.key.name}_b{case.batch_size}_run{run}"
+        meeting = run_dir.name  # what the nodes call this run when they meet
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(launch.argv, stdout=log,
                                     stderr=subprocess.STDOUT, env=env)

@@ -91,6 +91,15 @@ def coordinator(cluster: Cluster) -> str:
     return endpoint(*cluster.master)
 
 
+def torch_style_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
+    """The variables ``torch.distributed.run`` gives a rank, which torch's ``env://`` and
+    OneFlow read: node 0's first port as the master, global rank, local rank, world size."""
+    addr, port = cluster.master
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(cluster.world_size), "RANK": str(cluster.global_rank(local_rank)),
+            "LOCAL_RANK": str(local_rank)}
+
+
 def cluster_args(req: LaunchRequest) -> list[str]:
     """A launcher's ``--cluster`` argument for a multi-node request (none for one node)."""
     if req.cluster is None:

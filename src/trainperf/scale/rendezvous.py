@@ -246,12 +246,8 @@ class NodeGroup:
                 # The store goes with this process: the others first read what they need.
                 self._store.set(f"bye/{self.node_rank}", "1")
                 if self.hosting:
-                    deadline = time.monotonic() + FAREWELL_S
-                    keys = [f"bye/{r}" for r in range(self.nnodes)]
-                    while (time.monotonic() < deadline
-                           and not all(self._store.check([k]) for k in keys)):
-                        time.sleep(POLL_S)
-            except Exception:  # a store that is gone has nobody left to wait for
+                    self._wait_all("bye", "the farewell", FAREWELL_S)
+            except Exception:  # a store that is gone, or a node that never said goodbye
                 pass
         handler, self._handler, self._store = self._handler, None, None
         if handler is not None:
@@ -267,10 +263,12 @@ class NodeGroup:
         except Exception as exc:
             raise self._lost(exc) from None
 
-    def _wait_all(self, prefix: str, what: str) -> list[str]:
-        """The value every node wrote under ``prefix/<rank>``, waiting at most the timeout."""
+    def _wait_all(self, prefix: str, what: str, timeout_s: float | None = None) -> list[str]:
+        """The value every node wrote under ``prefix/<rank>``, waiting at most ``timeout_s``
+        (default: the group's timeout)."""
         keys = [f"{prefix}/{r}" for r in range(self.nnodes)]
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
             while True:
                 present = [k for k in keys if self._store.check([k])]
@@ -280,7 +278,7 @@ class NodeGroup:
                     missing = [r for r, k in enumerate(keys) if k not in present]
                     raise RendezvousError(
                         f"node(s) {missing} did not arrive for {what} within "
-                        f"{self.timeout_s:.0f} s (rendezvous {self.endpoint})")
+                        f"{timeout_s:.0f} s (rendezvous {self.endpoint})")
                 time.sleep(POLL_S)
         except RendezvousError:
             raise

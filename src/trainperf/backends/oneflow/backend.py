@@ -37,10 +37,8 @@ def library_path(python: str) -> str:
 def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     # No CUDA_VISIBLE_DEVICES: OneFlow places a global tensor of rank r on its node's device
     # r % ranks-per-node, so every process must see all of its node's GPUs.
-    addr, port = cluster.master
-    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(cluster.world_size), "RANK": str(cluster.global_rank(local_rank)),
-            "LOCAL_RANK": str(local_rank)}
+    from ..spawn import torch_style_env  # not at the top: see spawn's docstring
+    return torch_style_env(local_rank, cluster)
 
 
 def launch(req: LaunchRequest) -> Launch:

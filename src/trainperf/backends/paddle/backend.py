@@ -34,7 +34,8 @@ shape, keep the fastest). Given through the environment, which Paddle reads when
 
 def launch(req: LaunchRequest) -> Launch:
     from ..spawn import spawn_launch  # not at the top: see spawn's docstring
-    return spawn_launch(req, "paddle", {CUDNN_SEARCH_FLAG: "1" if req.tuning.cudnn_benchmark else "0"})
+    return spawn_launch(req, "paddle",
+                        {CUDNN_SEARCH_FLAG: "1" if req.tuning.cudnn_benchmark else "0"})
 
 
 BACKEND = Backend(name="paddle", framework="paddle", launch=launch,

@@ -29,8 +29,8 @@ import numpy as np
 import paddle
 
 from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, leave, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
-                         worker_main, StepReporter)
+from ..workerkit import (gpu_names, leave, limit_cpu_memory, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_main, StepReporter)
 from ...faults import inject, parse_faults
 from ...protocol import End, EventWriter, RunSpec, Start
 from . import models

@@ -15,10 +15,8 @@ from ..base import Backend, Cluster, Launch, LaunchRequest
 
 
 def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
-    addr, port = cluster.master
-    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port),
-            "RANK": str(cluster.global_rank(local_rank)), "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(cluster.world_size),
+    from ..spawn import torch_style_env  # not at the top: see spawn's docstring
+    return {**torch_style_env(local_rank, cluster),
             "LOCAL_WORLD_SIZE": str(cluster.nproc_per_node),
             "GROUP_RANK": str(cluster.node_rank)}
 
