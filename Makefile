@@ -20,7 +20,7 @@ STAMP := .stamp-install-$(subst /,_,$(PY))
 # line saying so, and so are its tests.
 TEST_ENVS ?= mxnet paddle jax tf oneflow
 
-.PHONY: install envs slurm bench test clean
+.PHONY: install envs slurm bench test clean gpu-check
 
 $(STAMP): pyproject.toml
 ifneq ($(HAVE_TORCH),yes)
@@ -38,6 +38,25 @@ bench: install
 
 envs: install
 	$(PY) -m trainperf.cli env create $(TEST_ENVS) --cpu --where-possible
+
+# `make gpu-check [PART=N] [GPUCHECK_OUT=DIR] [GPUCHECK_WORK=DIR]`: the offline GPU check (trainperf gpucheck); the
+# CPU mode's tiny sizes where no GPU is usable. On a machine whose Python already has torch (a
+# lent GPU machine, offline) trainperf goes in without its dependencies and without the network
+# (pip install --no-deps --no-build-isolation -e .), and only where this checkout is not what
+# that Python imports already; where even that fails, the source folder is put on the path.
+GPUCHECK_ARGS = $(if $(PART),--part $(PART)) $(if $(GPUCHECK_OUT),--out $(GPUCHECK_OUT)) \
+	$(if $(GPUCHECK_WORK),--work $(GPUCHECK_WORK))
+SRC_IMPORTED = $(PY) -c "import os, sys, trainperf; sys.exit(os.path.realpath(trainperf.__file__) != os.path.realpath('src/trainperf/__init__.py'))"
+
+ifeq ($(HAVE_TORCH),yes)
+gpu-check:
+	@$(SRC_IMPORTED) 2>/dev/null || $(PY) -m pip install --quiet --no-deps \
+		--no-build-isolation -e . || echo "gpu-check: pip could not install trainperf; running it from src/"
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m trainperf.cli gpucheck $(GPUCHECK_ARGS)
+else
+gpu-check: install
+	$(PY) -m trainperf.cli gpucheck $(GPUCHECK_ARGS)
+endif
 
 # Debian's slurm-wlm and munge for tests/test_slurm.py's single-host Slurm, installed here so
 # apt's time is not the suite's. Best effort: where they cannot be installed (no root, no apt)

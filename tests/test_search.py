@@ -72,7 +72,10 @@ def test_growth_aims_under_the_limit_from_two_measured_points():
     # 2 bytes per unit measured; 1000 bytes of limit: the limit lies at 450 units.
     assert next_guess(fits, 1000, 10**6) == int(200 + 0.97 * 500 / 2)
     assert next_guess(fits, None, 10**6) == 400  # no limit known: double
-    assert next_guess(fits[:1], 1000, 10**6) == 200
+    # One point: scaled by limit / peak (300 bytes at 100 units: 323 units).
+    assert next_guess(fits[:1], 1000, 10**6) == int(100 * 0.97 * 1000 / 300)
+    assert next_guess(fits[:1], 310, 10**6) == 125  # at least 1.25x
+    assert next_guess(fits[:1], None, 10**6) == 200
     assert next_guess(fits, 10**9, 10**6) == 800  # never more than 4x in one move
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import results
-from .config import Measure, Topology, Workload
+from .config import Measure, Topology, Tuning, Workload
 from .runner import Case, NullProgress, Plan, Runner
 
 FIRST_LOSS_RTOL = 1e-4
@@ -39,17 +39,26 @@ class AlignRequest:
     out: Path
 
 
-def _run(req: AlignRequest, workload: Workload, framework: str, devices: int, init: Path,
-         out: Path) -> tuple[dict, int | None]:
-    """One run of ``steps`` steps; (its run record, the worker's backbone parameter count)."""
-    measure = Measure(runs=1, iters=req.steps, warmup=0, timeout_s=req.timeout_s)
-    case = Case(Topology(devices_per_node=devices), workload.batch_size)
-    plan = Plan(req.recipe, workload, measure, [case], out, framework=framework, init=str(init))
+def run_from_start(recipe: str, workload: Workload, init: Path, out: Path, steps: int,
+                   timeout_s: float, framework: str = "torch", devices: int = 1,
+                   device: str = "auto", tuning: Tuning = Tuning()) -> tuple[dict, int | None]:
+    """One run of ``steps`` steps from the start file ``init``; (its run record, the worker's
+    backbone parameter count)."""
+    measure = Measure(runs=1, iters=steps, warmup=0, timeout_s=timeout_s)
+    case = Case(Topology(devices_per_node=devices, device=device), workload.batch_size)
+    plan = Plan(recipe, workload, measure, [case], out, tuning, framework=framework,
+                init=str(init))
     runner = Runner(plan, NullProgress())
     doc = runner.run()
     record = doc["cases"][0]["runs"][0] if doc["cases"] else {"status": "failed", "error": None}
     start = next(iter(runner.start_events.values()), None)
     return record, start.backbone_params if start else None
+
+
+def _run(req: AlignRequest, workload: Workload, framework: str, devices: int, init: Path,
+         out: Path) -> tuple[dict, int | None]:
+    return run_from_start(req.recipe, workload, init, out, req.steps, req.timeout_s, framework,
+                          devices)
 
 
 CACHE_ENV = "TRAINPERF_ALIGN_CACHE"

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from . import results
 from .backends import BACKENDS, get_backend
-from .config import (MXNET_KVSTORES, DataSpec, Measure, Topology, TrainSpec, Tuning,
+from .config import (MXNET_KVSTORES, TF32_MODES, DataSpec, Measure, Topology, TrainSpec, Tuning,
                      parse_accuracy, parse_bytes, parse_int_list, parse_list)
 from .recipes import RECIPES, get_recipe
+from .gpucheck import cli as gpucheck_cli
 from .scale import commbench_cli, project_cli
 from .scale.slurm_cli import add_parser as add_slurm_parser, cmd_slurm
 
@@ -47,6 +48,9 @@ def _add_tuning_options(p: argparse.ArgumentParser) -> None:
                         "they corrupt memory on AVX-512 CPUs in 1x1 stride-2 convolutions "
                         "with few channels)")
     p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
+    p.add_argument("--tf32", choices=list(TF32_MODES), default="default",
+                   help="GPU fp32: default (torch's: TF32 convolutions, fp32 matrix products), "
+                        "off (all full fp32), on (all TF32)")
     p.add_argument("--no-cudnn-benchmark", action="store_true",
                    help="GPU: do not let cuDNN time its algorithms (it does by default)")
     p.add_argument("--ddp-bucket-mb", type=float, default=Tuning.ddp_bucket_mb,
@@ -254,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     project_cli.add_parser(sub)
     commbench_cli.add_parser(sub)
     add_slurm_parser(sub)
+    gpucheck_cli.add_parser(sub)
     bench = sub.add_parser("bench", help="the default suite, sized to this machine")
     bench.add_argument("--out", default="bench-results")
     return parser
@@ -279,7 +284,8 @@ def tuning_from_args(args: argparse.Namespace) -> Tuning:
                   ddp_bucket_mb=args.ddp_bucket_mb,
                   ddp_static_graph=not args.no_ddp_static_graph,
                   ddp_broadcast_buffers=args.ddp_broadcast_buffers,
-                  mxnet_kvstore=args.mxnet_kvstore, tf_onednn=args.tf_onednn)
+                  mxnet_kvstore=args.mxnet_kvstore, tf_onednn=args.tf_onednn,
+                  tf32=args.tf32)
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -762,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ingest": cmd_ingest, "bench": cmd_bench, "env": cmd_env, "align": cmd_align,
                 "data": cmd_data, "project": project_cli.run,
                 "commbench": commbench_cli.run, "train": cmd_train, "verify": cmd_verify,
-                "slurm": cmd_slurm}
+                "slurm": cmd_slurm, "gpucheck": gpucheck_cli.run}
     try:
         return commands[args.command](args)
     except ValueError as exc:

@@ -19,6 +19,7 @@ TASKS = ("face", "classification")
 PFC_UPDATES = ("sparse", "dense")
 DEVICE_KINDS = ("auto", "cuda", "cpu")
 MXNET_KVSTORES = ("dist_sync", "device")
+TF32_MODES = ("default", "off", "on")
 
 # (m1, m2, m3) of the combined margin cos(m1 * theta + m2) - m3.
 MARGINS = {
@@ -180,7 +181,15 @@ class Tuning:
     wrong weight gradients. Off, TensorFlow runs its own Eigen kernels for those ops. Only
     TensorFlow's CPU kernels change; its GPU kernels are the same either way."""
 
+    tf32: str = "default"
+    """GPU fp32 work on Ampere and later: ``default`` keeps torch's choice (cuDNN convolutions
+    in TF32, matrix products in full fp32), ``off`` runs both in full fp32 (what a comparison
+    with a CPU run needs), ``on`` runs both in TF32. It changes rounding, not the arithmetic
+    asked for; MFU counts each engine at the peak of the format it ran in."""
+
     def __post_init__(self) -> None:
+        if self.tf32 not in TF32_MODES:
+            raise ValueError(f"--tf32 must be one of {', '.join(TF32_MODES)}, got {self.tf32!r}")
         if not self.ddp_bucket_mb > 0:
             raise ValueError(f"--ddp-bucket-mb must be > 0, got {self.ddp_bucket_mb}")
         if self.mxnet_kvstore not in MXNET_KVSTORES:

@@ -31,13 +31,34 @@ PEAKS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def device_peaks(device_name: str | None) -> dict[str, float] | None:
+# Memory bandwidth (bytes/s) from the same datasheets, for the device-to-device copy's ceiling.
+BANDWIDTHS: list[tuple[str, float]] = [
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("H200", 4.8e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+    ("V100", 0.9e12),
+]
+
+
+def _lookup(table: list, device_name: str | None):
+    """The first entry whose key is part of the device's name (None: unknown device)."""
     if not device_name:
         return None
-    for key, peaks in PEAKS:
+    for key, value in table:
         if key.lower() in device_name.lower():
-            return peaks
+            return value
     return None
+
+
+def device_bandwidth(device_name: str | None) -> float | None:
+    return _lookup(BANDWIDTHS, device_name)
+
+
+def device_peaks(device_name: str | None) -> dict[str, float] | None:
+    return _lookup(PEAKS, device_name)
 
 
 def op_bases(precision: str, tf32_conv: bool | None, tf32_matmul: bool | None,
@@ -45,7 +66,7 @@ def op_bases(precision: str, tf32_conv: bool | None, tf32_matmul: bool | None,
     """The number format each engine ran in."""
     if precision in ("fp16", "bf16"):
         return {"conv": precision, "matmul": precision}
-    has_tf32 = "tf32" in peaks
+    has_tf32 = bool(peaks.get("tf32"))
     return {"conv": "tf32" if tf32_conv and has_tf32 else "fp32",
             "matmul": "tf32" if tf32_matmul and has_tf32 else "fp32"}
 
@@ -55,12 +76,20 @@ def mfu_peak(device_name: str | None, precision: str, flops_by_op: dict[str, flo
              ) -> tuple[float | None, str | None]:
     """(peak FLOP/s of one device for this work, a line saying which peaks went in), or
     (None, None) where the device or a needed peak is unknown."""
-    peaks = device_peaks(device_name)
+    return effective_peak(device_peaks(device_name), precision, flops_by_op, tf32_conv,
+                          tf32_matmul)
+
+
+def effective_peak(peaks: dict[str, float] | None, precision: str,
+                   flops_by_op: dict[str, float] | None, tf32_conv: bool | None = None,
+                   tf32_matmul: bool | None = None) -> tuple[float | None, str | None]:
+    """The same from any table of peaks by number format: a datasheet's, or the matrix-product
+    rates measured on the device (``trainperf gpucheck``)."""
     if not peaks or not flops_by_op:
         return None, None
     bases = op_bases(precision, tf32_conv, tf32_matmul, peaks)
     work = {op: f for op, f in flops_by_op.items() if f}
-    if any(bases[op] not in peaks for op in work):
+    if any(not peaks.get(bases[op]) for op in work):
         return None, None
     total = sum(work.values())
     seconds_at_peak = sum(f / peaks[bases[op]] for op, f in work.items())

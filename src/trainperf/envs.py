@@ -34,6 +34,13 @@ class NoPython(ValueError):
     """The framework's wheels exist for no Python version this machine has."""
 
 
+def python_override_var(name: str) -> str:
+    """The variable that points a backend at an interpreter that already holds its framework
+    (a CUDA image's Python with JAX, say), instead of an environment trainperf builds: on a
+    machine without network none can be built."""
+    return f"TRAINPERF_{name.upper()}_PYTHON"
+
+
 def env_root() -> Path:
     return Path(os.environ.get("TRAINPERF_ENV_DIR") or Path.home() / ".cache/trainperf/envs")
 
@@ -51,8 +58,9 @@ def wanted_packages(backend: Backend, cuda: bool) -> list[str]:
 class EnvState:
     name: str
     state: str
-    """``built-in`` (trainperf's own interpreter), ``ready``, ``missing``, ``outdated``
-    (built for other packages than this trainperf asks for) or ``broken``."""
+    """``built-in`` (trainperf's own interpreter), ``ready``, ``external`` (the interpreter
+    ``TRAINPERF_<NAME>_PYTHON`` names), ``missing``, ``outdated`` (built for other packages
+    than this trainperf asks for) or ``broken``."""
     path: str
     versions: dict
     detail: str = ""
@@ -81,6 +89,12 @@ def state(name: str) -> EnvState:
     if backend.env is None:
         return EnvState(name, "built-in", sys.executable, _own_versions(backend),
                         "trainperf's own interpreter")
+    external = os.environ.get(python_override_var(name))
+    if external:
+        if not (os.path.isfile(external) and os.access(external, os.X_OK)):
+            return EnvState(name, "broken", external, {},
+                            f"{python_override_var(name)} names no interpreter")
+        return EnvState(name, "external", external, {}, f"from {python_override_var(name)}")
     path = env_dir(name)
     manifest = _read_manifest(path)
     if manifest is None:
@@ -100,6 +114,8 @@ def interpreter(name: str) -> str:
     """The Python that runs this backend's workers; a clear one-line ValueError if there is
     none yet."""
     st = state(name)
+    if st.state == "external":
+        return st.path
     if st.state in ("built-in", "ready"):
         return sys.executable if st.state == "built-in" else str(Path(st.path) / "bin/python")
     raise ValueError(f"the {name} environment is {st.state} ({st.detail}); create it with "
@@ -195,8 +211,8 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
     """Build (or rebuild) the environment of backend ``name``; returns its state. Several
     processes asking at once build it once (a lock file beside it)."""
     backend = get_backend(name)
-    if backend.env is None:
-        return state(name)
+    if backend.env is None or os.environ.get(python_override_var(name)):
+        return state(name)  # nothing for trainperf to build
     cuda = gpu_count() > 0 if cuda is None else cuda
     packages = wanted_packages(backend, cuda)
     python = base_python(backend)

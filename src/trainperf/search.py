@@ -63,8 +63,10 @@ def step_for(value: int, resolution: float) -> int:
 
 
 def next_guess(fits: list[Probe], limit_bytes: int | None, ceiling: int) -> int:
-    """The next value to try upward. With two fitting probes and a known memory limit, aim a
-    little under where the measured peaks extrapolate to the limit; otherwise double."""
+    """The next value to try upward. With a known memory limit: from two fitting probes, a
+    little under where their measured peaks extrapolate to the limit; from one, the value
+    scaled by the limit over its peak (an underestimate, as part of the peak does not grow with
+    the value, so the next probe still fits and gives the second point). Otherwise double."""
     lo = max(p.value for p in fits)
     guess = 2 * lo
     measured = sorted((p.value, p.peak_memory_bytes) for p in fits if p.peak_memory_bytes)
@@ -74,6 +76,9 @@ def next_guess(fits: list[Probe], limit_bytes: int | None, ceiling: int) -> int:
             slope = (m2 - m1) / (v2 - v1)
             target = v2 + 0.97 * (limit_bytes - m2) / slope
             guess = int(min(max(target, 1.25 * lo), 4 * lo))
+    elif limit_bytes and measured and measured[-1][0] == lo and measured[-1][1] < limit_bytes:
+        target = lo * 0.97 * limit_bytes / measured[-1][1]
+        guess = int(min(max(target, 1.25 * lo), 4 * lo))
     return min(guess, ceiling)
 
 

@@ -10,9 +10,12 @@ gradients and the temporaries of normalisation's backward and the optimizer, and
 logits and probabilities. The CPU adds the process's resident baseline (interpreter, libraries),
 measured before the model is built, and a runtime workspace.
 
-The constants marked "calibrated" were fitted to measured peaks of tiny-arcface on a CPU with
-torch 2.13 (benchmarks/memory_model.py records the table); elsewhere the report shows how far
-the prediction was from the measured peak.
+Two constants differ by device kind (``CONSTANTS``). On the CPU they were fitted to measured
+peaks of tiny-arcface with torch 2.13 (benchmarks/memory_model.py records the table). On a GPU
+no peak had been measured yet: the CPU's backward factor stands in and no runtime bytes are
+added (the CUDA context and cuBLAS's workspace lie outside the allocator's count).
+``trainperf gpucheck`` refits them from capacity probes on a GPU and prints the old and new
+error; the report shows how far every run's prediction was from its measured peak.
 """
 
 from __future__ import annotations
@@ -26,11 +29,26 @@ from .backbones import build_backbone
 from .dist import shard_of
 
 F32 = 4
-# Calibrated: backward holds activation gradients and reordered copies next to the saved
-# activations, about half as much again as autograd saves.
-BACKWARD_FACTOR = 1.5
-# Calibrated: oneDNN / ATen caches and thread pools that the first CPU step allocates.
-CPU_RUNTIME_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class DeviceConstants:
+    backward_factor: float
+    """Peak activation memory of the backward over what autograd saves in the forward: the
+    activation gradients and reordered copies held next to the saved activations."""
+    runtime_bytes: int
+    """Memory the runtime allocates beside the model (CPU: oneDNN / ATen caches and thread
+    pools that the first step allocates)."""
+    source: str
+    """Where the figures come from."""
+
+
+CONSTANTS = {
+    "cpu": DeviceConstants(1.5, 128 * 2**20, "fitted to tiny-arcface peaks on a 2-core CPU, "
+                                             "torch 2.13"),
+    "cuda": DeviceConstants(1.5, 0, "not fitted on a GPU yet: the CPU's backward factor, "
+                                    "no runtime bytes"),
+}
 # Copies of a computed class row alive beyond the static ones (the fused normalised linear
 # keeps no normalised copy). Forward: the gathered rows of a sampled head. Backward: full
 # softmax, the optimizer's weight-decay temporary; sparse, the rows, their gradient and the
@@ -119,10 +137,20 @@ def estimate(workload: Workload, world_size: int, rank: int = 0,
         forward = FORWARD_ROW_COPIES[update] * row_bytes + 2 * logits + half_cos
         backward = BACKWARD_ROW_COPIES[update] * row_bytes + logits
         head_step = max(forward, backward)
-    # The head's transients are freed before the backbone's backward allocates its own.
-    backward_extra = int((BACKWARD_FACTOR - 1) * act * batch)
-    total = backbone + act * batch + inputs + head_static + max(head_step, backward_extra)
-    if device_type == "cpu":
-        total += CPU_RUNTIME_BYTES
+    parts = {"backbone_static_bytes": backbone, "activation_bytes": act * batch,
+             "input_bytes": inputs, "head_static_bytes": head_static,
+             "head_step_bytes": head_step}
+    constants = CONSTANTS.get(device_type, CONSTANTS["cuda"])
     return MemoryEstimate(backbone, act, act * batch, inputs, head_static, head_step, per_class,
-                          total)
+                          combine(parts, constants))
+
+
+def combine(parts: dict, constants: DeviceConstants) -> int:
+    """Predicted bytes from an estimate's components (``MemoryEstimate.to_dict()`` holds them)
+    under a device's constants: what a refit of the constants evaluates."""
+    activation = parts["activation_bytes"]
+    # The head's transients are freed before the backbone's backward allocates its own.
+    backward_extra = int((constants.backward_factor - 1) * activation)
+    return (parts["backbone_static_bytes"] + activation + parts["input_bytes"]
+            + parts["head_static_bytes"] + max(parts["head_step_bytes"], backward_extra)
+            + constants.runtime_bytes)

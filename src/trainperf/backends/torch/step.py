@@ -49,7 +49,7 @@ class FaceModel(nn.Module):
 
 
 def build_head(workload: Workload, ctx: DistContext) -> MarginSoftmaxHead:
-    gen = torch.Generator()
+    gen = torch.Generator(device=ctx.device)
     gen.manual_seed(workload.seed * 1000 + 7919 * (ctx.rank + 1))
     return MarginSoftmaxHead(
         workload.num_classes, workload.embedding_size, workload.resolved_margins, workload.scale,

@@ -92,6 +92,10 @@ def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> i
 def configure_backend(tuning: Tuning, device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = tuning.cudnn_benchmark
+        if tuning.tf32 != "default":
+            on = tuning.tf32 == "on"
+            torch.backends.cudnn.allow_tf32 = on
+            torch.backends.cuda.matmul.allow_tf32 = on
 
 
 def step_settings(step: TrainStep, device: torch.device) -> dict:

@@ -66,7 +66,10 @@ class MarginSoftmaxHead(nn.Module):
         self.sampling = mode == "pfc" and sample_ratio < 1.0
         self.num_sample = max(1, int(sample_ratio * self.num_local))
         self.sparse = self.sampling and update == "sparse"
-        weight = torch.empty(self.num_local, embedding_size)
+        # Drawn where it will live: millions of classes drawn on the host take minutes, and a
+        # capacity search draws them for every probe.
+        where = generator.device if generator is not None else ctx.device
+        weight = torch.empty(self.num_local, embedding_size, device=where)
         weight.normal_(0.0, 0.01, generator=generator)
         if self.sparse:
             # The optimizer never sees the full matrix: SampledRowsSGD writes the rows back.

@@ -1,0 +1,89 @@
+"""What each stage runs, at the GPU's sizes and at the CPU mode's tiny ones.
+
+The CPU mode keeps every case's shape (head mode, precision, loss, memory format) and shrinks
+its size: the face recipes become ``tiny-arcface`` (CosFace and the FC block for glint360k),
+MobileFaceNet keeps its 112-pixel input at batch 2 and 1,000 classes, ResNet50 runs at 32x32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import Measure
+
+GPU_MEASURE = Measure(runs=3, iters=60, warmup=20, timeout_s=240)
+"""The seeds' table: 3 runs of 60 iterations, the first 20 not counted."""
+CPU_MEASURE = Measure(runs=1, iters=6, warmup=3, timeout_s=120)
+"""Three warm-up steps: fp16's loss scale, starting at 2^16, skips its first steps."""
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    recipe: str
+    changes: dict = field(default_factory=dict)
+    """Workload fields changed from the recipe's."""
+
+    @property
+    def name(self) -> str:
+        """A folder name."""
+        return "".join(c if c.isalnum() or c in "-_." else "-" for c in self.label.lower())
+
+    @property
+    def precision(self) -> str:
+        return self.changes.get("precision", "fp32")
+
+
+def _face(label: str, recipe: str, fc: str, precision: str, **more) -> Case:
+    changes = {"fc": fc, "precision": precision, **more}
+    if fc == "pfc":
+        changes.setdefault("sample_ratio", 0.1)
+    return Case(label, recipe, changes)
+
+
+def _r100(fc: str, precision: str) -> Case:
+    ratio = " 0.1" if fc == "pfc" else ""
+    return _face(f"R100 emore {fc}{ratio} {precision}", "r100-arcface-emore", fc, precision)
+
+
+SEEDS_GPU: dict[str, list[Case]] = {
+    "3a": [_r100("dp", "fp32"), _r100("mp", "fp32"), _r100("pfc", "fp32"),
+           _face("Y1 emore dp fp32", "y1-arcface-emore", "dp", "fp32"),
+           Case("RN50 v1b fp32", "rn50-v1b-imagenet", {"precision": "fp32"})],
+    "3b": [_r100(fc, p) for p in ("bf16", "fp16") for fc in ("dp", "mp", "pfc")],
+    "3c": [_face("R100 glint360k pfc 0.1 bf16", "r100-cosface-glint360k", "pfc", "bf16"),
+           Case("RN50 v1b bf16 channels-last", "rn50-v1b-imagenet",
+                {"precision": "bf16", "channels_last": True})],
+}
+
+
+def tiny(case: Case) -> Case:
+    """The CPU mode's stand-in for a GPU case: the same shape at a size a CPU runs in
+    seconds."""
+    ch = dict(case.changes)
+    label = f"{case.label} (tiny)"
+    if case.recipe.startswith("r100"):
+        if "glint360k" in case.recipe:
+            ch.update(loss="cosface", output_block="FC")
+        return Case(label, "tiny-arcface", ch)
+    if case.recipe.startswith("y1"):
+        return Case(label, case.recipe, {**ch, "batch_size": 2, "num_classes": 1000})
+    if case.recipe.startswith("rn50"):
+        return Case(label, case.recipe, {**ch, "batch_size": 2, "input_size": 32})
+    return case
+
+
+def seeds(stage_id: str, mode: str) -> list[Case]:
+    cases = SEEDS_GPU[stage_id]
+    return cases if mode == "gpu" else [tiny(c) for c in cases]
+
+
+def measure(mode: str, timeout_s: float | None = None) -> Measure:
+    m = GPU_MEASURE if mode == "gpu" else CPU_MEASURE
+    if timeout_s is None:
+        return m
+    return Measure(m.runs, m.iters, m.warmup, max(1.0, timeout_s))
+
+
+def device(mode: str) -> str:
+    return "cuda" if mode == "gpu" else "cpu"

@@ -1,0 +1,41 @@
+"""``trainperf gpucheck``: argument parsing for the offline GPU check."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from ..config import parse_list
+from .plan import PARTS, STAGES
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("gpucheck", help="the offline GPU check (make gpu-check): every GPU "
+                                        "path, the seeds' table, capacity, peers, real data")
+    p.add_argument("--part", type=int, choices=list(PARTS),
+                   help="run one part (each fits in 9 minutes on one H100 or H200); default: "
+                        "every stage")
+    p.add_argument("--stages", help="only these stages of the part, comma-separated ("
+                                    + ", ".join(s.id for s in STAGES) + ")")
+    p.add_argument("--mode", choices=["auto", "gpu", "cpu"], default="auto",
+                   help="gpu, or cpu's tiny sizes; auto: gpu where torch sees CUDA")
+    p.add_argument("--cap-scale", type=float, default=1.0,
+                   help="multiply every stage's time cap (default 1)")
+    p.add_argument("--out", help="folder for the summary, plots and archive (default "
+                                 "gpucheck-results/<time>-<part>); must be new or empty")
+    p.add_argument("--work", help="folder for the raw results and logs (default "
+                                  "gpucheck-work/<time>-<part>)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .orchestrate import run_check
+
+    name = f"part{args.part}" if args.part else "all"
+    out = Path(args.out or f"gpucheck-results/{time.strftime('%Y%m%d-%H%M%S')}-{name}")
+    doc = run_check(out, args.part, args.mode, parse_list(args.stages) if args.stages else None,
+                    args.cap_scale, Path(args.work) if args.work else None)
+    print((out / "summary.md").read_text(encoding="utf-8"))
+    print(f"gpucheck: {out / 'summary.md'}")
+    failed = [s["stage"] for s in doc["stages"] if s["status"] in ("failed", "timeout")]
+    return 1 if failed else 0

@@ -1,0 +1,360 @@
+"""``make gpu-check``: its CPU mode end to end (the same stages at tiny sizes, through the
+Makefile's offline install path), stage failures and hangs as results, the caps against the
+lending rules, and the arithmetic the summary derives (power, MFU, the memory model's refit)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from run_util import left_behind
+from trainperf import envs
+from trainperf.backends.torch.memory_model import DeviceConstants, combine
+from trainperf.cli import build_parser, main, plan_from_args
+from trainperf.config import Tuning
+from trainperf.devices import effective_peak, mfu_peak
+from trainperf.gpucheck import capacity, cases as gpu_cases, plan, power, summary
+from trainperf.gpucheck.stage import FAULT_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the lending rules ------------------------------------------------------------------------
+
+def test_caps_fit_a_borrowed_machine():
+    assert sum(s.cap_s for s in plan.STAGES) <= plan.TOTAL_CAP_S == 25 * 60
+    for part in plan.PARTS:
+        assert sum(s.cap_s for s in plan.stages_of(part)) <= plan.PART_CAP_S == 9 * 60
+    assert plan.PARTS == tuple(range(1, len(plan.PARTS) + 1))
+    assert [s.id for s in plan.stages_of(None)] == [s.id for s in plan.STAGES]
+    # The stages come in order of value, part by part.
+    assert [s.part for s in plan.STAGES] == sorted(s.part for s in plan.STAGES)
+
+
+def test_stage_selection_errors():
+    with pytest.raises(ValueError, match="--part must be one of"):
+        plan.stages_of(9)
+    with pytest.raises(ValueError, match="unknown gpucheck stage"):
+        plan.select(1, ["7"])
+    with pytest.raises(ValueError, match="not in part 1"):
+        plan.select(1, ["4"])
+    assert [s.id for s in plan.select(3, ["6", "4"])] == ["4", "6"]
+
+
+# -- the CPU mode, end to end -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cpu_check(tmp_path_factory):
+    """``make gpu-check`` with this Python (which has torch): the offline install path a lent
+    GPU machine takes, then every stage in the CPU mode."""
+    root = tmp_path_factory.mktemp("gpucheck")
+    out, work = root / "out", root / "work"
+    started = time.monotonic()
+    proc = subprocess.run(["make", "--no-print-directory", "gpu-check",
+                           f"PYTHON={sys.executable}", f"GPUCHECK_OUT={out}",
+                           f"GPUCHECK_WORK={work}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    took = time.monotonic() - started
+    doc = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() \
+        else None
+    return proc, doc, out, work, took
+
+
+def stage(doc: dict, sid: str) -> dict:
+    return next(s for s in doc["stages"] if s["stage"] == sid)
+
+
+def items(s: dict, kind: str) -> list[dict]:
+    return [i for i in s["items"] if i["kind"] == kind]
+
+
+def checks(s: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in items(s, "check")}
+
+
+@pytest.mark.slow
+def test_cpu_mode_runs_every_stage(cpu_check):
+    proc, doc, out, work, took = cpu_check
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert doc["mode"] == "cpu" and doc["part"] is None
+    assert [s["stage"] for s in doc["stages"]] == [s.id for s in plan.STAGES]
+    for s in doc["stages"]:
+        assert s["status"] == "ok", (s["stage"], s.get("why"))
+        assert s["elapsed_s"] <= s["cap_s"]
+    text = (out / "summary.md").read_text()
+    for s in plan.STAGES:
+        assert f"## Stage {s.id}: {s.title}" in text
+    assert "CPU mode: the stages ran at tiny sizes" in text
+    assert left_behind(work) == []
+    print(f"make gpu-check (CPU mode) took {took:.0f} s")
+
+
+@pytest.mark.slow
+def test_cpu_mode_folder_comes_back_whole(cpu_check):
+    _, doc, out, work, _ = cpu_check
+    found = sorted(p.name for p in out.iterdir())
+    assert all(p.is_file() for p in out.iterdir())  # nothing deeper than the folder itself
+    assert len(found) <= 8
+    assert sorted(doc["files"]) == found
+    assert {"summary.md", "summary.json", "gpucheck-all.tar.gz"} <= set(found)
+    assert {"ceiling.png", "seeds.png", "capacity.png"} <= set(found)  # matplotlib: test extra
+    with tarfile.open(out / "gpucheck-all.tar.gz") as tar:
+        names = tar.getnames()
+    base = work.name
+    for s in plan.STAGES:
+        assert f"{base}/stage-{s.id}.json" in names
+        assert f"{base}/logs/stage-{s.id}.log" in names
+    assert any(n.endswith("/results.json") for n in names)
+    assert not any(n.endswith((".rec", ".idx")) for n in names)
+
+
+@pytest.mark.slow
+def test_cpu_mode_correctness_stage(cpu_check):
+    _, doc, _, _, _ = cpu_check
+    found = checks(stage(doc, "2"))
+    for fc in ("dp", "mp", "pfc 1.0"):
+        c = found[f"{fc}: losses on cpu match the CPU's"]
+        assert c["status"] == "pass", c["detail"]
+        # Both sides ran on the CPU from one start: the same arithmetic, the same numbers.
+        assert c["numbers"]["max_loss_rel_diff"] <= 1e-6
+        assert len(c["numbers"]["losses_cpu"]) == 5
+    for p in ("fp16", "bf16"):
+        assert found[f"{p} on cpu: losses finite"]["status"] == "pass"
+    assert found["fp16 on cpu: losses finite"]["numbers"]["final_loss_scale"] > 0
+    timing = found["window: CUDA events vs host clock"]
+    assert timing["status"] == "not run" and "only on a GPU" in timing["detail"]
+    memory = [c for name, c in found.items() if name.startswith("peak memory vs model")]
+    assert len(memory) == 6
+    assert all(c["status"] == "recorded" and c["numbers"]["peak_bytes"] > 0 for c in memory)
+
+
+@pytest.mark.slow
+def test_cpu_mode_ceiling_and_seeds(cpu_check):
+    _, doc, _, _, _ = cpu_check
+    ceiling = {c["format"]: c for c in items(stage(doc, "1"), "ceiling")}
+    assert ceiling["fp32"]["flops_per_s"] > 0 and ceiling["bf16"]["flops_per_s"] > 0
+    assert ceiling["tf32"]["status"] == "not run"
+    assert items(stage(doc, "1"), "copy")[0]["bytes_per_s"] > 0
+    assert set(doc["ceiling"]["measured"]) == {"bf16", "fp16", "fp32"}
+    cases = [c for sid in ("3a", "3b", "3c") for c in items(stage(doc, sid), "case")]
+    assert len(cases) == sum(len(v) for v in gpu_cases.SEEDS_GPU.values())
+    for c in cases:
+        assert c["label"].endswith("(tiny)")
+        assert c["runs"] and c["runs"][0]["status"] == "ok", c
+        assert c["samples_per_j"] is None  # no GPU power on a CPU
+        assert abs(c["runs"][0]["timing_gap"]) < 0.05
+        assert c["peak_memory_bytes"] > 0 and c["predicted_peak_bytes"] > 0
+    fp32 = [c for c in cases if c["precision"] == "fp32"]
+    assert all(c["median_samples_per_s"] > 0 for c in fp32)
+    # MFU against the CPU's own measured ceiling; none against a datasheet it is not in.
+    assert all(c["mfu_measured"] and 0 < c["mfu_measured"] < 1 for c in fp32)
+    assert all(c["mfu_datasheet"] is None for c in cases)
+
+
+@pytest.mark.slow
+def test_cpu_mode_capacity_and_refit(cpu_check):
+    _, doc, _, _, _ = cpu_check
+    s = stage(doc, "4")
+    searches = {x["search"]: x for x in items(s, "search")}
+    assert set(searches) == {"max-batch", "max-classes"}
+    for x in searches.values():
+        by_value = {p["value"]: p for p in x["probes"]}
+        assert by_value[x["answer"]]["status"] == "ok"
+        assert by_value[x["smallest_fail"]]["status"] == "oom"
+        assert x["peak_bytes_at_answer"] > 0 and x["model_error_at_answer"] is not None
+    refit = items(s, "refit")[0]
+    assert refit["device_type"] == "cpu" and refit["points"] >= 3
+    assert refit["new_error"] <= refit["old_error"]
+    published = doc["published_capacity"]
+    assert {p["batch"] for p in published["max-batch"]} == {115, 96}
+    assert {p["classes"] for p in published["max-classes"]} == {2_000_000, 1_800_000}
+
+
+@pytest.mark.slow
+def test_cpu_mode_peers_and_real_data(cpu_check):
+    _, doc, _, _, _ = cpu_check
+    s5 = stage(doc, "5")
+    peers = items(s5, "peer")
+    if envs.state("jax").state in ("ready", "external"):
+        jax = [p for p in peers if p["peer"] == "jax"]
+        assert len(jax) == 2 and all(p["median_samples_per_s"] > 0 for p in jax)
+        assert all(p["trainperf_over_peer"] > 0 for p in jax)
+    else:
+        assert any(c["name"].startswith("JAX worker") and c["status"] == "not run"
+                   for c in items(s5, "check"))
+    timm = checks(s5).get("timm ResNet50 step")
+    if timm is not None:
+        assert timm["status"] == "not run" and "timm is not installed" in timm["detail"]
+    real = items(stage(doc, "6"), "realdata")
+    assert real and real[0]["real_samples_per_s"] > 0 and real[0]["synthetic_samples_per_s"] > 0
+    assert "input-bound" in real[0]["verdict"]
+    assert checks(stage(doc, "6"))["DALI mixed decoder"]["status"] == "not run"
+
+
+# -- failures are results ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_hung_and_a_crashed_stage_are_recorded(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(FAULT_ENV, "1:hang,2:crash")
+    out, work = tmp_path / "out", tmp_path / "work"
+    started = time.monotonic()
+    rc = main(["gpucheck", "--mode", "cpu", "--part", "1", "--stages", "1,2", "--cap-scale",
+               "0.1", "--out", str(out), "--work", str(work)])
+    assert rc == 1
+    assert time.monotonic() - started < 60
+    doc = json.loads((out / "summary.json").read_text())
+    s1, s2 = stage(doc, "1"), stage(doc, "2")
+    assert s1["status"] == "timeout" and "cap of 3 s" in s1["why"]
+    assert s2["status"] == "failed" and "injected crash" in s2["why"]
+    assert stage(doc, "3a")["status"] == "not run" and "not chosen" in stage(doc, "3a")["why"]
+    assert stage(doc, "4")["why"].startswith("in part 3")
+    text = (out / "summary.md").read_text()
+    assert "timeout in" in text and "not run: in part 2" in text
+    assert left_behind(work) == []
+
+
+def test_out_folder_must_be_new_or_empty(tmp_path, capsys):
+    (tmp_path / "x").write_text("old")
+    assert main(["gpucheck", "--mode", "cpu", "--out", str(tmp_path)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+# -- what the summary derives -----------------------------------------------------------------
+
+def test_energy_from_the_counter_or_the_power_readings():
+    times = [10.0, 10.1, 10.2, 10.3, 10.4, 10.5]
+    watts = [100, 300, 300, 300, 300, 100]
+    counter = [0.0, 30_000.0, 60_000.0, 90_000.0, 120_000.0, 150_000.0]  # mJ: 300 W
+    e = power.energy_in(times, watts, counter, 10.05, 10.45, "nvml")
+    assert e.method == "nvml energy counter"
+    assert e.mean_w == pytest.approx(300.0) and e.joules == pytest.approx(300.0 * 0.4)
+    e = power.energy_in(times, watts, [None] * 6, 10.05, 10.45, "nvidia-smi")
+    assert e.method == "nvidia-smi power readings" and e.samples == 4
+    assert e.joules == pytest.approx(300.0 * 0.4)
+    assert power.energy_in(times, watts, counter, 10.05, 10.15, "nvml") is None  # 1 reading
+
+
+def test_mfu_against_a_measured_ceiling():
+    flops = {"conv": 9e9, "matmul": 1e9}
+    measured = {"bf16": 600e12, "fp16": 610e12, "tf32": 300e12, "fp32": 50e12}
+    peak, basis = effective_peak(measured, "fp32", flops, tf32_conv=True, tf32_matmul=False)
+    assert peak == pytest.approx(10e9 / (9e9 / 300e12 + 1e9 / 50e12))
+    assert "conv 90.0% at TF32 300" in basis and "matmul 10.0% at FP32 50" in basis
+    # The datasheet table goes through the same arithmetic.
+    assert mfu_peak("NVIDIA H100 80GB HBM3", "bf16", flops)[0] == pytest.approx(989e12)
+    # No TF32 measured (a V100): fp32 work counts at the fp32 rate.
+    v100 = {"fp16": 100e12, "fp32": 14e12, "tf32": None}
+    assert effective_peak(v100, "fp32", flops, True, True)[0] == pytest.approx(14e12)
+
+
+def test_summary_derives_ratios_and_mfu():
+    cases = [{"label": "RN50 v1b fp32", "precision": "fp32", "median_samples_per_s": 1000.0,
+              "world_size": 1, "train_flops_by_op": {"conv": 1e10, "matmul": 0},
+              "model_flops_per_s": 1e13, "tf32_conv": True, "tf32_matmul": False,
+              "dlperf": {"samples_per_s": 400.0}}]
+    summary.derive_cases(cases, {"tf32": 100e12, "fp32": 20e12})
+    assert cases[0]["mfu_measured"] == pytest.approx(0.1)
+    assert cases[0]["ratio_to_v100"] == pytest.approx(2.5)
+    peers = [{"peer": "timm", "label": "RN50 v1b fp32", "samples_per_s": 800.0}]
+    summary.peer_ratios(peers, cases)
+    assert peers[0]["trainperf_over_peer"] == pytest.approx(1.25)
+
+
+def test_earlier_parts_record_is_found_on_the_same_device(tmp_path):
+    old, here = tmp_path / "a-part1", tmp_path / "b-part3"
+    old.mkdir()
+    here.mkdir()
+    rec = {"stage": "1", "device": "GPU X", "started": time.time(), "items": [
+        {"kind": "ceiling", "format": "bf16", "flops_per_s": 5e14}]}
+    (old / "stage-1.json").write_text(json.dumps(rec))
+    found = summary.find_record(here, "1", "GPU X", {})
+    assert found["found_in"] == str(old)
+    assert summary.find_record(here, "1", "GPU Y", {}) is None
+    rec["started"] = time.time() - 2 * summary.FRESH_S
+    (old / "stage-1.json").write_text(json.dumps(rec))
+    assert summary.find_record(here, "1", "GPU X", {}) is None
+
+
+def _points(constants: DeviceConstants) -> list[dict]:
+    """Probes as the memory model's components and a peak the given constants predict."""
+    points = []
+    for batch in (16, 32, 64, 128):
+        parts = {"backbone_static_bytes": 200 * 2**20, "activation_bytes": batch * 8 * 2**20,
+                 "input_bytes": batch * 150_000, "head_static_bytes": 300 * 2**20,
+                 "head_step_bytes": 64 * 2**20}
+        points.append({"parts": parts, "baseline": 2**20,
+                       "peak": 2**20 + combine(parts, constants)})
+    return points
+
+
+def test_refit_recovers_the_constants_that_made_the_peaks():
+    truth = DeviceConstants(2.1, 700 * 2**20, "")
+    points = _points(truth)
+    new = capacity.fit(points)
+    assert new.backward_factor == pytest.approx(2.1)
+    assert new.runtime_bytes == pytest.approx(truth.runtime_bytes, rel=1e-6)
+    assert capacity.model_error(points, new) < 1e-6
+    assert capacity.model_error(points, DeviceConstants(1.5, 0, "")) > 0.1
+    assert capacity.leave_one_out(points) < 1e-6
+    assert capacity.fit(points[:1]) is None
+
+
+# -- what gpucheck needs from the rest --------------------------------------------------------
+
+def test_an_interpreter_that_already_has_the_framework(tmp_path, monkeypatch):
+    monkeypatch.setenv(envs.python_override_var("jax"), sys.executable)
+    st = envs.state("jax")
+    assert st.state == "external" and envs.interpreter("jax") == sys.executable
+    assert envs.create("jax").state == "external"  # nothing to build
+    monkeypatch.setenv(envs.python_override_var("jax"), str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="TRAINPERF_JAX_PYTHON names no interpreter"):
+        envs.interpreter("jax")
+
+
+def test_tf32_setting_is_checked_and_recorded(tmp_path, capsys):
+    with pytest.raises(SystemExit):  # argparse's choices
+        main(["run", "tiny-arcface", "--tf32", "maybe"])
+
+    args = build_parser().parse_args(["run", "tiny-arcface", "--tf32", "off", "--device", "cpu",
+                                      "--out", str(tmp_path / "r")])
+    plan_ = plan_from_args(args)[0]
+    assert plan_.settings()["tuning"]["tf32"] == "off"
+    with pytest.raises(ValueError, match="--tf32 must be one of"):
+        Tuning(tf32="maybe")
+
+
+def test_each_seed_case_meets_its_published_row():
+    from trainperf.gpucheck.seeds import published
+
+    flops = {"conv": 3 * 24.2e9, "matmul": 3 * 0.1e9}
+    by_label = {c.label: c for cs in gpu_cases.SEEDS_GPU.values() for c in cs}
+    dp = published(by_label["R100 emore dp fp32"], flops, sum(flops.values()))
+    assert (dp["framework"], dp["samples_per_s"], dp["same_precision"]) == ("oneflow", 245, True)
+    assert dp["mfu"] == pytest.approx(245 * sum(flops.values()) / 15.7e12)
+    pfc = published(by_label["R100 emore pfc 0.1 fp32"], flops, sum(flops.values()))
+    assert pfc["samples_per_s"] == 246.45 and "sample_ratio=0.1" in pfc["mode"]
+    # DLPerf published no bf16 row for glint360k: its fp32 row stands beside, said so.
+    glint = published(by_label["R100 glint360k pfc 0.1 bf16"], flops, sum(flops.values()))
+    assert glint["precision"] == "fp32" and not glint["same_precision"]
+    assert glint["samples_per_s"] == 245.12
+
+
+def test_summary_shows_the_probes_of_a_search_cut_at_its_cap(tmp_path):
+    meta = {"mode": "gpu", "part": 3, "name": "part3", "device": "GPU X", "started": 0,
+            "elapsed_s": 210.0, "notes": [], "env": {"host": "h"}, "work": str(tmp_path)}
+    cut = {"stage": "4", "title": "Capacity", "part": 3, "status": "timeout",
+           "why": "stopped at its cap of 210 s; what it measured before is kept",
+           "elapsed_s": 210.0, "cap_s": 210.0, "device_memory_bytes": 80 * 2**30,
+           "items": [{"kind": "probe", "search": "max-batch", "value": 512, "status": "ok",
+                      "peak_bytes": 70 * 2**30, "predicted_bytes": 66 * 2**30, "error": None}]}
+    doc = summary.build(tmp_path, meta, [cut])
+    text = summary.render(doc, ["summary.md"], [])
+    assert "### max-batch: stopped before its end" in text and "| 512 | ok | 70.00 GiB |" in text
+    assert "timeout in 210 s" in text
+    assert "## Stage 1: Machine ceiling\n\nnot run: in part 1" in text
