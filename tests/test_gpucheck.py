@@ -358,3 +358,26 @@ def test_summary_shows_the_probes_of_a_search_cut_at_its_cap(tmp_path):
     assert "### max-batch: stopped before its end" in text and "| 512 | ok | 70.00 GiB |" in text
     assert "timeout in 210 s" in text
     assert "## Stage 1: Machine ceiling\n\nnot run: in part 1" in text
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_what_was_measured(tmp_path):
+    import os
+    import signal
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-m", "trainperf.cli", "gpucheck", "--mode", "cpu",
+                             "--part", "1", "--stages", "1,2", "--out", str(out), "--work",
+                             str(work)], env={**os.environ, FAULT_ENV: "1:hang"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (work / "stage-1.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, text
+    doc = json.loads((out / "summary.json").read_text())
+    assert stage(doc, "1")["status"] == "interrupted"
+    assert stage(doc, "2")["why"].startswith("not reached")
+    assert doc["notes"][0].startswith("interrupted")
+    assert left_behind(work) == []

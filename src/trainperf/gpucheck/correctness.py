@@ -88,7 +88,7 @@ def precisions(log: StageLog, mode: str, work: Path) -> list[dict]:
         run = got["runs"][0] if got["runs"] else {}
         finite = (run.get("status") == "ok" and "loss_nonfinite" not in run.get("flags", [])
                   and run.get("loss_last") is not None and math.isfinite(run["loss_last"]))
-        detail = (f"losses from {run.get('loss_first')} to {run.get('loss_last')}"
+        detail = (f"losses from {run['loss_first']:.4f} to {run['loss_last']:.4f}"
                   if finite else f"run {run.get('status')}: flags {run.get('flags')} "
                                  f"{run.get('error') or ''}")
         if precision == "fp16":

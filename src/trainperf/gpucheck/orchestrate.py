@@ -73,14 +73,16 @@ def device_label(mode: str) -> str:
 
 
 def run_stage(stage: Stage, mode: str, work: Path, cap_s: float, device: str) -> dict:
-    """Run one stage to its end or its cap; its record with the outcome added."""
+    """Run one stage to its end, its cap or Ctrl-C; its record with the outcome added."""
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"stage-{stage.id}.log"
     stage_path(work, stage.id).unlink(missing_ok=True)
     started = time.monotonic()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    timed_out = False
+    # Tagged as the runner tags its runs, so that whatever a stage left running can be found.
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               TRAINPERF_RUN_ID=str(work.resolve() / f"stage-{stage.id}"))
+    timed_out = interrupted = False
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "trainperf.gpucheck.stage", stage.id,
                                  "--mode", mode, "--work", str(work)],
@@ -92,13 +94,15 @@ def run_stage(stage: Stage, mode: str, work: Path, cap_s: float, device: str) ->
                     kill_tree(proc)
                     break
                 time.sleep(POLL_S)
-        except BaseException:
-            kill_tree(proc)  # Ctrl-C: nothing of the stage keeps running
-            raise
+        except KeyboardInterrupt:
+            interrupted = True
+            kill_tree(proc)  # nothing of the stage keeps running
     elapsed = time.monotonic() - started
     record = read_stage(work, stage.id) or {"stage": stage.id, "title": stage.title,
                                             "mode": mode, "items": []}
-    if timed_out:
+    if interrupted:
+        status, why = "interrupted", "stopped by Ctrl-C; what it measured before is kept"
+    elif timed_out:
         status, why = "timeout", (f"stopped at its cap of {cap_s:.0f} s; what it measured "
                                   "before is kept")
     elif proc.returncode == 0:
@@ -136,22 +140,37 @@ def run_check(out: Path, part: int | None, asked_mode: str, only: list[str] | No
     work = work or Path("gpucheck-work") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
     work.mkdir(parents=True, exist_ok=True)
     meta = {"mode": mode, "part": part, "name": name, "device": device_label(mode),
+            "chosen": [s.id for s in stages],
             "work": str(work.resolve()), "env": host_env(), "started": time.time(),
             "notes": [n for n in [mode_note] if n] + optional_notes()}
     print(f"gpucheck {name}: {mode} mode on {meta['device']}; stages "
           f"{', '.join(s.id for s in stages)}; work folder {work}", flush=True)
-    records = []
+    records: list[dict] = []
+    try:
+        run_stages(stages, mode, work, cap_scale, meta["device"], records)
+    except KeyboardInterrupt:
+        meta["notes"].insert(0, "interrupted (Ctrl-C): the stages after it did not run")
+        meta["elapsed_s"] = time.time() - meta["started"]
+        summary.write(out, work, meta, records)
+        raise
+    meta["elapsed_s"] = time.time() - meta["started"]
+    return summary.write(out, work, meta, records)
+
+
+def run_stages(stages: list[Stage], mode: str, work: Path, cap_scale: float, device: str,
+               records: list[dict]) -> None:
+    """Each stage in turn, its record appended to ``records`` as it ends."""
     unused = 0.0
     for stage in stages:
         # What the stages before it left of their caps is this stage's too: the run still ends
         # within the sum of its caps, and a slow stage gets the minutes a quick one did not use.
         cap = stage.cap(mode, cap_scale) + unused
         print(f"stage {stage.id} ({stage.title}), cap {cap:.0f} s ...", flush=True)
-        record = run_stage(stage, mode, work, cap, meta["device"])
+        record = run_stage(stage, mode, work, cap, device)
         record["own_cap_s"] = stage.cap(mode, cap_scale)
         unused = max(0.0, cap - record["elapsed_s"])
         records.append(record)
         print(f"stage {stage.id}: {record['status']} in {record['elapsed_s']:.0f} s"
               + (f": {record['why']}" if record["why"] else ""), flush=True)
-    meta["elapsed_s"] = time.time() - meta["started"]
-    return summary.write(out, work, meta, records)
+        if record["status"] == "interrupted":
+            raise KeyboardInterrupt

@@ -84,9 +84,6 @@ def timm_step_rate(mode: str, precision: str, channels_last: bool, batch: int, s
         step()
     sync()  # deliberate: the window ends when the device has finished
     seconds = time.perf_counter() - start
-    del model, opt, images, labels
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the JAX worker that follows takes most of the device
     return {"samples_per_s": batch * (iters - warmup) / seconds, "window_s": seconds,
             "timm_version": timm.__version__}
 
@@ -98,6 +95,10 @@ def run_timm(log: StageLog, mode: str) -> None:
         return
     for label, precision, channels_last, batch, side in TIMM_CASES[mode]:
         got = timm_step_rate(mode, precision, channels_last, batch, side)
+        if mode == "gpu":
+            import torch
+
+            torch.cuda.empty_cache()  # the JAX worker that follows takes most of the device
         log.add("peer", peer="timm", label=label, batch_size=batch, input_size=side,
                 precision=precision, channels_last=channels_last, **got)
         print(f"timm {label}: {got['samples_per_s']:.1f} samples/s", flush=True)

@@ -106,8 +106,12 @@ def build(work: Path, meta: dict, ran: list[dict]) -> dict:
         if s.id in records:
             stages.append(records[s.id])
             continue
-        why = (f"in part {s.part} (`make gpu-check PART={s.part}`)" if meta["part"]
-               and s.part != meta["part"] else "not chosen (--stages)")
+        if meta["part"] and s.part != meta["part"]:
+            why = f"in part {s.part} (`make gpu-check PART={s.part}`)"
+        elif s.id in meta.get("chosen", ()):
+            why = "not reached: the check was interrupted before it"
+        else:
+            why = "not chosen (--stages)"
         stages.append({"stage": s.id, "title": s.title, "part": s.part, "status": NOT_RUN,
                        "why": why, "items": []})
     ceiling_rec = find_record(work, "1", device, records)
@@ -177,10 +181,12 @@ def _tflops(value: float | None) -> str:
     return "-" if not value else f"{value / TFLOPS:.3g}"
 
 
-def seeds_section(s: dict, cases_by_label: dict[str, dict]) -> list[str]:
+def seeds_section(s: dict, cases_by_label: dict[str, dict], peers: list[dict]) -> list[str]:
     rows = []
     for item in items(s, "case"):
         c = cases_by_label.get(item["label"], item)
+        versus = "; ".join(f"{p['peer']} {p['trainperf_over_peer']:.2f}" for p in peers
+                           if p["label"] == c["label"] and p.get("trainperf_over_peer"))
         ref = c.get("dlperf")
         ref_text = (f"{ref['framework']} {ref['precision']} {ref['samples_per_s']:.1f}"
                     if ref else "no published row")
@@ -189,7 +195,7 @@ def seeds_section(s: dict, cases_by_label: dict[str, dict]) -> list[str]:
         watts = [r["mean_power_w"] for r in c.get("runs", []) if r.get("mean_power_w")]
         rows.append([
             c["label"], fmt(c.get("median_samples_per_s"), 1), _runs_text(c),
-            fmt(c.get("per_gpu"), 1), ref_text, fmt(c.get("ratio_to_v100")),
+            fmt(c.get("per_gpu"), 1), ref_text, fmt(c.get("ratio_to_v100")), versus or "-",
             pct(c.get("mfu_datasheet")), pct(c.get("mfu_measured")),
             pct(ref.get("mfu")) if ref else "-",
             fmt(c.get("samples_per_j"), 2) if c.get("samples_per_j") else "not measured",
@@ -199,7 +205,8 @@ def seeds_section(s: dict, cases_by_label: dict[str, dict]) -> list[str]:
     if not rows:
         return []
     head = ["case", "samples/s (median)", "runs", "per GPU", "DLPerf V100 row", "per GPU / V100",
-            "MFU (datasheet)", "MFU (measured ceiling)", "V100 row MFU", "samples/J",
+            "trainperf / peer", "MFU (datasheet)", "MFU (measured ceiling)", "V100 row MFU",
+            "samples/J",
             "mean W", "events vs host", "peak memory", "model error", "flags"]
     return [table(head, rows)]
 
@@ -313,7 +320,7 @@ def render(doc: dict, files: list[str], left_out: list[str]) -> str:
         if sid == "1":
             body = ceiling_section(s)
         elif sid.startswith("3"):
-            body = seeds_section(s, cases)
+            body = seeds_section(s, cases, peers)
             if body and ceiling["measured"] and ceiling["from"] != "this check":
                 body += ["", f"MFU against the ceiling measured by stage 1 in {ceiling['from']}."]
             elif body and not ceiling["measured"]:
