@@ -381,3 +381,106 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     assert stage(doc, "2")["why"].startswith("not reached")
     assert doc["notes"][0].startswith("interrupted")
     assert left_behind(work) == []
+
+
+# -- power and the mode, against stand-ins for the driver's tools -----------------------------
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+  *power.draw*) while true; do echo 250.5; sleep 0.05; done ;;
+  *-L*) echo "GPU 0: Fake GPU (UUID: GPU-0)" ;;
+  *query-gpu=name*) echo "Fake GPU, 999.99, 81559 MiB" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+    script = tmp_path / "bin" / "nvidia-smi"
+    script.parent.mkdir()
+    script.write_text(FAKE_SMI)
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}:{__import__('os').environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # NVML absent: nvidia-smi is read
+    return script
+
+
+def test_power_read_through_nvidia_smi(fake_smi):
+    assert power.source() == "nvidia-smi"
+    with power.PowerSampler(interval_s=0.05) as sampler:
+        time.sleep(0.6)
+    assert sampler.error is None and len(sampler.times) >= power.MIN_SAMPLES
+    got = sampler.window(sampler.times[-1], sampler.times[-1] - sampler.times[0])
+    assert got.method == "nvidia-smi power readings" and got.mean_w == pytest.approx(250.5)
+
+
+def test_power_read_through_nvml(monkeypatch):
+    import types
+
+    state = {"mj": 0.0}
+
+    def energy(handle):
+        state["mj"] += 20.0  # 20 mJ a reading, a reading every 0.02 s: 1 W
+        return state["mj"]
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetPowerUsage=lambda h: 400_000, NVMLError=RuntimeError,
+        nvmlDeviceGetTotalEnergyConsumption=energy)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(power.importlib.util, "find_spec", lambda name: object())
+    with power.PowerSampler(interval_s=0.02) as sampler:
+        time.sleep(0.4)
+    assert sampler.method == "nvml" and sampler.error is None
+    got = sampler.window(sampler.times[-1], sampler.times[-1] - sampler.times[0])
+    assert got.method == "nvml energy counter" and got.mean_w > 0
+    # The counter, not the 400 W readings, gives the energy.
+    assert got.mean_w < 50
+
+
+def test_a_gpu_torch_cannot_use_runs_the_cpu_mode_and_says_so(fake_smi):
+    from trainperf.gpucheck.orchestrate import detect_mode
+
+    mode, note = detect_mode("auto")
+    assert mode == "cpu" and "nvidia-smi lists 1 GPU(s)" in note and "cannot use CUDA" in note
+    assert detect_mode("gpu") == ("gpu", None)
+
+
+# -- the GPU sizes, as far as they go without a GPU -------------------------------------------
+
+def test_every_gpu_case_makes_a_valid_plan(tmp_path):
+    from trainperf.gpucheck import peers, realdata
+    from trainperf.gpucheck.runs import plan_for
+
+    every = [c for sid in ("3a", "3b", "3c") for c in gpu_cases.seeds(sid, "gpu")]
+    every += [c for _, c in capacity.SEARCHES["gpu"]] + peers.JAX_CASES + [realdata.CASE["gpu"]]
+    for case in every:
+        plan_ = plan_for(case, tmp_path, gpu_cases.measure("gpu"), "cuda")
+        w = plan_.workload
+        assert plan_.cases[0].topology.device == "cuda"
+        assert w.precision == case.precision
+        if w.fc == "pfc":
+            assert w.sample_ratio == 0.1
+    labels = [c.label for c in every[:13]]
+    assert len(set(labels)) == 13  # the summary keys cases by label
+    assert gpu_cases.measure("gpu") == gpu_cases.GPU_MEASURE
+    assert (gpu_cases.GPU_MEASURE.runs, gpu_cases.GPU_MEASURE.iters,
+            gpu_cases.GPU_MEASURE.warmup) == (3, 60, 20)
+
+
+def test_gpu_searches_start_under_where_the_model_fills_the_device():
+    from trainperf.backends.torch.memory_model import estimate
+    from trainperf.recipes import get_recipe
+
+    limit = 80 * 2**30
+    for kind, case in capacity.SEARCHES["gpu"]:
+        start = capacity.model_start(kind, case, limit)
+        field = {"max-batch": "batch_size", "max-classes": "num_classes"}[kind]
+        w = get_recipe(case.recipe).workload.replace(**case.changes)
+        fills = int(start / capacity.AIM)
+        predicted = estimate(w.replace(**{field: fills}), 1, device_type="cuda").total_bytes
+        assert predicted == pytest.approx(limit, rel=0.02)
+        assert estimate(w.replace(**{field: start}), 1, device_type="cuda").total_bytes < limit
+    # The seeds' one-V100 figures sit below what 80 GiB holds.
+    assert capacity.model_start("max-batch", capacity.SEARCHES["gpu"][0][1], limit) > 115
+    assert capacity.model_start("max-classes", capacity.SEARCHES["gpu"][1][1], limit) > 2e6

@@ -48,19 +48,24 @@ AIM = 0.9
 
 
 def model_start(kind: str, case: cases.Case, limit_bytes: int) -> int:
-    """The value at which the memory model (with its GPU constants) fills ``limit_bytes``, times
-    ``AIM``: predictions are affine in the batch and in the class count, so two points give
-    the line."""
+    """``AIM`` times the largest value the memory model (with its GPU constants) fits in
+    ``limit_bytes``. Found by doubling and bisection: the prediction grows with the value but
+    not along one line (the head's step term overtakes the backbone's backward at some class
+    count)."""
     field = KINDS[kind]
     workload = get_recipe(case.recipe).workload.replace(**case.changes)
-    v1 = getattr(workload, field)
-    v2 = 2 * v1
-    p1 = estimate(workload.replace(**{field: v1}), 1, device_type="cuda").total_bytes
-    p2 = estimate(workload.replace(**{field: v2}), 1, device_type="cuda").total_bytes
-    slope = (p2 - p1) / (v2 - v1)
-    if slope <= 0:
-        return v1
-    return max(1, int(AIM * (v1 + (limit_bytes - p1) / slope)))
+
+    def fits(value: int) -> bool:
+        return estimate(workload.replace(**{field: value}), 1,
+                        device_type="cuda").total_bytes <= limit_bytes
+
+    lo, hi = 0, getattr(workload, field)
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > max(1, lo // 200):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return max(1, int(AIM * lo))
 
 
 def device_memory_bytes() -> int:

@@ -21,6 +21,7 @@ error; the report shows how far every run's prediction was from its measured pea
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 import torch
 
@@ -75,11 +76,34 @@ class MemoryEstimate:
 
 def activation_bytes_per_sample(workload: Workload) -> int:
     """Bytes autograd saves per sample in the backbone's forward (fp32), from two meta passes."""
+    return _saved_per_sample(*_backbone_key(workload))
+
+
+def _backbone_key(workload: Workload) -> tuple:
+    """What a backbone's size depends on. Only classification backbones have classes of their
+    own (a face head is not part of the backbone), so a search over the class count builds the
+    backbone once."""
+    classes = workload.num_classes if workload.task == "classification" else 2
+    return (workload.backbone, workload.embedding_size, classes, workload.input_size,
+            workload.output_block)
+
+
+def _meta_backbone(backbone: str, embedding_size: int, num_classes: int, input_size: int,
+                   output_block: str) -> torch.nn.Module:
     with torch.device("meta"):
-        model = build_backbone(
-            workload.backbone, embedding_size=workload.embedding_size,
-            num_classes=workload.num_classes, input_size=workload.input_size,
-            output_block=workload.output_block)
+        return build_backbone(backbone, embedding_size=embedding_size, num_classes=num_classes,
+                              input_size=input_size, output_block=output_block)
+
+
+@lru_cache(maxsize=64)
+def _params(*key) -> int:
+    return sum(p.numel() for p in _meta_backbone(*key).parameters())
+
+
+@lru_cache(maxsize=64)
+def _saved_per_sample(backbone: str, embedding_size: int, num_classes: int, input_size: int,
+                      output_block: str) -> int:
+    model = _meta_backbone(backbone, embedding_size, num_classes, input_size, output_block)
     model.train()
 
     def saved(batch: int) -> int:
@@ -90,7 +114,7 @@ def activation_bytes_per_sample(workload: Workload) -> int:
             storages[st._cdata] = st.nbytes()
             return t
 
-        x = torch.empty(batch, 3, workload.input_size, workload.input_size, device="meta")
+        x = torch.empty(batch, 3, input_size, input_size, device="meta")
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(x)
         return sum(storages.values())
@@ -102,11 +126,7 @@ def activation_bytes_per_sample(workload: Workload) -> int:
 def estimate(workload: Workload, world_size: int, rank: int = 0,
              backbone_params: int | None = None, device_type: str = "cpu") -> MemoryEstimate:
     if backbone_params is None:
-        with torch.device("meta"):
-            backbone_params = sum(p.numel() for p in build_backbone(
-                workload.backbone, embedding_size=workload.embedding_size,
-                num_classes=workload.num_classes, input_size=workload.input_size,
-                output_block=workload.output_block).parameters())
+        backbone_params = _params(*_backbone_key(workload))
     backbone = backbone_params * F32 * 3
     act_fp32 = activation_bytes_per_sample(workload)
     act = act_fp32 // 2 if workload.precision in ("fp16", "bf16") else act_fp32
