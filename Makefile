@@ -22,18 +22,27 @@ TEST_ENVS ?= mxnet paddle jax tf oneflow
 
 .PHONY: install envs slurm bench test clean gpu-check
 
-$(STAMP): pyproject.toml
+CORE_STAMP := .stamp-core-$(subst /,_,$(PY))
+
+# trainperf and what it cannot run without (torch, numpy, rich, psutil): all `make bench`
+# needs, so a machine that already has them (a CUDA image, offline) installs nothing more.
+$(CORE_STAMP): pyproject.toml
 ifneq ($(HAVE_TORCH),yes)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 endif
-	$(PY) -m pip install setuptools
+	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install setuptools
+	$(PY) -m pip install --no-build-isolation -e .
+	touch $@
+
+# The suite's extras on top: pytest, matplotlib, the decoders, uv.
+$(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install --no-build-isolation -e ".[test,plot,data]"
 	touch $@
 
 install: $(STAMP)
 
-bench: install
+bench: $(CORE_STAMP)
 	$(PY) -m trainperf.cli bench
 
 envs: install
@@ -73,4 +82,4 @@ test: envs slurm
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
-	rm -rf $(VENV) .stamp-install-* bench-results
+	rm -rf $(VENV) .stamp-install-* .stamp-core-* bench-results
