@@ -152,8 +152,12 @@ def test_cpu_mode_ceiling_and_seeds(cpu_check):
         assert c["peak_memory_bytes"] > 0 and c["predicted_peak_bytes"] > 0
     fp32 = [c for c in cases if c["precision"] == "fp32"]
     assert all(c["median_samples_per_s"] > 0 for c in fp32)
-    # MFU against the CPU's own measured ceiling; none against a datasheet it is not in.
-    assert all(c["mfu_measured"] and 0 < c["mfu_measured"] < 1 for c in fp32)
+    # MFU against the CPU's own measured ceiling (a small matmul on a shared CPU: not a true
+    # ceiling, so only the arithmetic is checked); none against a datasheet it is not in.
+    measured = doc["ceiling"]["measured"]
+    for c in fp32:
+        peak, _ = effective_peak(measured, "fp32", c["train_flops_by_op"], None, None)
+        assert c["mfu_measured"] == pytest.approx(c["model_flops_per_s"] / peak)
     assert all(c["mfu_datasheet"] is None for c in cases)
 
 
@@ -193,7 +197,8 @@ def test_cpu_mode_peers_and_real_data(cpu_check):
         assert timm["status"] == "not run" and "timm is not installed" in timm["detail"]
     real = items(stage(doc, "6"), "realdata")
     assert real and real[0]["real_samples_per_s"] > 0 and real[0]["synthetic_samples_per_s"] > 0
-    assert "input-bound" in real[0]["verdict"]
+    assert real[0]["verdict"] and isinstance(real[0]["input_bound"], bool)
+    assert real[0]["loader_workers"] >= 1 and real[0]["data_wait_share"] is not None
     assert checks(stage(doc, "6"))["DALI mixed decoder"]["status"] == "not run"
 
 
@@ -369,7 +374,9 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "trainperf.cli", "gpucheck", "--mode", "cpu",
                              "--part", "1", "--stages", "1,2", "--out", str(out), "--work",
                              str(work)], env={**os.environ, FAULT_ENV: "1:hang"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # pytest-xdist's workers ignore SIGINT, and a child inherits that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (work / "stage-1.json").exists() and time.monotonic() < deadline:
         time.sleep(0.2)

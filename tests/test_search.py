@@ -82,3 +82,13 @@ def test_growth_aims_under_the_limit_from_two_measured_points():
 def test_search_usage_errors(capsys):
     assert main(["search", "max-batch", "tiny-arcface", "--devices", "1,2"]) == 2
     assert "one --devices value" in capsys.readouterr().err
+
+
+def test_allocation_failures_read_as_out_of_memory():
+    from trainperf.backends.torch.worker import is_oom
+
+    assert is_oom(RuntimeError("std::bad_alloc"))
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))
+    assert is_oom(RuntimeError("could not create a primitive"), memory_capped=True)
+    assert not is_oom(RuntimeError("could not create a primitive"))
+    assert not is_oom(RuntimeError("shape mismatch"))

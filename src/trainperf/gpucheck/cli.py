@@ -29,7 +29,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cli import _interrupt_on_sigterm
     from .orchestrate import run_check
+
+    _interrupt_on_sigterm()  # a scheduler's SIGTERM stops the stage and writes the summary
 
     name = f"part{args.part}" if args.part else "all"
     out = Path(args.out or f"gpucheck-results/{time.strftime('%Y%m%d-%H%M%S')}-{name}")

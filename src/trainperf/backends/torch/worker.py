@@ -37,9 +37,11 @@ def is_oom(exc: BaseException, memory_capped: bool = False) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc).lower()
+    # std::bad_alloc: C++ code's allocation failed (seen under a capacity search's cap, from
+    # an allocation outside torch's allocator).
     return "out of memory" in text or "can't allocate memory" in text or (
-        "defaultcpuallocator" in text) or (memory_capped and "could not create a primitive"
-                                            in text)
+        "defaultcpuallocator" in text) or "bad_alloc" in text or (
+        memory_capped and "could not create a primitive" in text)
 
 
 def current_memory(device: torch.device) -> int:
