@@ -24,15 +24,17 @@ TEST_ENVS ?= mxnet paddle jax tf oneflow
 
 CORE_STAMP := .stamp-core-$(subst /,_,$(PY))
 
-# trainperf and what it cannot run without (torch, numpy, rich, psutil): all `make bench`
-# needs, so a machine that already has them (a CUDA image, offline) installs nothing more.
+# What `make bench` needs: trainperf, what it cannot run without (torch, numpy, rich, psutil)
+# and matplotlib for the report's plots. Where the plots' extra cannot be installed (a CUDA
+# image without network) the report goes without plots rather than failing.
 $(CORE_STAMP): pyproject.toml
 ifneq ($(HAVE_TORCH),yes)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 endif
 	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install setuptools
-	$(PY) -m pip install --no-build-isolation -e .
+	$(PY) -m pip install --no-build-isolation -e ".[plot]" || \
+		$(PY) -m pip install --no-build-isolation -e .
 	touch $@
 
 # The suite's extras on top: pytest, matplotlib, the decoders, uv.
