@@ -493,3 +493,26 @@ def test_gpu_searches_start_under_where_the_model_fills_the_device():
     # The seeds' one-V100 figures sit below what 80 GiB holds.
     assert capacity.model_start("max-batch", capacity.SEARCHES["gpu"][0][1], limit) > 115
     assert capacity.model_start("max-classes", capacity.SEARCHES["gpu"][1][1], limit) > 2e6
+
+
+def test_timm_step_is_timed_by_trainperfs_loop(monkeypatch):
+    """timm is not installed here: a stand-in module whose resnet50 is trainperf's own ResNet50
+    v1b runs the peer's step through the measured loop, on the CPU at the CPU mode's size."""
+    import types
+
+    from trainperf.backends.torch.backbones import build_backbone
+    from trainperf.gpucheck import peers
+
+    made = []
+
+    def create_model(name, num_classes):
+        made.append((name, num_classes))
+        return build_backbone("resnet50_v1b", num_classes=num_classes, input_size=32)
+
+    monkeypatch.setitem(sys.modules, "timm", types.SimpleNamespace(
+        create_model=create_model, __version__="stand-in"))
+    got = peers.timm_step_rate("cpu", "bf16", True, 2, 32)
+    assert made == [("resnet50", 1000)]
+    iters, warmup = peers.TIMM_STEPS["cpu"]
+    assert got["samples_per_s"] == pytest.approx(2 * (iters - warmup) / got["window_s"])
+    assert got["timm_version"] == "stand-in"

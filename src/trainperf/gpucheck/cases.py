@@ -78,11 +78,8 @@ def seeds(stage_id: str, mode: str) -> list[Case]:
     return cases if mode == "gpu" else [tiny(c) for c in cases]
 
 
-def measure(mode: str, timeout_s: float | None = None) -> Measure:
-    m = GPU_MEASURE if mode == "gpu" else CPU_MEASURE
-    if timeout_s is None:
-        return m
-    return Measure(m.runs, m.iters, m.warmup, max(1.0, timeout_s))
+def measure(mode: str) -> Measure:
+    return GPU_MEASURE if mode == "gpu" else CPU_MEASURE
 
 
 def device(mode: str) -> str:

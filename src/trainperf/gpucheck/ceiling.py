@@ -8,10 +8,9 @@ what the memory system moved, comparable with the datasheet's bandwidth.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from ..backends.torch.timing import make_timer
 from ..env import cpu_model
 from ..devices import PEAKS, TFLOPS, device_bandwidth, device_peaks
 from .record import NOT_RUN, PASS, StageLog
@@ -23,24 +22,16 @@ SIZES = {"gpu": {"matmul_n": 8192, "copy_bytes": 2**30, "reps": 20, "rounds": 3}
          "cpu": {"matmul_n": 384, "copy_bytes": 64 * 2**20, "reps": 3, "rounds": 2}}
 
 
-class Clock:
-    """Wall time of a burst of device work: the host clock around a synchronize on a GPU (the
-    work is queued, so only its end tells), the host clock alone on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def time(self, fn, reps: int) -> float:
-        self.sync()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        self.sync()  # deliberate: the burst ends when the device has finished it
-        return (time.perf_counter() - start) / reps
+def burst_s(fn, reps: int, device: torch.device) -> float:
+    """Wall time of one of ``reps`` calls: the host clock around the device's synchronize (the
+    work is queued, so only its end tells), as the measured loop's window is timed."""
+    timer = make_timer(device)
+    timer.sync()
+    start = timer.now()
+    for _ in range(reps):
+        fn()
+    timer.sync()  # deliberate: the burst ends when the device has finished it
+    return (timer.now() - start) / reps
 
 
 def matmul_rate(fmt: str, n: int, device: torch.device, reps: int, rounds: int) -> float:
@@ -51,9 +42,8 @@ def matmul_rate(fmt: str, n: int, device: torch.device, reps: int, rounds: int) 
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = fmt == "tf32"
     try:
-        clock = Clock(device)
-        clock.time(lambda: a @ b, 2)  # warm-up: the library picks its kernel
-        best = min(clock.time(lambda: a @ b, reps) for _ in range(rounds))
+        burst_s(lambda: a @ b, 2, device)  # warm-up: the library picks its kernel
+        best = min(burst_s(lambda: a @ b, reps, device) for _ in range(rounds))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     return 2 * n ** 3 / best
@@ -63,9 +53,8 @@ def copy_rate(nbytes: int, device: torch.device, reps: int, rounds: int) -> floa
     """Best bytes/s moved (read + written) by a device-to-device copy of ``nbytes``."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    clock = Clock(device)
-    clock.time(lambda: dst.copy_(src), 2)
-    best = min(clock.time(lambda: dst.copy_(src), reps) for _ in range(rounds))
+    burst_s(lambda: dst.copy_(src), 2, device)
+    best = min(burst_s(lambda: dst.copy_(src), reps, device) for _ in range(rounds))
     return 2 * nbytes / best
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..env import cpu_model, host_env, nvidia_driver
-from ..runner import POLL_S, kill_tree
+from ..runner import POLL_S, kill_tree, log_tail
 from . import summary
 from .plan import Stage, select
 from .record import read_stage, stage_path
@@ -109,19 +109,12 @@ def run_stage(stage: Stage, mode: str, work: Path, cap_s: float, device: str) ->
         status, why = "ok", None
     else:
         status = "failed"
-        why = record.get("error") or last_line(log_path) or f"exited with {proc.returncode}"
+        why = (record.get("error") or log_tail(log_path, 1)[:400]
+               or f"exited with {proc.returncode}")
     record.update(status=status, why=why, elapsed_s=elapsed, cap_s=cap_s, part=stage.part,
                   device=device, log=str(log_path))
     write_json_atomic(stage_path(work, stage.id), record)
     return record
-
-
-def last_line(path: Path) -> str | None:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return None
-    return lines[-1][:400] if lines else None
 
 
 def check_out_folder(out: Path) -> None:

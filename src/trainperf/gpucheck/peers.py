@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
 from .. import envs
@@ -49,6 +48,8 @@ def timm_step_rate(mode: str, precision: str, channels_last: bool, batch: int, s
     import torch
     import torch.nn.functional as F
 
+    from ..backends.torch.timing import make_timer, timed_loop
+
     device = torch.device(cases.device(mode))
     torch.backends.cudnn.benchmark = True  # trainperf's default on a GPU
     torch.manual_seed(0)
@@ -64,26 +65,18 @@ def timm_step_rate(mode: str, precision: str, channels_last: bool, batch: int, s
     labels = torch.randint(0, recipe.num_classes, (batch,), device=device, generator=gen)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = F.cross_entropy(model(images).float(), labels)
         loss.backward()
         opt.step()
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        return loss.detach()
 
     iters, warmup = TIMM_STEPS[mode]
-    for _ in range(warmup):
-        step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(iters - warmup):
-        step()
-    sync()  # deliberate: the window ends when the device has finished
-    seconds = time.perf_counter() - start
+    # trainperf's own measured loop: warm-up outside the window, the device synchronised at
+    # its edges only.
+    seconds, _ = timed_loop(step, iters, warmup, make_timer(device))
     return {"samples_per_s": batch * (iters - warmup) / seconds, "window_s": seconds,
             "timm_version": timm.__version__}
 

@@ -10,8 +10,8 @@ import contextlib
 from pathlib import Path
 
 from .. import references
-from ..devices import mfu_peak
 from ..recipes import get_recipe
+from ..report.references import published_mfu
 from ..stats import median
 from . import cases
 from .power import PowerSampler
@@ -29,12 +29,10 @@ def published(case: cases.Case, flops_by_op: dict | None, flops: float | None) -
                                    workload.sample_ratio, precision, workload.batch_size, 1)
         if rows:
             best = max(rows, key=lambda r: r.samples_per_s)
-            peak, _ = mfu_peak(references.DEVICE, "fp16" if best.precision == "amp"
-                               else best.precision, flops_by_op)
             return {"framework": best.framework, "precision": best.precision,
                     "samples_per_s": best.samples_per_s, "mode": best.mode,
                     "source": best.source.split(" ; ")[0],
-                    "mfu": best.samples_per_s * flops / peak if flops and peak else None,
+                    "mfu": published_mfu(best, flops, flops_by_op),
                     "same_precision": precision == workload.precision}
     return None
 

@@ -15,6 +15,16 @@ def reference_model(doc: dict) -> tuple[str | None, str]:
     return doc.get("workload", {}).get("backbone"), ""  # ingested: the model named in the logs
 
 
+def published_mfu(ref: references.Reference, flops: float | None,
+                  flops_by_op: dict | None) -> float | None:
+    """A published row's MFU for work of ``flops`` per sample (split by engine as
+    ``flops_by_op``), at the peak of the device DLPerf ran on."""
+    # V100 has no TF32: its fp32 rows ran every FLOP at the fp32 peak.
+    peak, _ = mfu_peak(references.DEVICE, "fp16" if ref.precision == "amp" else ref.precision,
+                       flops_by_op)
+    return ref.samples_per_s * flops / (peak * ref.world_size) if flops and peak else None
+
+
 def references_section(doc: dict, label: str) -> str | None:
     model, mode = reference_model(doc)
     w = doc.get("workload", {})
@@ -26,10 +36,7 @@ def references_section(doc: dict, label: str) -> str | None:
         flops = c.get("train_flops_per_sample")
         by_op = c.get("train_flops_by_op") or ({"conv": flops} if flops else None)
         for ref in refs:
-            # V100 has no TF32: its fp32 rows ran every FLOP at the fp32 peak.
-            peak, _ = mfu_peak(references.DEVICE, "fp16" if ref.precision == "amp"
-                               else ref.precision, by_op)
-            ref_mfu = ref.samples_per_s * flops / (peak * ref.world_size) if flops and peak else None
+            ref_mfu = published_mfu(ref, flops, by_op)
             rows.append([
                 str(c["nodes"]), str(c["world_size"]), str(c["batch_size_per_device"]),
                 fmt(ours), fmt(ours / c["world_size"]) if ours else "-", pct(c.get("mfu")),
