@@ -9,15 +9,14 @@ import json
 import psutil
 import pytest
 
-from trainperf.scale import commbench, commbench_cli
+from trainperf.cli import build_parser, scale as scale_cli
+from trainperf.scale import commbench
 from trainperf.scale.commbench import (CommbenchError, CommbenchSpec, busbw_factor,
                                        fit_alpha_beta, load_fabric, message_sizes)
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="trainperf")
-    commbench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["commbench", *argv])
+    return build_parser().parse_args(["commbench", *argv])
 
 
 SMALL = ("--device", "cpu", "--devices", "2", "--min-bytes", "1KiB", "--max-bytes", "16MiB",
@@ -40,7 +39,7 @@ def leftover(tag: str) -> list[psutil.Process]:
 def test_two_gloo_ranks_draw_the_curve(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TRAINPERF_FAULT", raising=False)
     out = tmp_path / "cb"
-    assert commbench_cli.run(parse(*SMALL, "--out", str(out))) == 0
+    assert scale_cli.cmd_commbench(parse(*SMALL, "--out", str(out))) == 0
     assert str(out / "commbench.json") in capsys.readouterr().out
     doc = json.loads((out / "commbench.json").read_text())
     assert doc["schema"] == commbench.SCHEMA
@@ -163,7 +162,7 @@ def test_load_fabric_reads_a_written_document(tmp_path):
 ])
 def test_bad_input_is_a_one_line_error(argv, message):
     with pytest.raises(ValueError, match=message) as err:
-        commbench_cli.spec_from_args(parse("--device", "cpu", *argv))
+        scale_cli.commbench_spec(parse("--device", "cpu", *argv))
     assert "\n" not in str(err.value)
 
 
@@ -181,12 +180,12 @@ def test_launch_argv_single_and_multi_node(tmp_path):
 
 
 def test_cuda_defaults_to_a_gibibyte(monkeypatch):
-    monkeypatch.setattr(commbench_cli, "gpu_count", lambda: 8)
-    spec = commbench_cli.spec_from_args(parse())
+    monkeypatch.setattr(scale_cli, "gpu_count", lambda: 8)
+    spec = scale_cli.commbench_spec(parse())
     assert (spec.device, spec.max_bytes, spec.devices_per_node) == ("cuda", 2**30, 2)
-    monkeypatch.setattr(commbench_cli, "gpu_count", lambda: 1)
+    monkeypatch.setattr(scale_cli, "gpu_count", lambda: 1)
     with pytest.raises(ValueError, match="this machine has 1 GPU"):
-        commbench_cli.spec_from_args(parse())
+        scale_cli.commbench_spec(parse())
 
 
 def test_a_missing_call_falls_back_then_is_recorded(monkeypatch):

@@ -16,7 +16,8 @@ import pytest
 from run_util import left_behind
 from trainperf import envs
 from trainperf.backends.torch.memory_model import DeviceConstants, combine
-from trainperf.cli import build_parser, main, plan_from_args
+from trainperf.cli import build_parser, main
+from trainperf.cli.common import plan_from_args
 from trainperf.config import Tuning
 from trainperf.devices import effective_peak, mfu_peak
 from trainperf.gpucheck import capacity, cases as gpu_cases, plan, power, summary

@@ -137,8 +137,7 @@ def test_mxnet_on_one_node_is_as_before():
 @pytest.mark.parametrize("name", NON_TORCH)
 def test_every_backend_takes_several_nodes_and_passes_the_cluster_file(name, tmp_path):
     backend = BACKENDS[name]
-    assert backend.max_nodes is None
-    backend.check("dp", 2)
+    assert backend.capabilities.several_nodes
     path = tmp_path / "cluster.json"
     topo = Topology(devices_per_node=1)
     one = backend.launch(LaunchRequest("py", topo, Tuning(), tmp_path / "s", tmp_path / "e"))

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from trainperf.scale import project_cli
+from trainperf.cli import build_parser, scale as scale_cli
 from trainperf.scale.commbench import busbw_factor
 from trainperf.scale.model import (
     Fabric, Job, Link, Scale, collective_s, fabric_from_commbench, parse_scale,
@@ -165,9 +165,7 @@ def results_doc(cases: list[tuple[int, int, float]], batch: int = 8) -> dict:
 
 
 def cli(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="trainperf")
-    project_cli.add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 COUNTS = ["--backbone-params", "278712", "--backbone-gflops", "0.0574"]
@@ -177,7 +175,7 @@ def test_project_end_to_end(tmp_path, capsys):
     (tmp_path / "results.json").write_text(json.dumps(results_doc([(1, 1, 40.0), (1, 2, 76.0)])))
     args = cli(["project", str(tmp_path), "--to", "1n2g,2n8g,4n8g", "--intra-bw", "100",
                 "--inter-bw", "10", *COUNTS])
-    assert project_cli.run(args) == 0
+    assert scale_cli.cmd_project(args) == 0
     out = json.loads((tmp_path / "project.json").read_text())
     assert out["schema"] == "trainperf.project/v1" and out["base"]["case"] == "1n1g"
     preds = {p["scale"]: p for p in out["predictions"]}
@@ -190,7 +188,7 @@ def test_project_end_to_end(tmp_path, capsys):
     args = cli(["project", str(tmp_path / "results.json"), "--to", "2n8g", "--base", "1n2g",
                 "--inter-bw", "10", "--intra-bw", "100", "--out", str(tmp_path / "p2.json"),
                 *COUNTS])
-    assert project_cli.run(args) == 0
+    assert scale_cli.cmd_project(args) == 0
     assert json.loads((tmp_path / "p2.json").read_text())["base"]["case"] == "1n2g"
 
 
@@ -206,7 +204,7 @@ def test_project_reads_the_fabric_from_commbench(tmp_path):
     (tmp_path / "commbench.json").write_text(json.dumps(bench))
     args = cli(["project", str(tmp_path), "--to", "2n8g", "--fabric",
                 str(tmp_path / "commbench.json"), *COUNTS])
-    assert project_cli.run(args) == 0
+    assert scale_cli.cmd_project(args) == 0
     fabric = json.loads((tmp_path / "project.json").read_text())["fabric"]
     assert fabric["inter"]["all_reduce"]["busbw_GBps"] == pytest.approx(5.0, rel=1e-3)
     assert fabric["inter"]["all_reduce"]["latency_us"] == pytest.approx(20.0, rel=1e-2)
@@ -216,7 +214,7 @@ def test_project_reads_the_fabric_from_commbench(tmp_path):
 def test_project_counts_the_backbone_on_the_meta_device(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(results_doc([(1, 1, 40.0)])))
     args = cli(["project", str(tmp_path), "--to", "1n2g", "--intra-bw", "100"])
-    assert project_cli.run(args) == 0
+    assert scale_cli.cmd_project(args) == 0
     job = json.loads((tmp_path / "project.json").read_text())["job"]
     assert job["backbone_params"] > 0 and job["backbone_fwd_flops"] > 0
 
@@ -231,5 +229,5 @@ def test_project_counts_the_backbone_on_the_meta_device(tmp_path):
 def test_project_usage_errors(tmp_path, cases, argv, needle):
     (tmp_path / "results.json").write_text(json.dumps(results_doc(cases)))
     with pytest.raises(ValueError, match=needle) as err:
-        project_cli.run(cli(["project", str(tmp_path), *argv, *COUNTS]))
+        scale_cli.cmd_project(cli(["project", str(tmp_path), *argv, *COUNTS]))
     assert "\n" not in str(err.value)

@@ -85,7 +85,7 @@ def test_search_usage_errors(capsys):
 
 
 def test_allocation_failures_read_as_out_of_memory():
-    from trainperf.backends.torch.worker import is_oom
+    from trainperf.backends.torch.runtime import is_oom
 
     assert is_oom(RuntimeError("std::bad_alloc"))
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ..."))

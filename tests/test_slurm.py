@@ -18,7 +18,8 @@ from dist_util import free_port
 from slurm_host import slurm_cluster  # noqa: F401  (the fixture, imported to be found)
 from trainperf import results
 from trainperf.cli import build_parser, main
-from trainperf.scale import slurm, slurm_cli
+from trainperf.cli import slurm as slurm_cli
+from trainperf.scale import slurm
 
 BASIC = ["tiny-arcface", "--nodes", "2"]
 

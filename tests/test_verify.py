@@ -16,8 +16,8 @@ from PIL import Image
 from trainperf.cli import main
 from trainperf.data.layout import open_dataset
 from trainperf.data.synth import synthesize
-from trainperf.verify import (VerificationSet, VerificationSetError, evaluate, format_table,
-                              read_bin, write_bin)
+from trainperf.data.binset import VerificationSet, VerificationSetError, read_bin, write_bin
+from trainperf.verify import evaluate, format_table
 
 
 def jpeg(seed: int, h: int = 12, w: int = 12) -> bytes:

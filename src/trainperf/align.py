@@ -39,6 +39,28 @@ class AlignRequest:
     out: Path
 
 
+def request(recipe_name: str, framework: str, devices: list[int], fc_modes: list[str],
+            steps: int, timeout_s: float, out: Path | None, batch_size: int | None = None,
+            num_classes: int | None = None) -> AlignRequest:
+    """The alignment check of ``framework`` on the recipe, with its batch and class count
+    changed where given; ``out`` None: a new folder under ``results/``."""
+    from .backends import get_backend
+    from .recipes import get_recipe
+
+    recipe = get_recipe(recipe_name)
+    workload = recipe.workload
+    if batch_size:
+        workload = workload.replace(batch_size=batch_size)
+    if num_classes:
+        workload = workload.replace(num_classes=num_classes)
+    framework = get_backend(framework).name
+    if framework == "torch":
+        raise ValueError("align compares another framework with torch: pass --framework mxnet")
+    out = out or results.default_folder(f"align-{recipe.name}-{framework}")
+    return AlignRequest(recipe.name, workload, framework, devices, fc_modes, steps, timeout_s,
+                        out)
+
+
 def run_from_start(recipe: str, workload: Workload, init: Path, out: Path, steps: int,
                    timeout_s: float, framework: str = "torch", devices: int = 1,
                    device: str = "auto", tuning: Tuning = Tuning()) -> tuple[dict, int | None]:

@@ -20,6 +20,8 @@ PFC_UPDATES = ("sparse", "dense")
 DEVICE_KINDS = ("auto", "cuda", "cpu")
 MXNET_KVSTORES = ("dist_sync", "device")
 TF32_MODES = ("default", "off", "on")
+PFC_DEFAULT_RATIO = 0.1
+"""Partial FC's ratio where none is given: DLPerf's and the Partial FC paper's."""
 
 # (m1, m2, m3) of the combined margin cos(m1 * theta + m2) - m3.
 MARGINS = {
@@ -321,7 +323,7 @@ class Topology:
     device: str = "auto"
     """``auto`` picks cuda when available, else cpu."""
     rdzv: str | None = None
-    """``HOST:PORT`` where the nodes meet and get their ranks (``scale.rendezvous``); None: the
+    """``HOST:PORT`` where the nodes meet and get their ranks (``trainperf.rendezvous``); None: the
     node rank and master address are given by hand."""
     rdzv_timeout_s: float = 300.0
     """How long a node waits for the others: at each meeting, and in a collective whose peer

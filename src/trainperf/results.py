@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,16 @@ def document(recipe: str, workload: dict, measure: dict, env: dict, cases: list[
     if source:
         doc["source"] = source
     return doc
+
+
+def default_folder(name: str) -> Path:
+    """Where a command writes when no ``--out`` is given: ``results/<name>-<local time>``."""
+    return Path("results") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def all_runs_ok(docs: list[dict]) -> bool:
+    """Whether every run of every case of these documents ended ``ok``."""
+    return all(r["status"] == "ok" for doc in docs for c in doc["cases"] for r in c["runs"])
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,19 +17,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-import psutil
-
 from . import envs, outcome, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
 from .config import DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
 from .env import host_env
+from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
 from .protocol import Event, ProtocolError, RunSpec, Start, Step
-from .scale.rendezvous import NodeGroup, RendezvousError, interface_of
+from .rendezvous import NodeGroup, RendezvousError, interface_of
 
-POLL_S = 0.2
-KILL_GRACE_S = 5.0
 PEER_POLL_S = 1.0
 """Several nodes: how often a running node looks whether another node's part of the run has
 failed (its own ranks would then wait on the lost peer)."""
@@ -100,6 +96,27 @@ def plan_cases(devices: list[int], batch_sizes: list[int], base: Topology) -> li
     return [Case(replace(base, devices_per_node=d), b) for b in batch_sizes for d in devices]
 
 
+def device_kind(device: str) -> str:
+    """``cpu`` or ``cuda``: where a run asked for as ``auto``, ``cuda`` or ``cpu`` goes (auto: a
+    GPU where this machine has one)."""
+    if device == "auto":
+        from .env import gpu_count
+
+        return "cuda" if gpu_count() else "cpu"
+    return device
+
+
+def check_plan(plan: Plan) -> None:
+    """ValueError, in one line, when the plan's backend does not run one of its cases (its
+    declaration, ``Backend.capabilities``): refused before anything starts."""
+    backend = get_backend(plan.framework)
+    kind = device_kind(plan.cases[0].topology.device)
+    for case in plan.cases:
+        backend.check(plan.workload.replace(batch_size=case.batch_size), case.topology,
+                      plan.tuning, kind, train=plan.train is not None,
+                      real_data=plan.data is not None)
+
+
 class Progress(Protocol):
     def run_started(self, label: str, total_steps: int) -> None: ...
     def steps_done(self, count: int) -> None: ...
@@ -129,79 +146,6 @@ class QuietProgress(NullProgress):
         rate = record.get("samples_per_s")
         figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
         print(f"{label}: {record['status']} {figure}", file=self.stream or sys.stderr, flush=True)
-
-
-def cpu_threads_per_process(devices_per_node: int) -> int:
-    # Several ranks with several threads each oversubscribe the cores and run slower.
-    return max(1, (os.cpu_count() or 1) // devices_per_node)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Stop a launcher and every process under it. The launcher is asked first, so that it
-    stops its ranks itself and records them as stopped; whatever is left after the grace
-    (a launcher that does not answer, a process in a session of its own) is stopped here."""
-    try:
-        parent = psutil.Process(proc.pid)
-        procs = [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    for batch in (procs[:1], procs):
-        for p in batch:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(batch, timeout=KILL_GRACE_S)
-        if not alive:
-            break
-    _, alive = psutil.wait_procs(procs, timeout=0)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=KILL_GRACE_S)
-    try:
-        proc.wait(timeout=KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-class EventTail:
-    """Reads complete new lines of a JSON-lines file as another process appends them (raw
-    dicts: the caller decodes them)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = b""
-
-    def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        data = self.partial + data
-        *lines, self.partial = data.split(b"\n")
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line torn by a killed writer carries nothing usable
-        return out
-
-
-def log_tail(path: Path, lines: int = 8) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    useful = [ln for ln in text if ln.strip()]
-    return "\n".join(useful[-lines:])
 
 
 def multinode_env(topo: Topology, group: NodeGroup | None) -> dict[str, str]:
@@ -242,6 +186,7 @@ class Runner:
         self.group_lost: str | None = None
         """Why the nodes cannot meet any more (the runs left are recorded as not run)."""
         self.backend = get_backend(plan.framework)
+        check_plan(plan)
         self.python = envs.interpreter(plan.framework)
         self.pythonpath: str | None = None
         """A backend in its own environment gets this trainperf, and nothing else of trainperf's

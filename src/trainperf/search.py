@@ -160,6 +160,17 @@ def search_settings(plan: Plan, start: int, resolution: float) -> dict:
             "iters": plan.measure.iters, "start": start, "tuning": plan.tuning.to_dict()}
 
 
+def prepare(kind: str, plan: Plan, start: int | None, resolution: float | None
+            ) -> tuple[int, float, dict]:
+    """A search's first value and resolution (None: the plan's value, the kind's default) and
+    the settings it keeps; ValueError when the plan's folder already holds a search."""
+    if (plan.out_dir / "search.json").exists():
+        raise ValueError(f"{plan.out_dir} already holds a search; choose another --out")
+    start = start or getattr(plan.workload, KINDS[kind])
+    resolution = resolution if resolution is not None else default_resolution(kind)
+    return start, resolution, search_settings(plan, start, resolution)
+
+
 def write_outcome(outcome: SearchOutcome, out_dir: Path) -> Path:
     path = out_dir / "search.json"
     results.write_json_atomic(path, outcome.to_dict())

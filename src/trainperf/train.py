@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import Workload
-
-PFC_DEFAULT_RATIO = 0.1  # DLPerf's and the Partial FC paper's
+from .config import PFC_DEFAULT_RATIO, Measure, Topology, TrainSpec, Tuning, Workload
+from .results import default_folder
 
 
 @dataclass(frozen=True)
@@ -68,3 +67,53 @@ def plans(base, chosen: list[Variant]) -> list:
     return [replace(base, workload=v.apply(base.workload), framework=v.framework,
                     out_dir=out, variant=v.label(several))
             for v, out in zip(chosen, variant_dirs(base.out_dir, chosen))]
+
+
+def training_plans(recipe_name: str, *, frameworks: list[str], fcs: list[str] | None,
+                   ratios: list[float] | None, precisions: list[str] | None, changes: dict,
+                   data, vals: list[str], target: float, max_steps: int, eval_every: int,
+                   checkpoint_every: int | None, runs: int, warmup: int, timeout_s: float,
+                   devices: list[int], base: Topology, tuning: Tuning,
+                   out: Path | None) -> list:
+    """The plans of ``trainperf train``: every variant of the recipe with ``changes`` trains on
+    ``data`` (``plans.open_data``'s pair) to ``target`` on the first of ``vals``. The class
+    count defaults to the identities the dataset announces, and faces train at the size their
+    images were aligned to (insightface's 112 for its sets): resizing every image to the
+    recipe's side would train another model."""
+    from .data.binset import read_bin
+    from .data.pipeline import first_image_size
+    from .recipes import get_recipe
+    from .runner import Plan, check_plan, plan_cases
+
+    recipe = get_recipe(recipe_name)
+    chosen = variants(fcs or [recipe.workload.fc], ratios,
+                      precisions or [recipe.workload.precision], frameworks)
+    dataset, spec = data
+    changes = dict(changes)
+    changes["num_classes"] = (changes.get("num_classes") or dataset.num_classes
+                              or recipe.workload.num_classes)
+    if recipe.workload.task == "face":
+        side, width = first_image_size(dataset)
+        if side == width and side != recipe.workload.input_size:
+            changes["input_size"] = side
+    workload = recipe.workload.replace(**changes)
+    for v in chosen:
+        v.apply(workload)  # Workload checks every variant's settings now
+    dataset.check_classes(workload.num_classes)
+    names = [read_bin(p).name for p in vals]  # a bad file fails here, not mid-run
+    if len(set(names)) != len(names):
+        raise ValueError(f"--val names two sets alike ({', '.join(names)}): results key them "
+                         "by file name")
+    train = TrainSpec(tuple(str(Path(p).resolve()) for p in vals), target, max_steps,
+                      eval_every, checkpoint_every)
+    # Training's throughput counts the steps after each attempt's warm-up.
+    measure = Measure(runs=runs, iters=max(max_steps, warmup + 1), warmup=warmup,
+                      timeout_s=timeout_s)
+    cases = plan_cases(devices, [workload.batch_size], base)
+    base_plan = Plan(recipe.name, workload, measure, cases,
+                     out or default_folder(f"train-{recipe.name}"), tuning,
+                     recipe.reference_model, data=spec, data_role="real", train=train)
+    chosen_plans = plans(base_plan, chosen)
+    for plan in chosen_plans:
+        check_plan(plan)  # before any output: what a backend cannot train is refused now
+    return chosen_plans

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..config import Topology, Tuning
+from ..config import Topology, Tuning, Workload
+from . import catalog
 
 
 COLLECTIVE_TIMEOUT_ENV = "TRAINPERF_COLLECTIVE_TIMEOUT_S"
@@ -40,7 +41,7 @@ class EnvSpec:
 class Cluster:
     """Where every process of a run lives, as each node's launcher sees it: the nodes'
     addresses and, per node, ports free there for this run. Made by the runner after the nodes
-    have met (``trainperf.scale.rendezvous``), or for one node over loopback."""
+    have met (``trainperf.rendezvous``), or for one node over loopback."""
 
     node_rank: int
     nproc_per_node: int
@@ -113,6 +114,38 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
 
 
+DEVICE_KINDS = ("cpu", "cuda")
+KIND_WORDS = {"cpu": "a CPU", "cuda": "a GPU"}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend runs, declared once in its ``backend.py``. The runner refuses anything
+    else before a run starts (``Backend.check``), the worker checks the same declaration
+    against the device it found, and `trainperf list --frameworks` prints it (the README's
+    framework table is that output)."""
+
+    heads: tuple[str, ...]
+    """Face head modes: ``dp``, ``mp``, ``pfc``. Classification runs data parallel."""
+    precisions: dict[str, tuple[str, ...]]
+    """Per device kind (``cpu``, ``cuda``): the precisions that run there."""
+    families: tuple[str, ...]
+    """The backbone families it builds (``backends.catalog``), each in every size."""
+    channels_last: bool = False
+    """Its backbones can run channels-last (``--channels-last``)."""
+    real_data: bool = False
+    """Reads a RecordIO dataset through the input pipeline (``run --data``)."""
+    trains: bool = False
+    """Trains to a verification accuracy (``trainperf train``): real-data input, checkpoints
+    and verification sets."""
+    several_nodes: bool = True
+    """Its launch spans several nodes."""
+
+    @property
+    def backbones(self) -> list[str]:
+        return catalog.names(self.families)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -120,28 +153,66 @@ class Backend:
     framework: str
     """What the worker writes as ``env.framework`` (``pytorch``, ``mxnet``)."""
     launch: Callable[[LaunchRequest], Launch]
+    capabilities: Capabilities
     env: EnvSpec | None = None
     """None: the backend runs in trainperf's own interpreter."""
-    fc_modes: tuple[str, ...] = ("dp", "mp", "pfc")
-    max_nodes: int | None = None
-    """Most nodes the backend's launch can span (None: no limit)."""
     cannot_run: str | None = None
     """Why this backend's environment can be built but no run started (None: it runs)."""
-    trains: bool = False
-    """Its worker can train to a verification accuracy (``trainperf train``): real-data input,
-    checkpoints and verification sets."""
+    runs_as: str = ""
+    """How its worker is written (the API and compile path), for the framework table."""
+    ranks_start: str = ""
+    """How its ranks start, for the framework table."""
+    refuse_more: Callable[[Workload, Topology, Tuning], str | None] | None = None
+    """A rule of this backend's own that the declaration cannot say (it depends on a speed
+    setting, say): why the case is refused, or None."""
 
-    def check(self, fc: str, nnodes: int, train: bool = False) -> None:
-        """ValueError when this backend cannot run the asked workload and layout."""
-        if train and not self.trains:
-            raise ValueError(f"the {self.name} backend does not train to accuracy yet (its "
-                             "worker has no real-data input, checkpoints or verification); "
-                             "`trainperf train` runs --framework torch")
+    def work_refusal(self, workload: Workload, device_kind: str, train: bool = False,
+                     real_data: bool = False) -> str | None:
+        """Why this backend does not run the work (one line), or None: its head, precision on
+        ``device_kind`` (``cpu`` or ``cuda``), backbone and memory format, real data and
+        training. What a worker checks once it knows its device."""
+        caps, name = self.capabilities, self.name
+        if train and not caps.trains:
+            return (f"the {name} backend does not train to accuracy yet (its worker has no "
+                    "real-data input, checkpoints or verification; `trainperf list "
+                    "--frameworks` says which do)")
+        if real_data and not caps.real_data:
+            return (f"the {name} backend reads synthetic data only (`trainperf list "
+                    "--frameworks` says which read --data)")
         if self.cannot_run:
-            raise ValueError(f"the {self.name} backend cannot run yet: {self.cannot_run}")
-        if fc not in self.fc_modes:
-            raise ValueError(f"the {self.name} backend runs --fc {', '.join(self.fc_modes)}; "
-                             f"not {fc}")
-        if self.max_nodes is not None and nnodes > self.max_nodes:
-            raise ValueError(f"the {self.name} backend runs on one node here; multi-node "
-                             f"launch is not available for it yet")
+            return f"the {name} backend cannot run yet: {self.cannot_run}"
+        if workload.task == "face" and workload.fc not in caps.heads:
+            return f"the {name} backend runs --fc {', '.join(caps.heads)}; not {workload.fc}"
+        kinds = caps.precisions.get(device_kind, ())
+        if workload.precision not in kinds:
+            where = [k for k in DEVICE_KINDS if workload.precision in caps.precisions.get(k, ())]
+            need = f"; {workload.precision} needs {KIND_WORDS[where[0]]}" if where else ""
+            return (f"the {name} backend runs --precision {', '.join(kinds)} on "
+                    f"{KIND_WORDS[device_kind]}{need}")
+        try:
+            catalog.lookup(workload.backbone, caps.families, name)
+        except ValueError as exc:
+            return str(exc)
+        if workload.channels_last and not caps.channels_last:
+            return (f"the {name} backend runs its backbones channels-first only: drop "
+                    "--channels-last")
+        return None
+
+    def refusal(self, workload: Workload, topology: Topology, tuning: Tuning,
+                device_kind: str, train: bool = False, real_data: bool = False) -> str | None:
+        """Why this backend does not run the case (one line), or None: ``work_refusal``, and
+        the case's layout (nodes, and the backend's own rules)."""
+        why = self.work_refusal(workload, device_kind, train, real_data)
+        if why:
+            return why
+        if topology.nnodes > 1 and not self.capabilities.several_nodes:
+            return (f"the {self.name} backend runs on one node here; multi-node launch is not "
+                    "available for it yet")
+        return self.refuse_more(workload, topology, tuning) if self.refuse_more else None
+
+    def check(self, workload: Workload, topology: Topology, tuning: Tuning,
+              device_kind: str, train: bool = False, real_data: bool = False) -> None:
+        """ValueError with ``refusal``'s line when this backend does not run the case."""
+        why = self.refusal(workload, topology, tuning, device_kind, train, real_data)
+        if why:
+            raise ValueError(why)

@@ -1,5 +1,8 @@
-"""Pieces the workers share (stdlib only): out-of-memory recognition, CPU memory figures and
-limits, GPU names, the protocol's entry point with its failure handling, and the way out."""
+"""One worker skeleton for every framework (standard library only; numpy where an alignment
+start is read): the protocol's entry point and failure handling (``worker_entry``), the
+measured run with its ``start``/``step``/``end`` events (``FrameworkRun``, ``measured_run``),
+and what workers share around it: out-of-memory recognition, CPU memory figures and limits,
+GPU names, and the way out."""
 
 from __future__ import annotations
 
@@ -8,11 +11,13 @@ import os
 import resource
 import subprocess
 import sys
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Sequence
 
 from ..config import Measure
-from ..protocol import Error, EventWriter, RunSpec, Step
-from .loop import StepTimes, use_short_switch_interval
+from ..faults import inject, parse_faults
+from ..protocol import End, Error, EventWriter, RunSpec, Start, Step
+from .base import Backend
+from .loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop, use_short_switch_interval
 
 OOM_TEXTS = ("out of memory", "std::bad_alloc", "failed to allocate", "cannot allocate memory",
              "memory allocation failed", "cudaerrormemoryallocation", "resource_exhausted",
@@ -63,29 +68,216 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def worker_main(argv: list[str] | None, doc: str,
-                run: Callable[[RunSpec, EventWriter], Any],
-                hard_exit: Callable[[], bool] = lambda: False) -> int:
-    """Parse ``--spec``/``--events``, call ``run(spec, events)``, and turn any failure into an
-    ``error`` event and the protocol's exit code. ``hard_exit()`` true (a distributed run has
-    started): leave with ``os._exit``, because a framework's normal shutdown would wait on
-    peers that will never answer; the launcher stops the rest."""
+class FrameworkRun:
+    """One framework's side of a measured run. A framework's ``worker.py`` subclasses it with
+    what is its own (joining its process group, building the model and step, its device's
+    sync and memory figures) and hands the class to ``worker_entry``; the spec, failures, the
+    ``start``/``step``/``end`` events, injected faults and the measured loop are here, once.
+
+    ``connect`` sets ``rank``, ``world_size``, ``distributed``, ``device`` (as ``Start.device``
+    spells it: ``cuda:0``, ``cpu``) and ``device_kind`` (``cpu`` or ``cuda``)."""
+
+    backend: Backend | None = None
+    """The framework's ``BACKEND``: the worker checks the spec against its declaration too,
+    on the device it found."""
+    start_after_first_step = False
+    """Write ``start`` when step 0 is done (its settings report the first step's compile
+    time), and with what is known if the run fails before."""
+    rank = 0
+    world_size = 1
+    distributed = False
+    device = "cpu"
+    device_kind = "cpu"
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+
+    @classmethod
+    def rank_before_connect(cls) -> int:
+        """The rank that signs an error raised before ``connect`` has learnt the real one."""
+        return int(os.environ.get("TRAINPERF_LOCAL_RANK", "0"))
+
+    # -- what a framework supplies ------------------------------------------------------------
+    def connect(self) -> None:
+        raise NotImplementedError
+
+    def memory_now(self) -> int:
+        """Memory in use now (before the model is built: the run's baseline)."""
+        raise NotImplementedError
+
+    def build(self) -> None:
+        """The model, head, optimizer and batches (``load_init`` for an alignment start)."""
+        raise NotImplementedError
+
+    def start_fields(self, baseline: int) -> dict[str, Any]:
+        """``Start``'s ``env``, ``settings``, ``backbone_params``, ``pfc_update`` (and any
+        other field the framework knows); ``baseline``: the memory in use before ``build``."""
+        raise NotImplementedError
+
+    def step(self, index: int) -> Any:
+        """Train step ``index``; what it returns (its loss, on the device) is kept."""
+        raise NotImplementedError
+
+    def markers(self) -> Sequence[Any]:
+        """What the loop's watcher waits on for the step just issued (``loop``)."""
+        return ()
+
+    def wait(self, markers: Sequence[Any]) -> None:
+        """Block until ``markers`` are ready (releasing the GIL)."""
+
+    def sync(self) -> None:
+        """Wait until the device has finished all queued work."""
+
+    def barrier(self) -> None:
+        """Meet every rank."""
+
+    def oom_error(self, message: str) -> BaseException:
+        """The framework's own out-of-memory error (for injected faults)."""
+        return MemoryError(message)
+
+    def read_losses(self, outputs: list[Any]) -> list[float]:
+        """Every step's loss on the host, read after the window."""
+        raise NotImplementedError
+
+    def skipped_steps(self) -> list[int]:
+        """Steps whose update fp16 loss scaling skipped."""
+        return []
+
+    def loss_scale(self) -> float | None:
+        return None
+
+    def memory_over_ranks(self) -> dict[str, Any]:
+        """``End``'s memory fields over every rank (a collective call, ``memory_fields``)."""
+        raise NotImplementedError
+
+    # -- what a framework may change ----------------------------------------------------------
+    def timed_loop(self, step: Callable[[int], Any], on_steps: Callable[[StepTimes], None]
+                   ) -> tuple[float, list[Any]]:
+        """The measured loop: ``loop.timed_loop``'s watcher for frameworks that queue their
+        work; a framework with its own device timers runs those (and ``loop_settings``)."""
+        measure = self.spec.measure
+        return timed_loop(step, self.markers, measure.iters, measure.warmup, on_steps,
+                          self.barrier, self.wait, self.sync)
+
+    def loop_settings(self) -> dict[str, Any]:
+        """What ``start`` says of the measured loop."""
+        return {"max_steps_in_flight": MAX_STEPS_IN_FLIGHT}
+
+    def data_wait(self, index: int) -> float | None:
+        """Real data: the host seconds step ``index`` waited for its batch."""
+        return None
+
+    def end_fields(self) -> dict[str, Any]:
+        """More of ``End`` (after the memory figures, a collective call on every rank)."""
+        return {}
+
+    def is_oom(self, exc: BaseException) -> bool:
+        return is_oom(exc)
+
+    def run(self, events: EventWriter) -> None:
+        """The scenario the spec asks for: a measured run."""
+        measured_run(self, events)
+
+    def close(self) -> None:
+        """After the run, failed or not (a process group to take down, say)."""
+
+
+def load_init(spec: RunSpec) -> dict[str, Any] | None:
+    """An alignment start's arrays (``RunSpec.init``), or None."""
+    if not spec.init:
+        return None
+    import numpy as np  # every worker's environment has it; the runner's need not
+
+    with np.load(spec.init) as f:
+        return {k: f[k] for k in f.files}
+
+
+def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
+    """A throughput run (``trainperf.protocol``): the baseline memory and the CPU memory cap,
+    the framework's model and step, rank 0's ``start``, ``measure.iters`` steps in the
+    measured loop with each step's event as its time is known, the losses and memory read
+    after the window, rank 0's ``end``, and a last barrier so that no rank leaves while
+    another still talks to it. A fault planned at step ``iters`` strikes after ``end``, as a
+    crash at teardown."""
+    spec = fw.spec
+    workload, measure = spec.workload, spec.measure
+    if fw.backend is not None:
+        why = fw.backend.work_refusal(workload, fw.device_kind, train=spec.train is not None,
+                                      real_data=spec.data is not None)
+        if why:
+            raise ValueError(why)
+    baseline = fw.memory_now()
+    if fw.device_kind == "cpu":
+        limit_cpu_memory(measure.memory_limit_bytes)
+    fw.build()
+    global_batch = workload.batch_size * fw.world_size
+    started = False
+
+    def write_start() -> None:
+        nonlocal started
+        started = True
+        if fw.rank != 0:
+            return
+        fields = fw.start_fields(baseline)
+        fields["settings"] = {**fields.get("settings", {}), **fw.loop_settings()}
+        events.emit(Start(world_size=fw.world_size, global_batch=global_batch, device=fw.device,
+                          workload=workload.to_dict(), baseline_memory_bytes=baseline,
+                          **fields))
+
+    if not fw.start_after_first_step:
+        write_start()
+    faults = parse_faults(fw.world_size)
+
+    def one_step(index: int) -> Any:
+        inject(faults, index, fw.rank, fw.oom_error)
+        return fw.step(index)
+
+    on_steps = StepReporter(events, fw.rank, measure, global_batch,
+                            first=None if started else write_start, data_wait=fw.data_wait)
+    try:
+        window_s, outputs = fw.timed_loop(one_step, on_steps)
+    except BaseException:
+        if not started:
+            write_start()
+        raise
+    on_steps.check_complete()
+    losses = fw.read_losses(outputs)
+    memory = fw.memory_over_ranks()
+    extra = fw.end_fields()
+    if fw.rank == 0:
+        events.emit(End.of_window(window_s, measure, global_batch, losses, fw.skipped_steps(),
+                                  final_loss_scale=fw.loss_scale(),
+                                  baseline_memory_bytes=baseline, **memory, **extra))
+    inject(faults, measure.iters, fw.rank, fw.oom_error)
+    fw.barrier()
+
+
+def worker_entry(argv: list[str] | None, doc: str, run_class: type[FrameworkRun]) -> int:
+    """Parse ``--spec``/``--events``, connect and run ``run_class``, and turn any failure into
+    an ``error`` event and the protocol's exit code. A distributed run that failed leaves
+    with ``os._exit``: a framework's normal shutdown would wait on peers that will never
+    answer; the launcher stops the rest."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--spec", required=True, help="JSON file: workload, measure, device")
     parser.add_argument("--events", required=True, help="JSON-lines file to append events to")
     args = parser.parse_args(argv)
     use_short_switch_interval()
-    events = EventWriter(args.events, int(os.environ.get("TRAINPERF_LOCAL_RANK", "0")))
+    events = EventWriter(args.events, run_class.rank_before_connect())
+    fw: FrameworkRun | None = None
     try:
-        run(RunSpec.load(args.spec), events)
+        fw = run_class(RunSpec.load(args.spec))
+        fw.connect()
+        events.rank = fw.rank
+        fw.run(events)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event
-        error = Error.of_exception(exc, is_oom(exc))
+        error = Error.of_exception(exc, fw.is_oom(exc) if fw is not None else is_oom(exc))
         events.emit(error)
-        if hard_exit():
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(error.exit_code)
+        if fw is not None and fw.distributed:
+            leave(error.exit_code)
         return error.exit_code
+    finally:
+        if fw is not None:
+            fw.close()
     return 0
 
 
@@ -96,10 +288,12 @@ class StepReporter:
     for its ``start`` event only from the first step writes it there)."""
 
     def __init__(self, events: EventWriter, rank: int, measure: Measure, global_batch: int,
-                 first: Callable[[], None] | None = None) -> None:
+                 first: Callable[[], None] | None = None,
+                 data_wait: Callable[[int], float | None] = lambda _: None) -> None:
         self.events, self.rank, self.measure = events, rank, measure
         self.global_batch = global_batch
         self.first = first
+        self.data_wait = data_wait
         self.timed: list[int] = []
 
     def __call__(self, done: StepTimes) -> None:
@@ -110,7 +304,8 @@ class StepReporter:
         if self.rank == 0:
             for index, seconds in done:
                 self.events.emit(Step(index=index, seconds=seconds, samples=self.global_batch,
-                                      warmup=index < self.measure.warmup))
+                                      warmup=index < self.measure.warmup,
+                                      data_wait_s=self.data_wait(index)))
 
     def check_complete(self) -> None:
         assert self.timed == list(range(self.measure.iters)), \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from .dali_feed import choose_decoder, every_decoder
 from .layout import Dataset
@@ -86,3 +87,32 @@ def decoders_of(text: str) -> list[str]:
 
 def to_dict(figure: LoaderFigure) -> dict:
     return asdict(figure)
+
+
+def sweep(dataset: Dataset, decoders: list[str], workers: list[int], *, task: str, size: int,
+          batch_size: int, batches: int, warmup: int,
+          on_figure: Callable[[LoaderFigure], None] = lambda _: None) -> list[LoaderFigure]:
+    """Every (decoder, worker count) the loader is measured at, figures in that order. DALI
+    decodes in its own threads: it has no in-process (0 workers) mode."""
+    if min(workers) < 0:
+        raise ValueError("--workers takes counts >= 0")
+    if batches < 1 or warmup < 0:
+        raise ValueError("--batches must be >= 1 and --warmup >= 0")
+    classes = 2**31 - 1  # nothing is trained: every label is welcome
+    figures = []
+    for name in decoders:
+        for n in [n for n in workers if n > 0] if name == "dali" else workers:
+            fig = measure(dataset, name, n, task=task, size=size, num_classes=classes,
+                          batch_size=batch_size, batches=batches, warmup=warmup)
+            on_figure(fig)
+            figures.append(fig)
+    return figures
+
+
+def document(dataset: Dataset, recipe: str, task: str, size: int, batch_size: int,
+             batches: int, warmup: int, env: dict, figures: list[LoaderFigure]) -> dict:
+    """``data_bench.json``: the figures with what they were measured on."""
+    return {"schema": "trainperf.data_bench/v1", "dataset": dataset.describe(),
+            "recipe": recipe, "task": task, "input_size": size, "batch_size": batch_size,
+            "batches": batches, "warmup": warmup, "env": env,
+            "figures": [to_dict(f) for f in figures]}

@@ -11,7 +11,7 @@ Everything comes from one seeded generator in a fixed order, so a seed gives the
 on every call (with the same numpy and Pillow).
 
 With ``val_pairs``, ``PREFIX.val.bin`` holds a verification set in insightface's ``.bin``
-format (``trainperf.verify``) made the same way from identities the training set lacks. It
+format (``trainperf.data.binset``) made the same way from identities the training set lacks. It
 draws from a second stream of the seed, so the ``.rec`` is the same with or without it.
 
 The set is easy: raw pixels (mean-subtracted, plus the mirror image) verify about 98-99.5 %
@@ -28,6 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .binset import write_bin
 from .layout import FACE
 from .pack import write_dataset
 from .recordio import paths
@@ -138,8 +139,6 @@ def synthesize(prefix: str | os.PathLike, identities: int, images_per_identity: 
     stem = str(paths(prefix)[0].with_suffix(""))
     val_bin = None
     if val_pairs:
-        from ..verify import write_bin
-
         val_bin = stem + ".val.bin"
         write_bin(val_bin, *_val_pairs(seed, val_pairs, val_identities, size, quality))
     return {"prefix": stem, "images": identities * images_per_identity,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..env import cpu_model, host_env, nvidia_driver
-from ..runner import POLL_S, kill_tree, log_tail
+from ..procs import POLL_S, kill_tree, log_tail
 from . import summary
 from .plan import Stage, select
 from .record import read_stage, stage_path

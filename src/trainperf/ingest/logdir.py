@@ -34,6 +34,16 @@ class Ingested:
     format_name: str = ""
     detected: bool = False
 
+    def write(self, out: Path) -> list[tuple[str, str, int, Path]]:
+        """Write each document as ``out/results.json``, or, where there are several, as
+        ``out/<model>_<precision>/results.json``: (model, precision, cases, path) of each."""
+        written = []
+        for (model, precision), doc in self.docs.items():
+            folder = out / f"{model}_{precision}" if len(self.docs) > 1 else out
+            results.write_json_atomic(folder / "results.json", doc)
+            written.append((model, precision, len(doc["cases"]), folder / "results.json"))
+        return written
+
 
 def find_logs(root: Path) -> tuple[list[LogFile], list[tuple[str, str]]]:
     logs, skipped = [], []

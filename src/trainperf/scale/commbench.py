@@ -24,7 +24,7 @@ from ..results import read_json
 
 from ..env import host_env
 from ..results import write_json_atomic
-from ..runner import cpu_threads_per_process, kill_tree, log_tail
+from ..procs import cpu_threads_per_process, kill_tree, log_tail
 
 SCHEMA = "trainperf.commbench/v1"
 WORKER_MODULE = "trainperf.scale.commbench_worker"

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from ..base import Backend, Cluster, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
+from ..catalog import FAMILIES
 
 PACKAGES = ("jax==0.10.2", "flax==0.12.8", "optax==0.2.8")
 CUDA_PACKAGES = ("jax[cuda12]==0.10.2", "flax==0.12.8", "optax==0.2.8")
@@ -27,5 +28,13 @@ def launch(req: LaunchRequest) -> Launch:
     return spawn_launch(req, "jax")
 
 
-BACKEND = Backend(name="jax", framework="jax", launch=launch,
-                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE))
+# NHWC throughout: XLA picks its layouts, so --channels-last changes nothing it runs.
+BACKEND = Backend(
+    name="jax", framework="jax", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
+                              precisions={"cpu": ("fp32", "bf16"),
+                                          "cuda": ("fp32", "fp16", "bf16")},
+                              families=FAMILIES, channels_last=True),
+    runs_as="flax linen, optax; one jitted `shard_map` step; pfc's global batch up to the "
+            "per-shard sample",
+    ranks_start="one process per rank, `jax.distributed` coordinator")

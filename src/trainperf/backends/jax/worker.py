@@ -35,11 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes, rss_peak_bytes,
-                         worker_main, StepReporter)
-from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start
+from ...protocol import RunSpec
+from ..workerkit import (FrameworkRun, gpu_names, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
+from .backend import BACKEND
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
 """XLA's CPU client runs Eigen's kernels (convolutions) on a pool of one thread per core; this
@@ -153,88 +152,98 @@ def _jaxlib_version() -> str | None:
 
 # ------------------------------------------------------------------------------------ run
 
-def run(spec: RunSpec, events: EventWriter, layout) -> None:
-    import jax
+class JaxRun(FrameworkRun):
+    backend = BACKEND
 
-    from .step import TrainStep, init_batch, synthetic_batch
+    def connect(self) -> None:
+        configure_process(self.spec)
+        from .dist import initialize_from_env, layout_from_env
 
-    workload, measure = spec.workload, spec.measure
-    baseline = current_memory(layout)
-    if layout.device_type == "cpu":
-        limit_cpu_memory(measure.memory_limit_bytes)
-    init = dict(np.load(spec.init)) if spec.init else None
-    step = TrainStep(workload, layout, init=init)
-    if init is not None:
-        images, labels = layout.per_rank(lambda r: init_batch(workload, init, r))
-    else:
-        images, labels = layout.per_rank(lambda r: synthetic_batch(workload, r))
-    global_batch = workload.batch_size * layout.world_size
+        # After a failure, a normal exit would wait for the other ranks at JAX's shutdown
+        # barrier.
+        self.distributed = initialize_from_env()
+        self.layout = layout = layout_from_env(self.distributed)
+        self.rank, self.world_size = layout.rank, layout.world_size
+        self.device, self.device_kind = layout.device, layout.device_type
 
-    t0 = time.perf_counter()
-    step.compile(images, labels)
-    compile_s = time.perf_counter() - t0
+    def memory_now(self) -> int:
+        return current_memory(self.layout)
 
-    if layout.rank == 0:
+    def build(self) -> None:
+        from .step import TrainStep, init_batch, synthetic_batch
+
+        workload, layout = self.spec.workload, self.layout
+        init = load_init(self.spec)
+        self.train_step = TrainStep(workload, layout, init=init)
+        if init is not None:
+            self.images, self.labels = layout.per_rank(lambda r: init_batch(workload, init, r))
+        else:
+            self.images, self.labels = layout.per_rank(lambda r: synthetic_batch(workload, r))
+        t0 = time.perf_counter()
+        self.train_step.compile(self.images, self.labels)
+        self.compile_s = time.perf_counter() - t0
+
+    def start_fields(self, baseline: int) -> dict:
+        import jax
+
+        step, workload = self.train_step, self.spec.workload
         settings = {
-            "compile_s": compile_s,
+            "compile_s": self.compile_s,
             "compile": "jax.jit(jax.shard_map(step)).lower(...).compile() before the loop; "
                        "state buffers donated to the next step",
             "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
             "xla_cost_flops_per_step": step.cost_flops(),
             "precision": workload.precision,
             "rng": "rbg",
-            "mesh": {"axis": "r", "devices": layout.world_size},
+            "mesh": {"axis": "r", "devices": self.world_size},
             "cudnn_benchmark": None,
             "ddp": None,
-            "max_steps_in_flight": MAX_STEPS_IN_FLIGHT,
             "loss_scaling": "dynamic, one overflow decision for all ranks, on the device"
             if workload.precision == "fp16" else None,
         }
-        events.emit(Start(
-            world_size=layout.world_size, global_batch=global_batch, device=layout.device,
-            env=framework_env(layout, spec.threads), workload=workload.to_dict(),
-            settings=settings, backbone_params=step.param_count, pfc_update=step.pfc_update,
-            baseline_memory_bytes=baseline))
-    faults = parse_faults(layout.world_size)
+        return {"env": framework_env(self.layout, self.spec.threads), "settings": settings,
+                "backbone_params": step.param_count, "pfc_update": step.pfc_update}
 
-    def one_step(index: int) -> Any:
-        inject(faults, index, layout.rank,
-               lambda msg: jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {msg}"))
-        return step(images, labels)
+    def step(self, index: int) -> Any:
+        return self.train_step(self.images, self.labels)
 
-    on_steps = StepReporter(events, layout.rank, measure, global_batch)
-    window_s, losses = timed_loop(one_step, lambda: step.markers, measure.iters,
-                                  measure.warmup, on_steps, layout.barrier,
-                                  jax.block_until_ready,
-                                  lambda: jax.block_until_ready(step.state))
-    on_steps.check_complete()
-    # Read-backs after the window: this rank's losses, the skipped steps, the loss scale.
-    loss_values = [float(layout.local_value(loss)[0]) for loss in losses]
-    skipped, scale = step.skipped_steps(), step.loss_scale()
-    memory = memory_over_ranks(layout)
-    if layout.rank == 0:
-        events.emit(End.of_window(window_s, measure, global_batch, loss_values, skipped,
-                                  final_loss_scale=scale, baseline_memory_bytes=baseline,
-                                  **memory))
-    # No rank leaves (and shuts the coordinator down) while another still talks to it.
-    layout.barrier("trainperf-end")
+    def markers(self) -> list:
+        return self.train_step.markers
+
+    def wait(self, markers) -> None:
+        import jax
+
+        jax.block_until_ready(markers)
+
+    def sync(self) -> None:
+        import jax
+
+        jax.block_until_ready(self.train_step.state)
+
+    def barrier(self) -> None:
+        self.layout.barrier()
+
+    def oom_error(self, message: str) -> BaseException:
+        import jax
+
+        return jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {message}")
+
+    def read_losses(self, outputs: list) -> list[float]:
+        """This rank's losses (device arrays until now)."""
+        return [float(self.layout.local_value(loss)[0]) for loss in outputs]
+
+    def skipped_steps(self) -> list[int]:
+        return self.train_step.skipped_steps()
+
+    def loss_scale(self) -> float | None:
+        return self.train_step.loss_scale()
+
+    def memory_over_ranks(self) -> dict:
+        return memory_over_ranks(self.layout)
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = False
-
-    def run_spec(spec: RunSpec, events: EventWriter) -> None:
-        nonlocal started
-        configure_process(spec)
-        from .dist import initialize_from_env, layout_from_env
-
-        started = initialize_from_env()
-        layout = layout_from_env(started)
-        events.rank = layout.rank
-        run(spec, events, layout)
-
-    # After a failure, a normal exit would wait for the other ranks at JAX's shutdown barrier.
-    return worker_main(argv, __doc__, run_spec, hard_exit=lambda: started)
+    return worker_entry(argv, __doc__, JaxRun)
 
 
 if __name__ == "__main__":

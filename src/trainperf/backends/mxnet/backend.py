@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..base import Backend, EnvSpec, Launch, LaunchRequest
+from ...config import Topology, Tuning, Workload
+from ..base import Backend, Capabilities, EnvSpec, Launch, LaunchRequest
+from ..catalog import FAMILIES
 
 # MXNet 1.9.1 is the last release; numpy 1.24 removed aliases it still uses.
 PACKAGES = ("mxnet==1.9.1", "numpy<1.24")
@@ -23,5 +25,23 @@ def launch(req: LaunchRequest) -> Launch:
                    *req.worker_args])
 
 
-BACKEND = Backend(name="mxnet", framework="mxnet", launch=launch,
-                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp", "mp"))
+def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str | None:
+    """kvstore ``device`` is one process driving every device of one node, data parallel."""
+    if tuning.mxnet_kvstore != "device":
+        return None
+    if topology.nnodes > 1:
+        return ("--mxnet-kvstore device runs in one process on one node; several nodes use "
+                "dist_sync")
+    if topology.devices_per_node > 1 and workload.task == "face" and workload.fc != "dp":
+        return "kvstore device runs data parallel only (--fc dp); use dist_sync for --fc mp"
+    return None
+
+
+BACKEND = Backend(
+    name="mxnet", framework="mxnet", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    capabilities=Capabilities(heads=("dp", "mp"),
+                              precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
+                              families=FAMILIES),
+    runs_as="Gluon, hybridized; fp16 through AMP",
+    ranks_start="a scheduler and server (`dist_sync`) or one process (`device`)",
+    refuse_more=kvstore_rules)

@@ -20,19 +20,13 @@ import sys
 import mxnet as mx
 import numpy as np
 
-from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (cudnn_version, gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_main, StepReporter)
-from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start
 from ...config import Tuning
+from ..workerkit import (FrameworkRun, cudnn_version, gpu_names, load_init, memory_fields,
+                         rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
+from .backend import BACKEND
 from .comm import Comm, comm_from_env
 from .step import TrainStep, init_batch, synthetic_batch
-
-def wait_ready(arrays) -> None:
-    for array in arrays:
-        array.wait_to_read()
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -48,13 +42,6 @@ def current_memory(comm: Comm) -> int:
     if comm.device_type == "gpu":
         return _gpu_used(comm.contexts[0])
     return rss_now_bytes()
-
-
-def limit_memory(limit_bytes: int | None, comm: Comm) -> None:
-    """Cap this process's data segment on CPU (as the torch worker): a run that needs more
-    fails with an allocation error instead of taking the machine down."""
-    if comm.device_type == "cpu":
-        limit_cpu_memory(limit_bytes)
 
 
 def peak_memory(comm: Comm) -> list[tuple[int, int]]:
@@ -131,65 +118,72 @@ def configure(tuning: Tuning, threads: int | None) -> None:
 
 # ------------------------------------------------------------------------------------ run
 
-def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
-    workload, measure = spec.workload, spec.measure
-    baseline = current_memory(comm)
-    limit_memory(measure.memory_limit_bytes, comm)
-    configure(spec.tuning, spec.threads)
-    init = np.load(spec.init) if spec.init else None
-    step = TrainStep(workload, comm, spec.tuning, init=init)
-    batches = [init_batch(workload, init, rank, ctx) if init is not None
-               else synthetic_batch(workload, rank, ctx)
-               for ctx, rank in zip(comm.contexts, comm.ranks)]
-    global_batch = workload.batch_size * comm.world_size
-    if comm.rank == 0:
-        settings = dict(step.settings)
-        settings["cudnn_benchmark"] = spec.tuning.cudnn_benchmark \
-            if comm.device_type == "gpu" else None
-        settings["ddp"] = None
-        settings["max_steps_in_flight"] = MAX_STEPS_IN_FLIGHT
-        events.emit(Start(
-            world_size=comm.world_size, global_batch=global_batch, device=comm.device,
-            env=framework_env(comm, spec.threads), workload=workload.to_dict(),
-            settings=settings, backbone_params=models.param_count(step.net),
-            pfc_update="full" if workload.task == "face" else None,
-            baseline_memory_bytes=baseline))
-    faults = parse_faults(comm.world_size)
+class MXNetRun(FrameworkRun):
+    backend = BACKEND
 
-    def one_step(index: int) -> mx.nd.NDArray:
-        inject(faults, index, comm.rank, lambda msg: mx.base.MXNetError(msg))
-        return step(batches)
+    def connect(self) -> None:
+        self.comm = comm = comm_from_env(self.spec.device)
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.distributed = comm.distributed  # a normal exit would finalize the kvstore
+        self.device = comm.device
+        self.device_kind = "cuda" if comm.device_type == "gpu" else "cpu"
 
-    on_steps = StepReporter(events, comm.rank, measure, global_batch)
-    window_s, losses = timed_loop(one_step, lambda: step.markers, measure.iters,
-                                  measure.warmup, on_steps, comm.barrier, wait_ready,
-                                  mx.nd.waitall)
-    on_steps.check_complete()
-    # Read-backs after the window.
-    loss_values = [float(v) for v in
-                   mx.nd.concat(*[l.reshape((1,)).as_in_context(mx.cpu()) for l in losses],
-                                dim=0).asnumpy()]
-    memory = memory_over_ranks(comm)
-    if comm.rank == 0:
-        events.emit(End.of_window(window_s, measure, global_batch, loss_values,
-                                  step.skipped_steps, final_loss_scale=step.loss_scale,
-                                  baseline_memory_bytes=baseline, **memory))
-    # No rank tears the kvstore down while another still talks to it.
-    comm.barrier()
+    def memory_now(self) -> int:
+        return current_memory(self.comm)
+
+    def build(self) -> None:
+        spec, comm = self.spec, self.comm
+        configure(spec.tuning, spec.threads)
+        init = load_init(spec)
+        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init)
+        self.batches = [init_batch(spec.workload, init, rank, ctx) if init is not None
+                        else synthetic_batch(spec.workload, rank, ctx)
+                        for ctx, rank in zip(comm.contexts, comm.ranks)]
+
+    def start_fields(self, baseline: int) -> dict:
+        step, comm = self.train_step, self.comm
+        settings = {**step.settings, "ddp": None,
+                    "cudnn_benchmark": self.spec.tuning.cudnn_benchmark
+                    if comm.device_type == "gpu" else None}
+        return {"env": framework_env(comm, self.spec.threads), "settings": settings,
+                "backbone_params": models.param_count(step.net),
+                "pfc_update": "full" if self.spec.workload.task == "face" else None}
+
+    def step(self, index: int) -> mx.nd.NDArray:
+        return self.train_step(self.batches)
+
+    def markers(self) -> list:
+        return self.train_step.markers
+
+    def wait(self, markers) -> None:
+        for array in markers:
+            array.wait_to_read()
+
+    def sync(self) -> None:
+        mx.nd.waitall()
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def oom_error(self, message: str) -> BaseException:
+        return mx.base.MXNetError(message)
+
+    def read_losses(self, outputs: list) -> list[float]:
+        host = [loss.reshape((1,)).as_in_context(mx.cpu()) for loss in outputs]
+        return [float(v) for v in mx.nd.concat(*host, dim=0).asnumpy()]
+
+    def skipped_steps(self) -> list[int]:
+        return self.train_step.skipped_steps
+
+    def loss_scale(self) -> float | None:
+        return self.train_step.loss_scale
+
+    def memory_over_ranks(self) -> dict:
+        return memory_over_ranks(self.comm)
 
 
 def main(argv: list[str] | None = None) -> int:
-    comm: Comm | None = None
-
-    def run_spec(spec: RunSpec, events: EventWriter) -> None:
-        nonlocal comm
-        comm = comm_from_env(spec.device)
-        events.rank = comm.rank
-        run(spec, events, comm)
-
-    # Leaving normally would finalize the kvstore, which waits for every other rank.
-    return worker_main(argv, __doc__, run_spec,
-                       hard_exit=lambda: comm is not None and comm.distributed)
+    return worker_entry(argv, __doc__, MXNetRun)
 
 
 if __name__ == "__main__":

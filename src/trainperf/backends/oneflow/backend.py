@@ -15,7 +15,7 @@ import glob
 import os
 from pathlib import Path
 
-from ..base import Backend, Cluster, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
 
 PYTHONS = ("3.10", "3.9", "3.8")
 PACKAGES = ("oneflow==0.9.0", "numpy<2")
@@ -49,4 +49,8 @@ def launch(req: LaunchRequest) -> Launch:
 BACKEND = Backend(
     name="oneflow", framework="oneflow", launch=launch,
     env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
-    fc_modes=("dp", "mp"))
+    capabilities=Capabilities(heads=("dp", "mp"),
+                              precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
+                              families=("iresnet",)),
+    runs_as="eager; mp as a global tensor, `split(0)`",
+    ranks_start="one process per rank, torch-style variables")

@@ -28,19 +28,12 @@ wait_for_rank0()
 import numpy as np  # noqa: E402
 import oneflow as flow  # noqa: E402
 
-from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (cudnn_version, gpu_names, limit_cpu_memory, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_main, StepReporter)
-from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start
+from ..workerkit import (FrameworkRun, cudnn_version, gpu_names, load_init, memory_fields,
+                         rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
+from .backend import BACKEND
 from .dist import Dist, dist_from_env
 from .step import TrainStep, init_batch, synthetic_batch
-
-
-def wait_ready(arrays: Sequence[flow.Tensor]) -> None:
-    for array in arrays:
-        array.numpy()
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -110,64 +103,66 @@ def framework_env(dist: Dist, threads: int | None) -> dict:
 
 # ------------------------------------------------------------------------------------ run
 
-def run(spec: RunSpec, events: EventWriter, dist: Dist) -> None:
-    workload, measure = spec.workload, spec.measure
-    baseline = current_memory(dist)
-    if dist.device_type == "cpu":
-        limit_cpu_memory(measure.memory_limit_bytes)
-    init = None
-    if spec.init:
-        with np.load(spec.init) as f:
-            init = {k: f[k] for k in f.files}
-    step = TrainStep(workload, dist, spec.tuning, init=init)
-    images, labels = (init_batch(workload, init, dist) if init is not None
-                      else synthetic_batch(workload, dist))
-    global_batch = workload.batch_size * dist.world_size
-    if dist.rank == 0:
-        settings = dict(step.settings)
-        settings["cudnn_benchmark"] = None
-        settings["max_steps_in_flight"] = MAX_STEPS_IN_FLIGHT
-        events.emit(Start(
-            world_size=dist.world_size, global_batch=global_batch, device=dist.device_name,
-            env=framework_env(dist, spec.threads), workload=workload.to_dict(),
-            settings=settings, backbone_params=models.param_count(step.backbone),
-            pfc_update="full", baseline_memory_bytes=baseline))
-    faults = parse_faults(dist.world_size)
+class OneFlowRun(FrameworkRun):
+    backend = BACKEND
 
-    def one_step(index: int) -> flow.Tensor:
-        inject(faults, index, dist.rank, lambda msg: MemoryError(msg))
-        return step(images, labels)
+    def connect(self) -> None:
+        if self.spec.threads:
+            # Before the first eager operation, as OneFlow asks.
+            flow.set_num_threads(int(self.spec.threads))
+        self.dist = dist = dist_from_env(self.spec.device)
+        self.rank, self.world_size = dist.rank, dist.world_size
+        # OneFlow's shutdown meets every other rank; after a failure they may never come.
+        self.distributed = dist.distributed
+        self.device, self.device_kind = dist.device_name, dist.device_type
 
-    on_steps = StepReporter(events, dist.rank, measure, global_batch)
-    window_s, losses = timed_loop(one_step, lambda: step.markers, measure.iters,
-                                  measure.warmup, on_steps, dist.barrier, wait_ready, dist.sync)
-    on_steps.check_complete()
-    # Read-backs after the window.
-    loss_values = [float(v) for v in flow.stack([l.reshape(()) for l in losses]).numpy()]
-    memory = memory_over_ranks(dist)
-    if dist.rank == 0:
-        events.emit(End.of_window(window_s, measure, global_batch, loss_values,
-                                  step.skipped_steps, final_loss_scale=step.loss_scale,
-                                  baseline_memory_bytes=baseline, **memory))
-    # No rank leaves while another still talks to it.
-    dist.barrier()
+    def memory_now(self) -> int:
+        return current_memory(self.dist)
+
+    def build(self) -> None:
+        spec, dist = self.spec, self.dist
+        init = load_init(spec)
+        self.train_step = TrainStep(spec.workload, dist, spec.tuning, init=init)
+        self.images, self.labels = (init_batch(spec.workload, init, dist) if init is not None
+                                    else synthetic_batch(spec.workload, dist))
+
+    def start_fields(self, baseline: int) -> dict:
+        step = self.train_step
+        return {"env": framework_env(self.dist, self.spec.threads),
+                "settings": {**step.settings, "cudnn_benchmark": None},
+                "backbone_params": models.param_count(step.backbone), "pfc_update": "full"}
+
+    def step(self, index: int) -> flow.Tensor:
+        return self.train_step(self.images, self.labels)
+
+    def markers(self) -> list:
+        return self.train_step.markers
+
+    def wait(self, markers: Sequence[flow.Tensor]) -> None:
+        for array in markers:
+            array.numpy()
+
+    def sync(self) -> None:
+        self.dist.sync()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def read_losses(self, outputs: list) -> list[float]:
+        return [float(v) for v in flow.stack([loss.reshape(()) for loss in outputs]).numpy()]
+
+    def skipped_steps(self) -> list[int]:
+        return self.train_step.skipped_steps
+
+    def loss_scale(self) -> float | None:
+        return self.train_step.loss_scale
+
+    def memory_over_ranks(self) -> dict:
+        return memory_over_ranks(self.dist)
 
 
 def main(argv: list[str] | None = None) -> int:
-    dist: Dist | None = None
-
-    def run_spec(spec: RunSpec, events: EventWriter) -> None:
-        nonlocal dist
-        if spec.threads:
-            # Before the first eager operation, as OneFlow asks.
-            flow.set_num_threads(int(spec.threads))
-        dist = dist_from_env(spec.device)
-        events.rank = dist.rank
-        run(spec, events, dist)
-
-    # OneFlow's shutdown meets every other rank; after a failure they may never come.
-    return worker_main(argv, __doc__, run_spec,
-                       hard_exit=lambda: dist is not None and dist.distributed)
+    return worker_entry(argv, __doc__, OneFlowRun)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ several."""
 
 from __future__ import annotations
 
-from ..base import Backend, Cluster, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
+from ..catalog import FAMILIES
 
 PACKAGES = ("paddlepaddle==3.3.1", "numpy>=1.26,<3")
 # Paddle's CUDA wheels of 3.x are published on its own index, not on PyPI.
@@ -38,5 +39,10 @@ def launch(req: LaunchRequest) -> Launch:
                         {CUDNN_SEARCH_FLAG: "1" if req.tuning.cudnn_benchmark else "0"})
 
 
-BACKEND = Backend(name="paddle", framework="paddle", launch=launch,
-                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp", "mp", "pfc"))
+BACKEND = Backend(
+    name="paddle", framework="paddle", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
+                              precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")},
+                              families=FAMILIES),
+    runs_as="dynamic graph, AMP O1; pfc by PLSC's rule, sparse or dense update",
+    ranks_start="one process per rank, `PADDLE_*` variables; gloo on CPU")

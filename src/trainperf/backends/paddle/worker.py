@@ -23,43 +23,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
 
 import numpy as np
 import paddle
 
-from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, leave, limit_cpu_memory, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_main, StepReporter)
-from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start
+from ..workerkit import (FrameworkRun, gpu_names, leave, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
 from . import models
-from .backend import CUDNN_SEARCH_FLAG
+from .backend import BACKEND, CUDNN_SEARCH_FLAG
 from .comm import Comm, comm_from_env
 from .step import TrainStep, init_batch, synthetic_batch
 
 EVENT_POLL_S = 5e-5
-
-
-def wait_events(markers: Sequence) -> None:
-    for event in markers:
-        while not event.query():
-            time.sleep(EVENT_POLL_S)
-
-
-def step_markers(comm: Comm) -> list:
-    """What the watcher waits on for the step just issued: nothing on a CPU (the step has run),
-    an event recorded on the current stream on a GPU."""
-    if comm.device_type != "gpu":
-        return []
-    event = paddle.device.Event()
-    event.record()
-    return [event]
-
-
-def sync(comm: Comm) -> None:
-    if comm.device_type == "gpu":
-        paddle.device.synchronize()
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -125,62 +100,75 @@ def configure(threads: int | None) -> None:
 
 # ------------------------------------------------------------------------------------ run
 
-def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
-    workload, measure = spec.workload, spec.measure
-    baseline = current_memory(comm)
-    if comm.device_type == "cpu":
-        limit_cpu_memory(measure.memory_limit_bytes)
-    configure(spec.threads)
-    init = dict(np.load(spec.init)) if spec.init else None
-    step = TrainStep(workload, comm, spec.tuning, init=init)
-    images, labels = (init_batch(workload, init, comm.rank) if init is not None
-                      else synthetic_batch(workload, comm.rank))
-    global_batch = workload.batch_size * comm.world_size
-    if comm.rank == 0:
-        settings = dict(step.settings)
-        settings["cudnn_benchmark"] = (os.environ.get(CUDNN_SEARCH_FLAG) == "1"
-                                       if comm.device_type == "gpu" else None)
-        settings["ddp"] = None
-        settings["max_steps_in_flight"] = MAX_STEPS_IN_FLIGHT
-        events.emit(Start(
-            world_size=comm.world_size, global_batch=global_batch, device=comm.device,
-            env=framework_env(comm, spec.threads), workload=workload.to_dict(),
-            settings=settings, backbone_params=models.param_count(step.net),
-            pfc_update=step.pfc_update, baseline_memory_bytes=baseline))
-    faults = parse_faults(comm.world_size)
+class PaddleRun(FrameworkRun):
+    backend = BACKEND
 
-    def one_step(index: int) -> paddle.Tensor:
-        inject(faults, index, comm.rank, MemoryError)
-        return step(images, labels)
+    def connect(self) -> None:
+        self.comm = comm = comm_from_env(self.spec.device)
+        self.rank, self.world_size = comm.rank, comm.world_size
+        # A failed rank leaves at once: Paddle's exit would wait on peers stuck in a collective.
+        self.distributed = comm.distributed
+        self.device = comm.device
+        self.device_kind = "cuda" if comm.device_type == "gpu" else "cpu"
 
-    on_steps = StepReporter(events, comm.rank, measure, global_batch)
-    window_s, losses = timed_loop(one_step, lambda: step_markers(comm), measure.iters,
-                                  measure.warmup, on_steps, comm.barrier, wait_events,
-                                  lambda: sync(comm))
-    on_steps.check_complete()
-    # Read-backs after the window.
-    loss_values = [float(v) for v in paddle.stack(losses).astype("float32").numpy()]
-    memory = memory_over_ranks(comm)
-    if comm.rank == 0:
-        events.emit(End.of_window(window_s, measure, global_batch, loss_values,
-                                  step.skipped_steps, final_loss_scale=step.loss_scale,
-                                  baseline_memory_bytes=baseline, **memory))
-    # No rank tears its process group down while another still talks to it.
-    comm.barrier()
+    def memory_now(self) -> int:
+        return current_memory(self.comm)
+
+    def build(self) -> None:
+        spec, comm = self.spec, self.comm
+        configure(spec.threads)
+        init = load_init(spec)
+        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init)
+        self.images, self.labels = (init_batch(spec.workload, init, comm.rank) if init is not None
+                                    else synthetic_batch(spec.workload, comm.rank))
+
+    def start_fields(self, baseline: int) -> dict:
+        step, comm = self.train_step, self.comm
+        settings = {**step.settings, "ddp": None,
+                    "cudnn_benchmark": os.environ.get(CUDNN_SEARCH_FLAG) == "1"
+                    if comm.device_type == "gpu" else None}
+        return {"env": framework_env(comm, self.spec.threads), "settings": settings,
+                "backbone_params": models.param_count(step.net), "pfc_update": step.pfc_update}
+
+    def step(self, index: int) -> paddle.Tensor:
+        return self.train_step(self.images, self.labels)
+
+    def markers(self) -> list:
+        """Nothing on a CPU (the step has run), an event recorded on the current stream on a
+        GPU."""
+        if self.comm.device_type != "gpu":
+            return []
+        event = paddle.device.Event()
+        event.record()
+        return [event]
+
+    def wait(self, markers) -> None:
+        for event in markers:
+            while not event.query():
+                time.sleep(EVENT_POLL_S)
+
+    def sync(self) -> None:
+        if self.comm.device_type == "gpu":
+            paddle.device.synchronize()
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def read_losses(self, outputs: list) -> list[float]:
+        return [float(v) for v in paddle.stack(outputs).astype("float32").numpy()]
+
+    def skipped_steps(self) -> list[int]:
+        return self.train_step.skipped_steps
+
+    def loss_scale(self) -> float | None:
+        return self.train_step.loss_scale
+
+    def memory_over_ranks(self) -> dict:
+        return memory_over_ranks(self.comm)
 
 
 def main(argv: list[str] | None = None) -> int:
-    comm: Comm | None = None
-
-    def run_spec(spec: RunSpec, events: EventWriter) -> None:
-        nonlocal comm
-        comm = comm_from_env(spec.device)
-        events.rank = comm.rank
-        run(spec, events, comm)
-
-    # A failed rank leaves at once: Paddle's exit would wait on peers stuck in a collective.
-    return worker_main(argv, __doc__, run_spec,
-                       hard_exit=lambda: comm is not None and comm.distributed)
+    return worker_entry(argv, __doc__, PaddleRun)
 
 
 if __name__ == "__main__":

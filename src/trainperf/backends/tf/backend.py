@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from ..base import Backend, Cluster, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
 
 PACKAGES = ("tensorflow-cpu==2.21.0",)
 CUDA_PACKAGES = ("tensorflow[and-cuda]==2.21.0",)
@@ -32,6 +32,12 @@ def launch(req: LaunchRequest) -> Launch:
                                     else "0"})
 
 
-# Data parallel only: the sharded heads (mp, pfc) are not written for TensorFlow.
-BACKEND = Backend(name="tf", framework="tensorflow", launch=launch,
-                  env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE), fc_modes=("dp",))
+# Data parallel only: the sharded heads (mp, pfc) are not written for TensorFlow. Its
+# convolutions are NHWC, so --channels-last is what it runs anyway.
+BACKEND = Backend(
+    name="tf", framework="tensorflow", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    capabilities=Capabilities(heads=("dp",),
+                              precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
+                              families=("iresnet", "resnet_v1b"), channels_last=True),
+    runs_as="tf.Variable and tf.nn in one tf.function",
+    ranks_start="`MultiWorkerMirroredStrategy` (`TF_CONFIG`, RING on CPU)")

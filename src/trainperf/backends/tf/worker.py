@@ -30,20 +30,12 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from ..loop import MAX_STEPS_IN_FLIGHT, timed_loop
-from ..workerkit import (gpu_names, leave, limit_cpu_memory, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_main, StepReporter)
-from ...faults import inject, parse_faults
-from ...protocol import End, EventWriter, RunSpec, Start
+from ..workerkit import (FrameworkRun, gpu_names, leave, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
 from . import models
+from .backend import BACKEND
 from .comm import Comm
 from .step import TrainStep, init_batch, synthetic_batch
-
-
-def wait_ready(arrays) -> None:
-    for array in arrays:
-        array.numpy()
-
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -117,99 +109,88 @@ def framework_env(comm: Comm, threads: int | None) -> dict:
 
 # ------------------------------------------------------------------------------------ run
 
-def run(spec: RunSpec, events: EventWriter, comm: Comm) -> None:
-    workload, measure = spec.workload, spec.measure
-    baseline = current_memory(comm)
-    if comm.device_type == "cpu":
-        limit_cpu_memory(measure.memory_limit_bytes)
-    init = np.load(spec.init) if spec.init else None
-    step = TrainStep(workload, comm, init=init)
-    images, labels = (init_batch(workload, init, comm.rank, comm.tf_device) if init is not None
-                      else synthetic_batch(workload, comm.rank, comm.tf_device))
-    global_batch = workload.batch_size * comm.world_size
-    faults = parse_faults(comm.world_size)
-    compile_s: list[float] = []
-    started = False
+class TFRun(FrameworkRun):
+    backend = BACKEND
+    start_after_first_step = True  # its settings carry step 0's tracing and compilation time
 
-    def write_start() -> None:
-        nonlocal started
-        started = True
-        if comm.rank != 0:
-            return
-        settings = dict(step.settings)
-        settings.update({
-            "compile_s": compile_s[0] if compile_s else None,
-            "cudnn_benchmark": spec.tuning.cudnn_benchmark if comm.device_type == "gpu" else None,
-            "ddp": None, "max_steps_in_flight": MAX_STEPS_IN_FLIGHT,
-            "onednn_opts": onednn_opts()})
-        events.emit(Start(
-            world_size=comm.world_size, global_batch=global_batch, device=comm.device,
-            env=framework_env(comm, spec.threads), workload=workload.to_dict(),
-            settings=settings, backbone_params=models.param_count(step.backbone),
-            pfc_update="full" if workload.task == "face" else None,
-            baseline_memory_bytes=baseline))
+    def connect(self) -> None:
+        # Read once, at the first convolution: cuDNN's timing of its algorithms per shape.
+        os.environ["TF_CUDNN_USE_AUTOTUNE"] = "1" if self.spec.tuning.cudnn_benchmark else "0"
+        self.comm = comm = Comm.create(self.spec.device, self.spec.threads)
+        self.rank, self.world_size = comm.rank, comm.world_size
+        # A failing rank leaves at once: TensorFlow's shutdown would wait on peers stuck in a
+        # collective; the launcher stops them.
+        self.distributed = comm.distributed
+        self.device = comm.device
+        self.device_kind = "cuda" if comm.device_type == "gpu" else "cpu"
+        self.compile_s: float | None = None
+        self.outputs: list[tuple] = []
 
-    outputs: list[tuple] = []
+    def memory_now(self) -> int:
+        return current_memory(self.comm)
 
-    def one_step(index: int):
-        inject(faults, index, comm.rank,
-               lambda msg: tf.errors.ResourceExhaustedError(None, None, msg))
+    def build(self) -> None:
+        spec, comm = self.spec, self.comm
+        init = load_init(spec)
+        self.train_step = TrainStep(spec.workload, comm, init=init)
+        self.images, self.labels = (
+            init_batch(spec.workload, init, comm.rank, comm.tf_device) if init is not None
+            else synthetic_batch(spec.workload, comm.rank, comm.tf_device))
+
+    def start_fields(self, baseline: int) -> dict:
+        step, comm = self.train_step, self.comm
+        settings = {**step.settings, "compile_s": self.compile_s, "ddp": None,
+                    "cudnn_benchmark": self.spec.tuning.cudnn_benchmark
+                    if comm.device_type == "gpu" else None,
+                    "onednn_opts": onednn_opts()}
+        return {"env": framework_env(comm, self.spec.threads), "settings": settings,
+                "backbone_params": models.param_count(step.backbone),
+                "pfc_update": "full" if self.spec.workload.task == "face" else None}
+
+    def step(self, index: int) -> tuple:
         t0 = time.perf_counter()
-        out = step(images, labels)
+        out = self.train_step(self.images, self.labels)
         if index == 0:
-            compile_s.append(time.perf_counter() - t0)
-        outputs.append(out)
+            self.compile_s = time.perf_counter() - t0
+        self.outputs.append(out)
         return out
 
-    def start_once() -> None:
-        if not started:
-            write_start()
+    def markers(self) -> tuple:
+        return self.outputs[-1][:2]
 
-    on_steps = StepReporter(events, comm.rank, measure, global_batch, first=start_once)
+    def wait(self, markers) -> None:
+        for array in markers:
+            array.numpy()
 
-    def sync() -> None:
-        if not comm.distributed:
+    def sync(self) -> None:
+        if not self.comm.distributed:
             tf.test.experimental.sync_devices()
-        elif outputs:
+        elif self.outputs:
             # sync_devices would also sync the other workers' devices, which a multi-worker
             # eager context refuses; the last step's markers depend on all of its work.
-            wait_ready(outputs[-1][:2])
+            self.wait(self.outputs[-1][:2])
 
-    try:
-        window_s, _ = timed_loop(one_step, lambda: outputs[-1][:2], measure.iters,
-                                 measure.warmup, on_steps, comm.barrier, wait_ready, sync)
-    except BaseException:
-        start_once()
-        raise
-    on_steps.check_complete()
-    # Read-backs after the window.
-    losses = [float(v) for v in tf.stack([o[0] for o in outputs]).numpy()]
-    skipped = [i for i, o in enumerate(outputs) if bool(o[2].numpy())]
-    memory = memory_over_ranks(comm)
-    if comm.rank == 0:
-        scale = float(step.loss_scale.numpy()) if step.fp16 else None
-        events.emit(End.of_window(window_s, measure, global_batch, losses, skipped,
-                                  final_loss_scale=scale, baseline_memory_bytes=baseline,
-                                  **memory))
-    # No rank leaves while another still needs it for a collective.
-    comm.barrier()
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def oom_error(self, message: str) -> BaseException:
+        return tf.errors.ResourceExhaustedError(None, None, message)
+
+    def read_losses(self, outputs: list) -> list[float]:
+        return [float(v) for v in tf.stack([o[0] for o in outputs]).numpy()]
+
+    def skipped_steps(self) -> list[int]:
+        return [i for i, o in enumerate(self.outputs) if bool(o[2].numpy())]
+
+    def loss_scale(self) -> float | None:
+        return float(self.train_step.loss_scale.numpy()) if self.train_step.fp16 else None
+
+    def memory_over_ranks(self) -> dict:
+        return memory_over_ranks(self.comm)
 
 
 def main(argv: list[str] | None = None) -> int:
-    comm: Comm | None = None
-
-    def run_spec(spec: RunSpec, events: EventWriter) -> None:
-        nonlocal comm
-        # Read once, at the first convolution: cuDNN's timing of its algorithms per shape.
-        os.environ["TF_CUDNN_USE_AUTOTUNE"] = "1" if spec.tuning.cudnn_benchmark else "0"
-        comm = Comm.create(spec.device, spec.threads)
-        events.rank = comm.rank
-        run(spec, events, comm)
-
-    # A failing rank leaves at once: TensorFlow's shutdown would wait on peers stuck in a
-    # collective; the launcher stops them.
-    return worker_main(argv, __doc__, run_spec,
-                       hard_exit=lambda: comm is not None and comm.distributed)
+    return worker_entry(argv, __doc__, TFRun)
 
 
 if __name__ == "__main__":

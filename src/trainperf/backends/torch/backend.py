@@ -11,7 +11,8 @@ rank's death in a summary of its own, not in the rank's own words.
 
 from __future__ import annotations
 
-from ..base import Backend, Cluster, Launch, LaunchRequest
+from ..base import Backend, Capabilities, Cluster, Launch, LaunchRequest
+from ..catalog import FAMILIES
 
 
 def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
@@ -26,4 +27,11 @@ def launch(req: LaunchRequest) -> Launch:
     return spawn_launch(req, "torch")
 
 
-BACKEND = Backend(name="torch", framework="pytorch", launch=launch, trains=True)
+BACKEND = Backend(
+    name="torch", framework="pytorch", launch=launch,
+    capabilities=Capabilities(
+        heads=("dp", "mp", "pfc"),
+        precisions={"cpu": ("fp32", "fp16", "bf16"), "cuda": ("fp32", "fp16", "bf16")},
+        families=FAMILIES, channels_last=True, real_data=True, trains=True),
+    runs_as="eager modules, DDP; pfc with a sparse (default) or dense update",
+    ranks_start="one process per rank, `torch.distributed.run`'s variables")

@@ -1,4 +1,4 @@
-"""Face verification of a torch backbone on insightface's ``.bin`` sets (``trainperf.verify``).
+"""Face verification of a torch backbone on insightface's ``.bin`` sets (``trainperf.data.binset``, ``trainperf.verify``).
 
 As insightface evaluates: each image's embedding plus its horizontal flip's, in eval mode
 (BatchNorm running statistics, no dropout), in fp32 whatever the training precision, so the
@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ... import verify
+from ...data.binset import VerificationSet, read_bin
 from ...data.pipeline import FACE_MEAN, FACE_STD
 
 
@@ -35,7 +36,7 @@ def embed(backbone: nn.Module, images: np.ndarray, device: torch.device, batch_s
     return np.concatenate(out) if out else np.empty((0, 0), np.float32)
 
 
-def evaluate_sets(backbone: nn.Module, sets: list[verify.VerificationSet],
+def evaluate_sets(backbone: nn.Module, sets: list[VerificationSet],
                   device: torch.device, batch_size: int = 64, far: float = 1e-3
                   ) -> dict[str, dict]:
     """Each set's 10-fold verification figures, by set name."""
@@ -57,7 +58,7 @@ def verify_checkpoint(path: str, val_paths: list[str], device_kind: str = "auto"
     if workload.task != "face":
         raise CheckpointError(f"{where} holds a {workload.task} model: verification sets are "
                               "for face embeddings")
-    sets = [verify.read_bin(p, size=workload.input_size) for p in val_paths]
+    sets = [read_bin(p, size=workload.input_size) for p in val_paths]
     device = resolve_device(device_kind)
     backbone = workload_backbone(workload)
     backbone.load_state_dict(read_backbone(where, "cpu")["model"])

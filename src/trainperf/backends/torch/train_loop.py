@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ... import verify
+from ...data.binset import read_bin
 from ...faults import inject, parse_faults
 from ...protocol import End, Eval, EventWriter, RunSpec, Step
 from . import checkpoint
@@ -30,8 +30,8 @@ from .dist import DistContext
 from .evaluation import evaluate_sets
 from .step import TrainStep
 from .timing import make_timer
-from .worker import (configure_backend, current_memory, emit_start, memory_over_ranks,
-                     peak_memory)
+from .runtime import (configure_backend, current_memory, emit_start, memory_over_ranks,
+                      peak_memory)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -61,7 +61,7 @@ def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
         raise ValueError("training to accuracy reads real data: the spec needs data")
     baseline = current_memory(ctx.device)
     # Read the verification sets before anything costly: a bad file fails the run at once.
-    sets = ([verify.read_bin(p, size=workload.input_size) for p in plan.val]
+    sets = ([read_bin(p, size=workload.input_size) for p in plan.val]
             if ctx.rank == 0 else [])
     configure_backend(spec.tuning, ctx.device)
     step = TrainStep(workload, ctx, spec.tuning)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import register
+from .registry import register
 
 BN_EPS = 1e-5
 WIDTHS = (64, 128, 256, 512)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import register
+from .registry import register
 
 
 class Bottleneck(nn.Module):

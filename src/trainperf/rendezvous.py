@@ -27,8 +27,8 @@ from typing import Any
 
 import psutil
 
-from ..backends.base import Cluster
-from ..backends.spawn import free_ports
+from .backends.base import Cluster
+from .backends.spawn import free_ports
 
 POLL_S = 0.1
 DEFAULT_TIMEOUT_S = 300.0

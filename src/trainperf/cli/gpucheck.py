@@ -1,4 +1,4 @@
-"""``trainperf gpucheck``: argument parsing for the offline GPU check."""
+"""`trainperf gpucheck` (``make gpu-check``): the offline GPU check, in parts."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import time
 from pathlib import Path
 
 from ..config import parse_list
-from .plan import PARTS, STAGES
+from ..gpucheck.plan import PARTS, STAGES
+from .common import EXIT_OK, EXIT_RUN_FAILED
 
 
-def add_parser(sub) -> None:
+def register(sub) -> None:
     p = sub.add_parser("gpucheck", help="the offline GPU check (make gpu-check): every GPU "
                                         "path, the seeds' table, capacity, peers, real data")
     p.add_argument("--part", type=int, choices=list(PARTS),
@@ -26,14 +27,14 @@ def add_parser(sub) -> None:
                                  "gpucheck-results/<time>-<part>); must be new or empty")
     p.add_argument("--work", help="folder for the raw results and logs (default "
                                   "gpucheck-work/<time>-<part>)")
+    p.set_defaults(handler=cmd_gpucheck)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..cli import _interrupt_on_sigterm
-    from .orchestrate import run_check
+def cmd_gpucheck(args: argparse.Namespace) -> int:
+    from ..gpucheck.orchestrate import run_check
+    from ..procs import interrupt_on_sigterm
 
-    _interrupt_on_sigterm()  # a scheduler's SIGTERM stops the stage and writes the summary
-
+    interrupt_on_sigterm()  # a scheduler's SIGTERM stops the stage and writes the summary
     name = f"part{args.part}" if args.part else "all"
     out = Path(args.out or f"gpucheck-results/{time.strftime('%Y%m%d-%H%M%S')}-{name}")
     doc = run_check(out, args.part, args.mode, parse_list(args.stages) if args.stages else None,
@@ -41,4 +42,4 @@ def run(args: argparse.Namespace) -> int:
     print((out / "summary.md").read_text(encoding="utf-8"))
     print(f"gpucheck: {out / 'summary.md'}")
     failed = [s["stage"] for s in doc["stages"] if s["status"] in ("failed", "timeout")]
-    return 1 if failed else 0
+    return EXIT_RUN_FAILED if failed else EXIT_OK

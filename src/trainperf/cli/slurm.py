@@ -1,9 +1,10 @@
-"""`trainperf slurm`: its arguments and the command. The script and the job's handling are in
-``slurm.py``; this module only turns a command line into them.
+"""`trainperf slurm`: write an sbatch script that runs a benchmark on several nodes, and with
+``--submit`` follow the job to its end. The script and the job's handling are in
+``trainperf.scale.slurm``; this module turns a command line into them.
 
-The run options are `trainperf run`'s own (``cli._add_run_options``), read back into an argv for
-the script; the ones that place a node (node count, rank, addresses, rendezvous) are the
-script's to set, from Slurm's variables.
+The run options are `trainperf run`'s own, read back into an argv for the script; the ones that
+place a node (node count, rank, addresses, rendezvous) are the script's to set, from Slurm's
+variables.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 from pathlib import Path
 
-from . import slurm
+from ..config import parse_int_list
+from ..scale import slurm
+from .common import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED, add_run_options, plan_from_args
+from .run import add_run_command_arguments
 
 # dest -> why the user may not set it: the script derives it per task.
 SET_BY_SCRIPT = {
@@ -26,7 +29,6 @@ SET_BY_SCRIPT = {
 }
 # Run options the command handles itself rather than passing on as given.
 OWN_DESTS = {"out", "devices"}
-EXIT_OK, EXIT_RUN_FAILED = 0, 1
 
 
 def _flag(dest: str) -> str:
@@ -46,18 +48,13 @@ class _SetByScript(argparse.Action):
 
 def run_option_defaults() -> dict[str, object]:
     """Every option of `trainperf run` the script passes on, with run's default."""
-    from ..cli import _add_run_options
-
     scratch = argparse.ArgumentParser(add_help=False)
-    _add_run_options(scratch)
+    add_run_options(scratch)
     return {dest: value for dest, value in vars(scratch.parse_args([])).items()
             if dest not in SET_BY_SCRIPT and dest not in OWN_DESTS}
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    """Add ``slurm`` to the CLI's subcommands."""
-    from ..cli import _add_run_options
-
+def register(sub) -> None:
     p = sub.add_parser(
         "slurm", conflict_handler="resolve",  # to take over run's --out, --devices and more
         help="write an sbatch script that runs a benchmark on several nodes (and submit it)",
@@ -66,7 +63,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "the job to its end and write OUT/report.md as `run` does. OUT must be on "
                     "a filesystem every node sees.")
     p.add_argument("recipe")
-    _add_run_options(p)
+    add_run_options(p)
     for dest in SET_BY_SCRIPT:
         p.add_argument(_flag(dest), action=_SetByScript)
     p.add_argument("--devices", help="processes per node, as for run (default: "
@@ -90,7 +87,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "nodes' runs on one CPU host (default 1)")
     g.add_argument("--submit", action="store_true",
                    help="submit the script, follow the job to its end and write the report")
-    return p
+    p.set_defaults(handler=cmd_slurm)
 
 
 def run_argv(args: argparse.Namespace) -> list[str]:
@@ -114,20 +111,20 @@ def run_argv(args: argparse.Namespace) -> list[str]:
 def check_with_run(job: slurm.SlurmJob) -> None:
     """Parse the command every task will run with run's own parser and plan it, so a usage
     error shows here rather than on the cluster after the queue."""
-    from ..cli import build_parser, plan_from_args
-
     nnodes = job.nodes * job.tasks_per_node
-    argv = ["run", job.recipe, *job.run_argv, "--nnodes", str(nnodes),
+    argv = [job.recipe, *job.run_argv, "--nnodes", str(nnodes),
             "--rdzv", f"localhost:{job.rdzv_port or slurm.RDZV_PORT_BASE}",
             "--out", str(job.out_dir / slurm.NODE_DIR.format(0))]
-    args, unknown = build_parser().parse_known_args(argv)
+    run = argparse.ArgumentParser(prog="trainperf run")
+    add_run_command_arguments(run)
+    args, unknown = run.parse_known_args(argv)
     assert not unknown, f"run does not take {unknown}"
     plan_from_args(args)
 
 
 def job_from_args(args: argparse.Namespace) -> slurm.SlurmJob:
-    from ..config import parse_int_list
     from ..recipes import get_recipe
+    from ..results import default_folder
 
     get_recipe(args.recipe)
     if args.devices is None:
@@ -136,7 +133,7 @@ def job_from_args(args: argparse.Namespace) -> slurm.SlurmJob:
     if args.gpus_per_node and max(devices) > args.gpus_per_node:
         raise ValueError(f"--devices {args.devices} asks for more processes per node than "
                          f"--gpus-per-node {args.gpus_per_node}")
-    out = Path(args.out or f"results/slurm-{args.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out) if args.out else default_folder(f"slurm-{args.recipe}")
     job = slurm.SlurmJob(recipe=args.recipe, run_argv=tuple(run_argv(args)), out_dir=out,
                          nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          tasks_per_node=args.tasks_per_node, partition=args.partition,
@@ -162,29 +159,27 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def submit_and_follow(job: slurm.SlurmJob, path: Path) -> int:
-    from ..cli import _interrupt_on_sigterm
-    from ..report.assemble import write_report
+    from ..procs import interrupt_on_sigterm
 
     job_id = slurm.submit(path)
     print(f"slurm job {job_id}: submitted ({path}); its log: {job.output_path(job_id)}",
           flush=True)
-    _interrupt_on_sigterm()
+    interrupt_on_sigterm()
     try:
         end = slurm.follow(job_id, say=lambda text: print(text, flush=True))
     except KeyboardInterrupt:
         print(f"trainperf: interrupted; cancelling slurm job {job_id}", file=sys.stderr)
         slurm.cancel(job_id)
-        return 130
+        return EXIT_INTERRUPTED
     print(f"--- last lines of {job.output_path(job_id)} ---")
     print(slurm.tail(job.output_path(job_id)))
     print("---")
     try:
-        leader = slurm.find_leader(job.out_dir)
+        # As `run` writes it, from the node that kept the measurements.
+        leader, report = slurm.collect(job.out_dir)
     except ValueError as exc:
         print(f"trainperf: {exc}", file=sys.stderr)
         return EXIT_RUN_FAILED
-    # As `run` writes it, from the node that kept the measurements.
-    report = write_report([str(leader)], job.out_dir, False)
     print(report.read_text(encoding="utf-8"))
     print(f"results: {leader / 'results.json'}")
     print(f"report: {report}")

@@ -1,0 +1,57 @@
+"""The framework table: what every registered backend runs, read from each one's declaration
+(``Backend.capabilities``), as rows, as the README's Markdown table and for `trainperf list
+--frameworks`. Nothing here says it again: a backend that learns a head or a precision changes
+its ``backend.py``, and the table follows."""
+
+from __future__ import annotations
+
+from . import BACKENDS, catalog
+from .base import Backend
+
+COLUMNS = ("framework", "version", "heads", "precisions on a CPU", "precisions on a GPU",
+           "backbones", "channels-last", "real data (`--data`)", "trains to a target",
+           "several nodes", "written as", "ranks start through")
+FAMILY_NAMES = {"iresnet": "IResNet", "mobilefacenet": "MobileFaceNet",
+                "resnet_v1b": "ResNet v1b"}
+
+
+def version(backend: Backend) -> str:
+    """The framework release its environment pins (the first package of its ``EnvSpec``);
+    torch's is whatever is installed."""
+    if backend.env is None:
+        return "the installed one"
+    return backend.env.packages[0].partition("==")[2] or "-"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def row(backend: Backend) -> dict[str, str]:
+    caps = backend.capabilities
+    families = [f for f in catalog.FAMILIES if f in caps.families]
+    return {
+        "framework": backend.name,
+        "version": version(backend),
+        "heads": ", ".join(caps.heads),
+        "precisions on a CPU": ", ".join(caps.precisions.get("cpu", ())) or "-",
+        "precisions on a GPU": ", ".join(caps.precisions.get("cuda", ())) or "-",
+        "backbones": ", ".join(FAMILY_NAMES[f] for f in families),
+        "channels-last": _yes(caps.channels_last),
+        "real data (`--data`)": _yes(caps.real_data),
+        "trains to a target": _yes(caps.trains),
+        "several nodes": _yes(caps.several_nodes),
+        "written as": backend.runs_as,
+        "ranks start through": backend.ranks_start,
+    }
+
+
+def rows() -> list[dict[str, str]]:
+    return [row(b) for b in BACKENDS.values()]
+
+
+def markdown_table() -> str:
+    """The README's framework table (a test keeps the README's copy equal to this)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r[c] for c in COLUMNS) + " |" for r in rows()]
+    return "\n".join(lines)

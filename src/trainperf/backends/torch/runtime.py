@@ -1,0 +1,120 @@
+"""What the torch backend's scenarios share around the step: out-of-memory recognition, memory
+figures and limits, backend speed settings, and rank 0's ``start`` event. The throughput run
+(``worker.py``) and training to accuracy (``train_loop.py``) both build on it, so neither
+imports the other."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from ...config import Tuning, Workload
+from ...protocol import EventWriter, Start
+from .dist import DistContext, all_gather
+from .env import framework_env
+from .flops import backbone_profile, train_flops_per_sample
+from .memory_model import estimate
+from .step import TrainStep
+
+
+def is_oom(exc: BaseException, memory_capped: bool = False) -> bool:
+    """``memory_capped``: the process runs under ``--memory-limit``, where oneDNN reports an
+    allocation the cap refused as a primitive it could not create (seen in capacity searches
+    on CPU); without a cap that message means something else."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    # std::bad_alloc: C++ code's allocation failed (seen under a capacity search's cap, from
+    # an allocation outside torch's allocator).
+    return "out of memory" in text or "can't allocate memory" in text or (
+        "defaultcpuallocator" in text) or "bad_alloc" in text or (
+        memory_capped and "could not create a primitive" in text)
+
+
+def current_memory(device: torch.device) -> int:
+    """Memory in use now: allocated device memory, or this process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    if device.type == "cuda":
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    # ru_maxrss is in KiB on Linux.
+    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def memory_over_ranks(values: dict[str, int], ctx: DistContext) -> dict:
+    """The largest of each figure across ranks, and every rank's peak."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=ctx.device)
+    per_rank = all_gather(t[None], ctx)
+    out: dict = {k: int(v) for k, v in zip(values, per_rank.max(dim=0).values.tolist())}
+    out["peak_memory_bytes_per_rank"] = [int(v) for v in per_rank[:, 0].tolist()]
+    return out
+
+
+def waits_over_ranks(window_wait_s: float, ctx: DistContext) -> list[float]:
+    """Every rank's seconds of the window spent waiting for batches."""
+    t = torch.tensor([[window_wait_s]], dtype=torch.float64, device=ctx.device)
+    return all_gather(t, ctx)[:, 0].tolist()
+
+
+def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> int:
+    """Classes each sample's logits are computed over, summed over shards."""
+    head = step.head
+    if head is None or not head.sampling:
+        return workload.num_classes
+    return head.num_sample * ctx.world_size
+
+
+def configure_backend(tuning: Tuning, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = tuning.cudnn_benchmark
+        if tuning.tf32 != "default":
+            on = tuning.tf32 == "on"
+            torch.backends.cudnn.allow_tf32 = on
+            torch.backends.cuda.matmul.allow_tf32 = on
+
+
+def step_settings(step: TrainStep, device: torch.device) -> dict:
+    """The speed settings this run's step actually runs with."""
+    return {"cudnn_benchmark": torch.backends.cudnn.benchmark if device.type == "cuda" else None,
+            "ddp": step.ddp_settings,
+            "loss_scaling": "dynamic, one overflow decision for all ranks"
+            if step.workload.precision == "fp16" else None}
+
+
+def start_fields(ctx: DistContext, step: TrainStep, baseline: int, input_info: dict | None,
+                 **settings) -> dict:
+    """What only the torch worker knows for rank 0's ``start`` event: its environment and
+    settings, and what it predicts of the run (FLOPs per sample, the memory model's peak)."""
+    workload = step.workload
+    params, fwd_flops = backbone_profile(
+        workload.backbone, workload.input_size, embedding_size=workload.embedding_size,
+        num_classes=workload.num_classes, output_block=workload.output_block)
+    flops = train_flops_per_sample(
+        fwd_flops, workload.embedding_size if workload.task == "face" else 0,
+        classes_computed(workload, step, ctx))
+    model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
+    return {"env": framework_env(ctx.device),
+            "settings": {**step_settings(step, ctx.device), "input": input_info, **settings},
+            "backbone_params": params, "train_flops_per_sample": sum(flops.values()),
+            "train_flops_by_op": flops, "pfc_update": step.pfc_update,
+            "predicted_peak_bytes": baseline + model.total_bytes,
+            "memory_model": model.to_dict()}
+
+
+def emit_start(events: EventWriter, ctx: DistContext, step: TrainStep, baseline: int,
+               input_info: dict | None, **settings) -> None:
+    """Rank 0's ``start`` event: what runs, and what the worker predicts of it."""
+    if ctx.rank != 0:  # only rank 0 reports; rank 0 also holds the largest class shard
+        return
+    workload = step.workload
+    events.emit(Start(world_size=ctx.world_size, global_batch=workload.batch_size * ctx.world_size,
+                      device=str(ctx.device), workload=workload.to_dict(),
+                      baseline_memory_bytes=baseline,
+                      **start_fields(ctx, step, baseline, input_info, **settings)))

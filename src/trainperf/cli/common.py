@@ -1,0 +1,133 @@
+"""What several commands share: exit codes, option groups, and turning options into the typed
+settings the modules below take (``Topology``, ``Tuning``, ``Measure``, a plan's changes)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..backends import BACKENDS
+from ..config import (MXNET_KVSTORES, TF32_MODES, Measure, Topology, Tuning, parse_bytes,
+                      parse_int_list)
+
+EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130
+
+
+def add_topology_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", default="1", help="processes per node; a list sweeps cases "
+                   "(default 1)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--rdzv", metavar="HOST:PORT",
+                   help="several nodes: run the same command on every node; they meet at "
+                        "HOST:PORT (torch's c10d rendezvous, hosted by the node that is HOST) "
+                        "and get their node ranks there, instead of --node-rank/--master-addr")
+    p.add_argument("--rdzv-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a node waits for the others, at each meeting and in a "
+                        "collective whose peer vanished (default 300)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+
+
+def add_tuning_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mxnet-kvstore", choices=list(MXNET_KVSTORES), default="dist_sync",
+                   help="mxnet on several devices: one process per rank with a parameter "
+                        "server (dist_sync, default) or one process for all (device)")
+    p.add_argument("--tf-onednn", action="store_true",
+                   help="tf: turn TensorFlow's oneDNN custom CPU ops on (off by default: "
+                        "they corrupt memory on AVX-512 CPUs in 1x1 stride-2 convolutions "
+                        "with few channels)")
+    p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
+    p.add_argument("--tf32", choices=list(TF32_MODES), default="default",
+                   help="GPU fp32: default (torch's: TF32 convolutions, fp32 matrix products), "
+                        "off (all full fp32), on (all TF32)")
+    p.add_argument("--no-cudnn-benchmark", action="store_true",
+                   help="GPU: do not let cuDNN time its algorithms (it does by default)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=Tuning.ddp_bucket_mb,
+                   help=f"DDP gradient bucket size in MiB (default {Tuning.ddp_bucket_mb:g})")
+    p.add_argument("--ddp-broadcast-buffers", action="store_true",
+                   help="re-send rank 0's BatchNorm buffers before every forward (off by "
+                        "default, as in arcface_torch)")
+    p.add_argument("--no-ddp-static-graph", action="store_true",
+                   help="do not tell DDP the graph is the same every step")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """`trainperf run`'s options (``search`` and ``slurm`` take them too)."""
+    p.add_argument("--framework", default="torch",
+                   help=f"backend(s) to run: {', '.join(BACKENDS)}; a list sweeps them "
+                        "side by side (default torch)")
+    add_topology_options(p)
+    p.add_argument("--batch-size", help="per device; a list sweeps cases (default: recipe's)")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--fc", choices=["dp", "mp", "pfc"])
+    p.add_argument("--sample-ratio", type=float)
+    p.add_argument("--pfc-update", choices=["sparse", "dense"],
+                   help="pfc: update sampled rows only (default) or the whole matrix "
+                        "(arcface_torch)")
+    p.add_argument("--num-classes", type=int)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--iters", type=int, default=120)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
+    p.add_argument("--memory-limit", help="per-process memory cap for CPU runs, e.g. 8GiB")
+    add_tuning_options(p)
+    p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
+
+
+def add_loader_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument("--decoder", default="auto",
+                   help=f"{prefix}JPEG decoder (auto: the fastest installed; see "
+                        "`trainperf data bench`)")
+    p.add_argument("--loader-workers", type=int,
+                   help=f"{prefix}loader processes per rank (default: cores per rank less "
+                        "one, 1 to 8)")
+
+
+def tuning_from_args(args: argparse.Namespace) -> Tuning:
+    return Tuning(cudnn_benchmark=not args.no_cudnn_benchmark,
+                  ddp_bucket_mb=args.ddp_bucket_mb,
+                  ddp_static_graph=not args.no_ddp_static_graph,
+                  ddp_broadcast_buffers=args.ddp_broadcast_buffers,
+                  mxnet_kvstore=args.mxnet_kvstore, tf_onednn=args.tf_onednn,
+                  tf32=args.tf32)
+
+
+def topology_from_args(args: argparse.Namespace) -> Topology:
+    """The topology every case shares (``--devices`` makes the cases)."""
+    if args.rdzv:
+        from ..rendezvous import parse_endpoint
+
+        parse_endpoint(args.rdzv)
+    return Topology(1, args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                    args.device, args.rdzv, args.rdzv_timeout)
+
+
+def measure_from_args(args: argparse.Namespace) -> Measure:
+    return Measure(runs=args.runs, iters=args.iters, warmup=args.warmup,
+                   timeout_s=args.timeout,
+                   memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
+                   else None)
+
+
+def plan_from_args(args: argparse.Namespace) -> list:
+    """The plans of `trainperf run` (``search`` and ``slurm`` plan with them too)."""
+    from ..plans import open_data, parse_frameworks, throughput_plans, workload_changes
+
+    changes = workload_changes(args.fc, args.sample_ratio, precision=args.precision,
+                               pfc_update=args.pfc_update, num_classes=args.num_classes,
+                               channels_last=True if args.channels_last else None)
+    batches = (parse_int_list(args.batch_size, "--batch-size") if args.batch_size else None)
+    out = getattr(args, "resume", None) or args.out
+    data = None
+    prefix = getattr(args, "data", None)
+    frameworks = parse_frameworks(args.framework)
+    if prefix:
+        data = open_data(prefix, args.decoder, args.loader_workers)
+    return throughput_plans(args.recipe, changes, batches,
+                            parse_int_list(args.devices, "--devices"), measure_from_args(args),
+                            tuning_from_args(args), topology_from_args(args), frameworks,
+                            Path(out) if out else None, data,
+                            not getattr(args, "no_synthetic_baseline", False))

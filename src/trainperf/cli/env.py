@@ -1,0 +1,89 @@
+"""`trainperf env` (each framework's environment) and `trainperf align` (does a framework train
+the same numbers as PyTorch)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..config import parse_int_list, parse_list
+from .common import EXIT_OK, EXIT_RUN_FAILED
+
+
+def register(sub) -> None:
+    env = sub.add_parser("env", help="per-framework environments")
+    env_sub = env.add_subparsers(dest="env_command", required=True)
+    create = env_sub.add_parser("create", help="build a framework's environment")
+    create.add_argument("names", nargs="+", metavar="FRAMEWORK")
+    create.add_argument("--force", action="store_true", help="rebuild even if it is ready")
+    create.add_argument("--cpu", action="store_true",
+                        help="install the CPU build even on a machine with a GPU")
+    create.add_argument("--where-possible", action="store_true",
+                        help="skip, with a line saying why, a framework whose wheels exist "
+                             "for no Python this machine has (any other failure still fails)")
+    create.set_defaults(handler=cmd_create)
+    env_sub.add_parser("list", help="each framework's environment and versions (`trainperf "
+                                    "list --frameworks`: what each runs)"
+                       ).set_defaults(handler=cmd_list)
+
+    align = sub.add_parser("align", help="check that a framework trains the same numbers as "
+                           "PyTorch from the same weights and batch")
+    align.add_argument("recipe")
+    align.add_argument("--framework", required=True)
+    align.add_argument("--devices", default="1,2", help="rank counts to check (default 1,2)")
+    align.add_argument("--fc", default="dp,mp", help="head modes to check (default dp,mp)")
+    align.add_argument("--steps", type=int, default=5, help="SGD steps (default 5)")
+    align.add_argument("--batch-size", type=int, help="per device (default: the recipe's)")
+    align.add_argument("--num-classes", type=int)
+    align.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    align.add_argument("--out", help="folder for the weights, runs and align.json")
+    align.set_defaults(handler=cmd_align)
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    from .. import envs
+    from ..backends import get_backend
+
+    for name in args.names:
+        get_backend(name)
+    for name in args.names:
+        try:
+            st = envs.create(name, force=args.force, cuda=False if args.cpu else None)
+        except envs.NoPython as exc:
+            if not args.where_possible:
+                raise
+            print(f"{name}: skipped: {exc}")
+            continue
+        versions = ", ".join(f"{k} {v}" for k, v in st.versions.items())
+        print(f"{name}: {st.state} at {st.path} ({versions or st.detail})")
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .. import envs
+
+    tbl = Table(title="trainperf framework environments")
+    for col in ("framework", "state", "versions", "where"):
+        tbl.add_column(col, overflow="fold")
+    for st in envs.states():
+        versions = ", ".join(f"{k} {v}" for k, v in st.versions.items()) or st.detail
+        tbl.add_row(st.name, st.state, versions, st.path)
+    Console().print(tbl)
+    return EXIT_OK
+
+
+def cmd_align(args: argparse.Namespace) -> int:
+    from ..align import render_table, request, run_alignment
+    from ..procs import interrupt_on_sigterm
+
+    req = request(args.recipe, args.framework, parse_int_list(args.devices, "--devices"),
+                  parse_list(args.fc), args.steps, args.timeout,
+                  Path(args.out) if args.out else None, args.batch_size, args.num_classes)
+    interrupt_on_sigterm()
+    outcome = run_alignment(req)
+    print(render_table(outcome))
+    print(f"alignment: {req.out / 'align.json'}")
+    return EXIT_OK if outcome["aligned"] else EXIT_RUN_FAILED

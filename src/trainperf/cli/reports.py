@@ -1,0 +1,104 @@
+"""`trainperf report`, `export`, `ingest` and `references`: read results (trainperf's, older
+tools' logs, the published figures) and write them out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .common import EXIT_OK
+
+
+def register(sub) -> None:
+    rep = sub.add_parser("report", help="tables and plots of one or more result folders")
+    rep.add_argument("dirs", nargs="+")
+    rep.add_argument("--out", help="folder for report.md and plots (default: the first DIR)")
+    rep.add_argument("--references", action="store_true",
+                     help="add the matching published DLPerf rows beside each result")
+    rep.set_defaults(handler=cmd_report)
+    refs = sub.add_parser("references", help="list the published figures trainperf carries")
+    refs.add_argument("--framework")
+    refs.add_argument("--model")
+    refs.set_defaults(handler=cmd_references)
+    exp = sub.add_parser("export", help="write results in another tool's shape")
+    exp.add_argument("dir")
+    exp.add_argument("--format", required=True, choices=["dlperf"])
+    exp.add_argument("--out", help="file to write (default: stdout)")
+    exp.set_defaults(handler=cmd_export)
+    ing = sub.add_parser("ingest", help="read logs of older tools into results")
+    ing.add_argument("logdir")
+    ing.add_argument("--format", default="auto", help="auto or one of: mxnet-speedometer, "
+                     "mxnet-partialfc, oneflow-face, plsc, arcface-torch, tf-timehistory, "
+                     "dllogger")
+    ing.add_argument("--method", default="exact", choices=["exact", "dlperf"],
+                     help="which figure fills samples_per_s (both are kept)")
+    ing.add_argument("--out", help="output folder (default results/ingest-<logdir name>)")
+    ing.set_defaults(handler=cmd_ingest)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ..report.assemble import write_report
+
+    path = write_report(args.dirs, Path(args.out or args.dirs[0]), args.references)
+    print(path.read_text(encoding="utf-8"))
+    print(f"report: {path}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .. import results
+
+    text = json.dumps(results.export_dlperf(results.load(args.dir)), indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from ..ingest import ingest_logdir
+
+    got = ingest_logdir(args.logdir, args.format, args.method)
+    if got.detected:
+        print(f"format: {got.format_name} (detected)", file=sys.stderr)
+    for path, reason in got.skipped:
+        print(f"skipped {path}: {reason}", file=sys.stderr)
+    out = Path(args.out or f"results/ingest-{Path(args.logdir.rstrip('/')).name}")
+    for model, precision, cases, path in got.write(out):
+        print(f"{model} {precision}: {cases} cases -> {path}")
+    return EXIT_OK
+
+
+def cmd_references(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..references import DEVICE, load_max_classes, load_throughput
+
+    rows = [r for r in load_throughput()
+            if (not args.framework or r.framework == args.framework)
+            and (not args.model or r.model == args.model)]
+    tbl = Table(title=f"Published DLPerf throughput ({DEVICE})")
+    for col in ("framework", "model", "precision", "batch", "nodes", "gpus", "samples/s",
+                "speedup", "mode"):
+        tbl.add_column(col, no_wrap=col != "mode")
+    for r in rows:
+        tbl.add_row(r.framework, r.model, r.precision, str(r.batch_size_per_device),
+                    str(r.nodes), str(r.devices_per_node), f"{r.samples_per_s:.2f}",
+                    "-" if r.speedup is None else f"{r.speedup:.2f}", r.mode)
+    console = Console()
+    console.print(tbl)
+    caps = Table(title="Published max num_classes")
+    for col in ("framework", "model", "precision", "batch", "nodes", "gpus", "partial fc",
+                "max classes"):
+        caps.add_column(col, no_wrap=True)
+    for c in load_max_classes():
+        caps.add_row(c.framework, c.model, c.precision, str(c.batch_size_per_device),
+                     str(c.nodes), str(c.devices_per_node),
+                     f"{c.sample_ratio}" if c.partial_fc else "no", f"{c.max_num_classes:,}")
+    console.print(caps)
+    print(f"{len(rows)} throughput rows")
+    return EXIT_OK

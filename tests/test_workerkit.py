@@ -1,0 +1,155 @@
+"""The worker skeleton (``backends/workerkit.py``) that every framework's worker runs on, checked
+with a framework made of plain Python: the events it writes, in order, with the window's
+arithmetic; failures as error events and exit codes; the declaration checked before anything
+is built; ``start`` after the first step for frameworks that report its compile time."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from trainperf.backends.base import Backend, Capabilities, Launch
+from trainperf.backends.workerkit import FrameworkRun, worker_entry
+from trainperf.config import Measure
+from trainperf.protocol import RunSpec, decode
+from trainperf.recipes import get_recipe
+
+STEP_S = 0.002
+DECLARED = Backend(name="plain", framework="plain", launch=lambda req: Launch([]),
+                   capabilities=Capabilities(heads=("dp",), precisions={"cpu": ("fp32",)},
+                                             families=("iresnet",)))
+
+
+class PlainRun(FrameworkRun):
+    """Steps that sleep; the 'device' is the host, so every wait and sync is a no-op."""
+
+    backend = DECLARED
+    built = False
+
+    def connect(self) -> None:
+        self.device, self.device_kind = "cpu", "cpu"
+
+    def memory_now(self) -> int:
+        return 1000
+
+    def build(self) -> None:
+        PlainRun.built = True
+        self.scale_seen = []
+
+    def start_fields(self, baseline: int) -> dict:
+        return {"env": {"framework": "plain"}, "settings": {"baseline_seen": baseline},
+                "backbone_params": 7, "pfc_update": None}
+
+    def step(self, index: int) -> float:
+        time.sleep(STEP_S)
+        return 10.0 - index
+
+    def read_losses(self, outputs: list) -> list[float]:
+        return [float(v) for v in outputs]
+
+    def memory_over_ranks(self) -> dict:
+        return {"peak_memory_bytes": 2000, "peak_memory_bytes_per_rank": [2000]}
+
+
+class CompiledRun(PlainRun):
+    start_after_first_step = True
+
+    def start_fields(self, baseline: int) -> dict:
+        fields = super().start_fields(baseline)
+        fields["settings"]["compile_s"] = getattr(self, "compile_s", None)
+        return fields
+
+    def step(self, index: int) -> float:
+        if index == 0:
+            self.compile_s = 0.5
+        return super().step(index)
+
+
+@pytest.fixture(autouse=True)
+def keep_switch_interval():
+    """The entry shortens the interpreter's switch interval, as a worker process wants."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
+
+
+def run_worker(tmp_path, run_class, iters=6, warmup=2, **changes):
+    workload = get_recipe("tiny-arcface").workload.replace(**changes)
+    spec = RunSpec(workload, Measure(runs=1, iters=iters, warmup=warmup), device="cpu")
+    spec_path, events_path = tmp_path / "spec.json", tmp_path / "events.jsonl"
+    spec_path.write_text(json.dumps(spec.to_dict()))
+    PlainRun.built = False
+    code = worker_entry(["--spec", str(spec_path), "--events", str(events_path)], "plain",
+                        run_class)
+    lines = events_path.read_text().splitlines() if events_path.exists() else []
+    return code, [decode(json.loads(line)) for line in lines]
+
+
+def test_a_run_writes_start_every_step_in_order_and_end(tmp_path):
+    code, events = run_worker(tmp_path, PlainRun)
+    assert code == 0
+    kinds = [e.KIND for e in events]
+    assert kinds == ["start"] + ["step"] * 6 + ["end"]
+    start, steps, end = events[0], events[1:-1], events[-1]
+    assert start.baseline_memory_bytes == 1000 and start.settings["baseline_seen"] == 1000
+    assert start.settings["max_steps_in_flight"] == 2 and start.global_batch == 8
+    assert [s.index for s in steps] == list(range(6))
+    assert [s.warmup for s in steps] == [True, True] + [False] * 4
+    assert all(s.seconds >= STEP_S * 0.9 for s in steps)
+    # The window's rate is its samples over its wall time, which holds the counted steps.
+    assert end.window_steps == 4 and end.window_samples == 32
+    assert end.samples_per_s == pytest.approx(32 / end.window_s)
+    assert end.window_s >= sum(s.seconds for s in steps[2:]) * 0.999
+    assert end.losses == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0] and end.loss_last == 5.0
+    assert end.peak_memory_bytes == 2000 and end.baseline_memory_bytes == 1000
+
+
+def test_what_the_backend_does_not_declare_fails_before_anything_is_built(tmp_path):
+    code, events = run_worker(tmp_path, PlainRun, fc="mp")
+    assert code == 1 and not PlainRun.built
+    assert [e.KIND for e in events] == ["error"]
+    assert events[0].message == "ValueError: the plain backend runs --fc dp; not mp"
+    (tmp_path / "p").mkdir()
+    code, events = run_worker(tmp_path / "p", PlainRun, precision="bf16")
+    assert code == 1 and "runs --precision fp32 on a CPU" in events[0].message
+
+
+@pytest.mark.parametrize("fault,code,kind", [("oom@3", 3, "oom"), ("raise@3", 1, "exception")])
+def test_a_failing_step_is_an_error_event_and_its_exit_code(tmp_path, monkeypatch, fault, code,
+                                                           kind):
+    monkeypatch.setenv("TRAINPERF_FAULT", fault)
+    got, events = run_worker(tmp_path, PlainRun)
+    assert got == code
+    assert events[0].KIND == "start" and events[-1].KIND == "error"
+    assert events[-1].kind == kind
+    assert "end" not in [e.KIND for e in events]
+
+
+def test_a_fault_after_the_last_step_strikes_after_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINPERF_FAULT", "raise@6")
+    code, events = run_worker(tmp_path, PlainRun, iters=6)
+    assert code == 1 and [e.KIND for e in events][-2:] == ["end", "error"]
+
+
+def test_start_after_the_first_step_carries_its_compile_time(tmp_path, monkeypatch):
+    code, events = run_worker(tmp_path, CompiledRun)
+    assert code == 0 and events[0].KIND == "start" and events[1].KIND == "step"
+    assert events[0].settings["compile_s"] == 0.5
+    # A run that fails before its first step is timed still says what ran.
+    monkeypatch.setenv("TRAINPERF_FAULT", "raise@0")
+    (tmp_path / "again").mkdir()
+    code, events = run_worker(tmp_path / "again", CompiledRun)
+    assert code == 1 and [e.KIND for e in events] == ["start", "error"]
+    assert events[0].settings["compile_s"] is None
+
+
+def test_an_unreadable_spec_is_an_error_event(tmp_path):
+    spec_path, events_path = tmp_path / "spec.json", tmp_path / "events.jsonl"
+    spec_path.write_text("{not json")
+    code = worker_entry(["--spec", str(spec_path), "--events", str(events_path)], "plain",
+                        PlainRun)
+    (event,) = [decode(json.loads(line)) for line in events_path.read_text().splitlines()]
+    assert code == 1 and event.KIND == "error" and "JSONDecodeError" in event.message
