@@ -41,7 +41,7 @@ FRAMEWORK_PACKAGES = {"mxnet": {"mxnet"}, "paddle": {"paddle"},
 WORKER_SHARED = {"trainperf.protocol", "trainperf.config", "trainperf.faults",
                  "trainperf.backends.workerkit", "trainperf.backends.loop",
                  "trainperf.backends.base", "trainperf.backends.catalog",
-                 "trainperf.backends.spawn"}
+                 "trainperf.backends.scaling", "trainperf.backends.spawn"}
 """What any framework's folder may import of trainperf besides itself (``spawn``: its
 launchers, which start the ranks)."""
 

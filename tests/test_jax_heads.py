@@ -341,7 +341,7 @@ def test_rate_schedule_and_refusals(jax_side):
                      lr_steps=(2, 5), lr_scales=(0.1, 0.01))
     np.testing.assert_allclose(misc["rates"], [sched.lr_at(i) for i in range(7)], rtol=1e-7)
     fp16_cpu, fp16_gpu, pfc_small = misc["refused"]
-    assert fp16_cpu == "fp16 needs a GPU in the jax backend"
+    assert fp16_cpu == "the jax backend runs --precision fp32, bf16 on a CPU; fp16 needs a GPU"
     assert fp16_gpu == "accepted"
     assert "samples a static 5 classes per shard, fewer than the 8 samples" in pfc_small
 

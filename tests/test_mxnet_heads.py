@@ -367,9 +367,9 @@ def test_update_is_torch_sgd_with_clipping_and_rate_changes(updates, case, clip,
 
 def test_unsupported_settings_are_refused_up_front(updates):
     pfc, fp16, bf16 = (updates / "refused.txt").read_text().splitlines()
-    assert pfc == "the mxnet backend runs --fc dp and mp; pfc is not implemented"
-    assert fp16 == "fp16 needs a GPU in the mxnet backend"
-    assert bf16.startswith("bf16 is not supported by the mxnet backend")
+    assert pfc == "the mxnet backend runs --fc dp, mp; not pfc"
+    assert fp16 == "the mxnet backend runs --precision fp32 on a CPU; fp16 needs a GPU"
+    assert bf16.startswith("the mxnet backend runs --precision fp32 on a CPU (MXNet 1.9's")
 
 
 def test_fp16_loss_scaling_scales_checks_and_skips(updates):

@@ -131,12 +131,14 @@ def test_sgd_is_torchs_update_through_a_rate_change(one_process):
 
 def test_unsupported_settings_are_refused_with_a_reason(one_process):
     pfc, fp16, bf16, y1, rn50, nhwc = (one_process / "refused.txt").read_text().splitlines()
-    assert pfc == "the oneflow backend runs --fc dp and mp; pfc is not implemented"
-    assert fp16.startswith("fp16 is not implemented in the oneflow backend")
-    assert bf16.startswith("bf16 is not supported by the oneflow backend")
+    assert pfc == "the oneflow backend runs --fc dp, mp; not pfc"
+    assert fp16 == ("the oneflow backend runs --precision fp32 on a CPU (OneFlow 0.9's eager "
+                    "mode has no dynamic loss scaler)")
+    assert bf16 == "the oneflow backend runs --precision fp32 on a CPU"
     assert y1.startswith("the oneflow backend has no backbone 'mobilefacenet_y1'")
-    assert rn50.startswith("the oneflow backend runs face workloads only")
-    assert nhwc == "channels_last is not supported by the oneflow backend"
+    assert rn50.startswith("the oneflow backend has no backbone 'resnet50_v1b'")
+    assert nhwc == ("the oneflow backend runs its backbones channels-first only: drop "
+                    "--channels-last")
 
 
 # ------------------------------------------------------------------------ mp, on 2 ranks

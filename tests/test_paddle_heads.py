@@ -285,8 +285,9 @@ def test_update_is_torch_sgd_with_clipping_and_rate_changes(one_process, case, c
 
 def test_half_precision_on_cpu_is_refused(one_process):
     fp16, bf16 = (one_process / "refused.txt").read_text().splitlines()
-    assert fp16.startswith("fp16 needs a GPU in the paddle backend")
-    assert bf16.startswith("bf16 needs a GPU in the paddle backend")
+    for precision, line in (("fp16", fp16), ("bf16", bf16)):
+        assert line == (f"the paddle backend runs --precision fp32 on a CPU; {precision} needs "
+                        "a GPU (Paddle's CPU build has no half-precision matrix products)")
 
 
 def test_fp16_loss_scaling_scales_checks_and_skips(one_process):

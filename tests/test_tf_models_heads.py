@@ -299,10 +299,10 @@ def test_update_is_torch_sgd_with_clipping_and_rate_changes(tf_side, case):
 def test_refusals_and_load_errors(tf_side):
     _, _, report = tf_side
     errors = report["errors"]
-    assert errors["fp16"] == ("fp16 needs a GPU in the tf backend (mixed float16 on a CPU is "
-                              "not run)")
-    assert errors["bf16"].startswith("bf16 is not supported by the tf backend")
-    assert errors["mp"] == "the tf backend runs --fc dp only; mp is not implemented"
+    assert errors["fp16"] == ("the tf backend runs --precision fp32 on a CPU; fp16 needs a GPU "
+                              "(TensorFlow's mixed float16 is not run on a CPU)")
+    assert errors["bf16"] == "the tf backend runs --precision fp32 on a CPU"
+    assert errors["mp"] == "the tf backend runs --fc dp; not mp"
     assert "backbone 'mobilefacenet_y1' is not built by the tf backend" in errors["unknown"]
     load = errors["load"]
     assert "missing: fc.bias" in load and "unexpected: extra.weight" in load

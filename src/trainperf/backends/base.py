@@ -14,7 +14,6 @@ from typing import Callable
 from ..config import Topology, Tuning, Workload
 from . import catalog
 
-
 COLLECTIVE_TIMEOUT_ENV = "TRAINPERF_COLLECTIVE_TIMEOUT_S"
 """Seconds a rank waits in a collective before it gives its peer up (set for multi-node runs)."""
 
@@ -140,6 +139,9 @@ class Capabilities:
     and verification sets."""
     several_nodes: bool = True
     """Its launch spans several nodes."""
+    why_not: dict[str, str] = field(default_factory=dict)
+    """Why a precision or head it does not run is missing, said with the refusal
+    (``{"bf16": "MXNet 1.9's bfloat16 AMP is CPU-only, through oneDNN"}``)."""
 
     @property
     def backbones(self) -> list[str]:
@@ -166,6 +168,29 @@ class Backend:
     """A rule of this backend's own that the declaration cannot say (it depends on a speed
     setting, say): why the case is refused, or None."""
 
+    def head_refusal(self, fc: str) -> str | None:
+        """Why this backend does not run face head mode ``fc``, or None."""
+        heads = self.capabilities.heads
+        if fc in heads:
+            return None
+        return f"the {self.name} backend runs --fc {', '.join(heads)}; not {fc}{self._why(fc)}"
+
+    def precision_refusal(self, precision: str, device_kind: str) -> str | None:
+        """Why this backend does not run ``precision`` on ``device_kind`` (``cpu`` or
+        ``cuda``), or None."""
+        precisions = self.capabilities.precisions
+        here = precisions.get(device_kind, ())
+        if precision in here:
+            return None
+        where = [k for k in DEVICE_KINDS if precision in precisions.get(k, ())]
+        need = f"; {precision} needs {KIND_WORDS[where[0]]}" if where else ""
+        return (f"the {self.name} backend runs --precision {', '.join(here)} on "
+                f"{KIND_WORDS[device_kind]}{need}{self._why(precision)}")
+
+    def _why(self, what: str) -> str:
+        why = self.capabilities.why_not.get(what)
+        return f" ({why})" if why else ""
+
     def work_refusal(self, workload: Workload, device_kind: str, train: bool = False,
                      real_data: bool = False) -> str | None:
         """Why this backend does not run the work (one line), or None: its head, precision on
@@ -181,18 +206,17 @@ class Backend:
                     "--frameworks` says which read --data)")
         if self.cannot_run:
             return f"the {name} backend cannot run yet: {self.cannot_run}"
-        if workload.task == "face" and workload.fc not in caps.heads:
-            return f"the {name} backend runs --fc {', '.join(caps.heads)}; not {workload.fc}"
-        kinds = caps.precisions.get(device_kind, ())
-        if workload.precision not in kinds:
-            where = [k for k in DEVICE_KINDS if workload.precision in caps.precisions.get(k, ())]
-            need = f"; {workload.precision} needs {KIND_WORDS[where[0]]}" if where else ""
-            return (f"the {name} backend runs --precision {', '.join(kinds)} on "
-                    f"{KIND_WORDS[device_kind]}{need}")
         try:
             catalog.lookup(workload.backbone, caps.families, name)
         except ValueError as exc:
             return str(exc)
+        if workload.task == "face":
+            why = self.head_refusal(workload.fc)
+            if why:
+                return why
+        why = self.precision_refusal(workload.precision, device_kind)
+        if why:
+            return why
         if workload.channels_last and not caps.channels_last:
             return (f"the {name} backend runs its backbones channels-first only: drop "
                     "--channels-last")
@@ -213,6 +237,10 @@ class Backend:
     def check(self, workload: Workload, topology: Topology, tuning: Tuning,
               device_kind: str, train: bool = False, real_data: bool = False) -> None:
         """ValueError with ``refusal``'s line when this backend does not run the case."""
-        why = self.refusal(workload, topology, tuning, device_kind, train, real_data)
-        if why:
-            raise ValueError(why)
+        require(self.refusal(workload, topology, tuning, device_kind, train, real_data))
+
+
+def require(why: str | None) -> None:
+    """Raise ``why`` (a refusal's one line) as a ValueError; None passes."""
+    if why:
+        raise ValueError(why)

@@ -13,10 +13,10 @@ import subprocess
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
-from ..config import Measure
+from ..config import Measure, Workload
 from ..faults import inject, parse_faults
 from ..protocol import End, Error, EventWriter, RunSpec, Start, Step
-from .base import Backend
+from .base import Backend, require
 from .loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop, use_short_switch_interval
 
 OOM_TEXTS = ("out of memory", "std::bad_alloc", "failed to allocate", "cannot allocate memory",
@@ -30,6 +30,16 @@ def is_oom(exc: BaseException) -> bool:
         return True
     text = f"{type(exc).__name__} {exc}".lower()
     return any(t in text for t in OOM_TEXTS)
+
+
+def device_kind_for(asked: str, gpus: int, framework: str, no_gpu_hint: str = "") -> str:
+    """``cuda`` or ``cpu`` for a spec's ``device`` (``auto``: a GPU where the framework sees
+    one), given the GPUs ``framework`` sees; ValueError for ``cuda`` without one."""
+    if asked not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"unknown device {asked!r}; expected auto, cuda or cpu")
+    if asked == "cuda" and gpus == 0:
+        raise ValueError(f"--device cuda was asked for but {framework} sees no GPU{no_gpu_hint}")
+    return "cuda" if asked == "cuda" or (asked == "auto" and gpus > 0) else "cpu"
 
 
 def limit_cpu_memory(limit_bytes: int | None) -> None:
@@ -88,6 +98,9 @@ class FrameworkRun:
     distributed = False
     device = "cpu"
     device_kind = "cpu"
+    train_step: Any = None
+    """The framework's step, made by ``build``: the defaults of ``markers``, ``skipped_steps``
+    and ``loss_scale`` read its attributes of those names."""
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
@@ -120,7 +133,7 @@ class FrameworkRun:
 
     def markers(self) -> Sequence[Any]:
         """What the loop's watcher waits on for the step just issued (``loop``)."""
-        return ()
+        return self.train_step.markers
 
     def wait(self, markers: Sequence[Any]) -> None:
         """Block until ``markers`` are ready (releasing the GIL)."""
@@ -141,10 +154,11 @@ class FrameworkRun:
 
     def skipped_steps(self) -> list[int]:
         """Steps whose update fp16 loss scaling skipped."""
-        return []
+        return list(self.train_step.skipped_steps)
 
     def loss_scale(self) -> float | None:
-        return None
+        """fp16's last loss scale (None in other precisions)."""
+        return self.train_step.loss_scale
 
     def memory_over_ranks(self) -> dict[str, Any]:
         """``End``'s memory fields over every rank (a collective call, ``memory_fields``)."""
@@ -192,6 +206,21 @@ def load_init(spec: RunSpec) -> dict[str, Any] | None:
         return {k: f[k] for k in f.files}
 
 
+def start_batch(workload: Workload, arrays: dict[str, Any], rank: int) -> tuple[Any, Any]:
+    """Rank ``rank``'s batch of an alignment start: float32 NCHW images and int64 labels
+    (numpy), their shapes checked against the workload."""
+    import numpy as np
+
+    images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
+    side = workload.input_size
+    if tuple(images.shape) != (workload.batch_size, 3, side, side):
+        raise ValueError(f"images/{rank} has shape {tuple(images.shape)}, expected "
+                         f"{(workload.batch_size, 3, side, side)}")
+    if tuple(labels.shape) != (workload.batch_size,):
+        raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
+    return np.asarray(images, dtype=np.float32), np.asarray(labels, dtype=np.int64)
+
+
 def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
     """A throughput run (``trainperf.protocol``): the baseline memory and the CPU memory cap,
     the framework's model and step, rank 0's ``start``, ``measure.iters`` steps in the
@@ -202,10 +231,8 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
     spec = fw.spec
     workload, measure = spec.workload, spec.measure
     if fw.backend is not None:
-        why = fw.backend.work_refusal(workload, fw.device_kind, train=spec.train is not None,
-                                      real_data=spec.data is not None)
-        if why:
-            raise ValueError(why)
+        require(fw.backend.work_refusal(workload, fw.device_kind, train=spec.train is not None,
+                                        real_data=spec.data is not None))
     baseline = fw.memory_now()
     if fw.device_kind == "cpu":
         limit_cpu_memory(measure.memory_limit_bytes)

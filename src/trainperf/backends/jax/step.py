@@ -53,15 +53,18 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ...config import Workload
+from ..base import require
+from ..scaling import BACKOFF as LOSS_SCALE_BACKOFF
+from ..scaling import GROWTH as LOSS_SCALE_GROWTH
+from ..scaling import INIT as LOSS_SCALE_INIT
+from ..scaling import INTERVAL as LOSS_SCALE_INTERVAL
+from ..workerkit import start_batch
 from . import models
+from .backend import BACKEND
 from .dist import AXIS, Layout
 from .heads import MarginSoftmaxHead
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-LOSS_SCALE_INIT = 2.0 ** 16
-LOSS_SCALE_GROWTH = 2.0
-LOSS_SCALE_BACKOFF = 0.5
-LOSS_SCALE_INTERVAL = 2000
 RNG_IMPL = "rbg"
 """Random bits by XLA's RngBitGenerator (synthetic data, dropout masks, Partial FC scores):
 it compiles in a fraction of the time of the default threefry, whose hash is unrolled into
@@ -71,10 +74,9 @@ CLIP_EPS = 1e-6
 
 
 def check_precision(precision: str, device_type: str) -> None:
-    if precision not in COMPUTE_DTYPES:
-        raise ValueError(f"unknown precision {precision!r}")
-    if precision == "fp16" and device_type != "cuda":
-        raise ValueError("fp16 needs a GPU in the jax backend")
+    """ValueError unless the backend's declaration runs ``precision`` on this device."""
+    require(BACKEND.precision_refusal(precision, "cuda" if device_type in ("gpu", "cuda")
+                                      else "cpu"))
 
 
 def synthetic_batch(workload: Workload, rank: int) -> tuple[jax.Array, jax.Array]:
@@ -91,13 +93,7 @@ def synthetic_batch(workload: Workload, rank: int) -> tuple[jax.Array, jax.Array
 
 def init_batch(workload: Workload, arrays: Any, rank: int) -> tuple[jax.Array, jax.Array]:
     """Rank ``rank``'s batch from an alignment file (NCHW there, NHWC here)."""
-    images, labels = np.asarray(arrays[f"images/{rank}"]), np.asarray(arrays[f"labels/{rank}"])
-    side = workload.input_size
-    if images.shape != (workload.batch_size, 3, side, side):
-        raise ValueError(f"images/{rank} has shape {images.shape}, expected "
-                         f"{(workload.batch_size, 3, side, side)}")
-    if labels.shape != (workload.batch_size,):
-        raise ValueError(f"labels/{rank} has shape {labels.shape}")
+    images, labels = start_batch(workload, arrays, rank)
     return (jnp.asarray(images.transpose(0, 2, 3, 1), jnp.float32),
             jnp.asarray(labels, jnp.int32))
 

@@ -1,10 +1,8 @@
 """Entry point of one measured JAX run: ``python -m trainperf.backends.jax.worker --spec S
 --events E``, started once per rank by ``trainperf.backends.spawn`` (``backend.py``).
 
-It follows ``trainperf.protocol`` as the torch and MXNet workers do: rank 0 writes ``start``,
-one ``step`` per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or
-``exception``) and exits non-zero (3 for an out-of-memory, 1 otherwise). For tests,
-TRAINPERF_FAULT injects failures at steps (``trainperf.faults``).
+The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``step``/``end``
+events are ``workerkit``'s, as for every framework; this module is JAX's side of a run.
 
 Before JAX is imported the worker sets what must be set first: the platform
 (``JAX_PLATFORMS``) from the spec's device, one intra-op thread when the spec asks for one
@@ -206,9 +204,6 @@ class JaxRun(FrameworkRun):
 
     def step(self, index: int) -> Any:
         return self.train_step(self.images, self.labels)
-
-    def markers(self) -> list:
-        return self.train_step.markers
 
     def wait(self, markers) -> None:
         import jax

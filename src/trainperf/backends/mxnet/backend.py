@@ -41,7 +41,9 @@ BACKEND = Backend(
     name="mxnet", framework="mxnet", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(heads=("dp", "mp"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
-                              families=FAMILIES),
+                              families=FAMILIES,
+                              why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
+                                               "not benchmarked here"}),
     runs_as="Gluon, hybridized; fp16 through AMP",
     ranks_start="a scheduler and server (`dist_sync`) or one process (`device`)",
     refuse_more=kvstore_rules)

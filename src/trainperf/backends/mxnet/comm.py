@@ -46,22 +46,16 @@ from typing import Sequence
 
 import mxnet as mx
 
+from ..workerkit import device_kind_for
+
 KVSTORES = ("local", "device", "dist_sync")
 
 
 def resolve_device(kind: str) -> str:
-    """``gpu`` or ``cpu`` for a spec's ``device`` (``auto``, ``cuda`` or ``cpu``)."""
-    gpus = mx.context.num_gpus()
-    if kind == "auto":
-        return "gpu" if gpus > 0 else "cpu"
-    if kind == "cuda":
-        if gpus == 0:
-            raise ValueError("--device cuda was asked for but MXNet sees no GPU (is the "
-                             "environment's mxnet a CUDA build?)")
-        return "gpu"
-    if kind == "cpu":
-        return "cpu"
-    raise ValueError(f"unknown device {kind!r}; expected auto, cuda or cpu")
+    """``gpu`` or ``cpu`` (MXNet's names) for a spec's ``device``."""
+    found = device_kind_for(kind, mx.context.num_gpus(), "MXNet",
+                            " (is the environment's mxnet a CUDA build?)")
+    return "gpu" if found == "cuda" else "cpu"
 
 
 def _context(device_type: str, index: int) -> mx.Context:

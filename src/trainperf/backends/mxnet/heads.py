@@ -44,6 +44,8 @@ import math
 
 import mxnet as mx
 
+from ..base import require
+from .backend import BACKEND
 from .comm import Comm
 
 COS_EPS = 1e-6
@@ -57,10 +59,8 @@ class ids below 2**36."""
 
 
 def check_fc(mode: str) -> None:
-    if mode == "pfc":
-        raise ValueError("the mxnet backend runs --fc dp and mp; pfc is not implemented")
-    if mode not in FC_MODES:
-        raise ValueError(f"unknown fc mode {mode!r}")
+    """ValueError unless the backend's declaration runs head mode ``mode``."""
+    require(BACKEND.head_refusal(mode))
 
 
 def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -48,17 +48,17 @@ import numpy as np
 from mxnet import autograd
 
 from ...config import Tuning, Workload
+from ..base import require
+from ..scaling import LossScale
+from ..workerkit import start_batch
 from . import models
+from .backend import BACKEND
 from .comm import Comm
 from .heads import MarginSoftmaxHead, check_fc
 
 UPDATE_CHUNK = 45
 """Arrays per fused update / sum-of-squares call (MXNet's multi-tensor kernels take a bounded
 number; its own LAMB optimizer uses 45)."""
-LOSS_SCALE_INIT = 2.0 ** 16
-LOSS_SCALE_GROWTH = 2.0
-LOSS_SCALE_BACKOFF = 0.5
-LOSS_SCALE_INTERVAL = 2000
 
 _AMP_ON = False
 
@@ -68,11 +68,9 @@ def _chunks(n: int) -> list[slice]:
 
 
 def check_precision(precision: str, device_type: str) -> None:
-    if precision == "fp16" and device_type != "gpu":
-        raise ValueError("fp16 needs a GPU in the mxnet backend")
-    if precision == "bf16":
-        raise ValueError("bf16 is not supported by the mxnet backend (MXNet 1.9's bfloat16 AMP "
-                         "is CPU-only, through oneDNN)")
+    """ValueError unless the backend's declaration runs ``precision`` on this device."""
+    require(BACKEND.precision_refusal(precision, "cuda" if device_type in ("gpu", "cuda")
+                                      else "cpu"))
 
 
 def enable_amp() -> None:
@@ -106,14 +104,7 @@ def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, ctx: m
 def init_batch(workload: Workload, arrays: Any, rank: int, ctx: mx.Context
                ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
     """Rank ``rank``'s batch from an alignment file (``RunSpec.init``)."""
-    images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
-    side = workload.input_size
-    if tuple(images.shape) != (workload.batch_size, 3, side, side):
-        raise ValueError(f"images/{rank} has shape {tuple(images.shape)}, expected "
-                         f"{(workload.batch_size, 3, side, side)}")
-    if tuple(labels.shape) != (workload.batch_size,):
-        raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
-    return to_device(workload, images, labels, ctx)
+    return to_device(workload, *start_batch(workload, arrays, rank), ctx)
 
 
 class TrainStep:
@@ -194,13 +185,17 @@ class TrainStep:
         self._head_rescale = 1.0 if self.sharded else 1.0 / world
         self._consts: dict[tuple, mx.nd.NDArray] = {}
 
-        self.loss_scale: float | None = LOSS_SCALE_INIT if self.fp16 else None
-        self._clean_steps = 0
+        self.scaler = LossScale() if self.fp16 else None
         self.skipped_steps: list[int] = []
         """0-based indices of the steps that fp16 loss scaling skipped on every rank."""
         self.markers: list[mx.nd.NDArray] = []
         """Per context, a small fresh array that is ready when the last step has finished on
         that context (its update included): what the timing watcher waits on."""
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (None in other precisions)."""
+        return self.scaler.scale if self.scaler is not None else None
 
     @property
     def settings(self) -> dict:
@@ -255,15 +250,6 @@ class TrainStep:
         bad = self.comm.allreduce_sum_("loss_scale/overflow", 1.0 - finite)
         return float(bad.asscalar()) == 0.0
 
-    def _update_scale(self, finite: bool) -> None:
-        if not finite:
-            self.loss_scale *= LOSS_SCALE_BACKOFF
-            self._clean_steps = 0
-            return
-        self._clean_steps += 1
-        if self._clean_steps == LOSS_SCALE_INTERVAL:
-            self.loss_scale *= LOSS_SCALE_GROWTH
-            self._clean_steps = 0
 
     def _sgd(self, weights: list, grads: list, moms: list, lrs_of, wds_of, rescale: float
              ) -> list[mx.nd.NDArray]:
@@ -336,7 +322,7 @@ class TrainStep:
         if self.fp16:
             grad_scale = self.loss_scale
             step = self._all_finite()
-            self._update_scale(step)
+            self.scaler.update(step)
         else:
             grad_scale = 1.0
         if step:

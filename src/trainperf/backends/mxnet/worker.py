@@ -1,10 +1,8 @@
 """Entry point of one measured MXNet run: ``python -m trainperf.backends.mxnet.worker --spec S
 --events E``, started by ``launch.py`` (one process per rank, or one for all contexts).
 
-It follows ``trainperf.protocol`` as the torch worker does: rank 0 writes ``start``, one ``step``
-per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or ``exception``) and
-exits non-zero (3 for an out-of-memory, 1 otherwise). For tests, TRAINPERF_FAULT injects
-failures at steps (``trainperf.faults``).
+The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``step``/``end``
+events are ``workerkit``'s, as for every framework; this module is MXNet's side of a run.
 
 Timing: ``trainperf.backends.loop`` (MXNet runs every operation asynchronously on its engine);
 a step's markers are small arrays that become ready when the step's last update has run
@@ -152,9 +150,6 @@ class MXNetRun(FrameworkRun):
     def step(self, index: int) -> mx.nd.NDArray:
         return self.train_step(self.batches)
 
-    def markers(self) -> list:
-        return self.train_step.markers
-
     def wait(self, markers) -> None:
         for array in markers:
             array.wait_to_read()
@@ -171,12 +166,6 @@ class MXNetRun(FrameworkRun):
     def read_losses(self, outputs: list) -> list[float]:
         host = [loss.reshape((1,)).as_in_context(mx.cpu()) for loss in outputs]
         return [float(v) for v in mx.nd.concat(*host, dim=0).asnumpy()]
-
-    def skipped_steps(self) -> list[int]:
-        return self.train_step.skipped_steps
-
-    def loss_scale(self) -> float | None:
-        return self.train_step.loss_scale
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.comm)

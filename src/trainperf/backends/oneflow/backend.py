@@ -51,6 +51,8 @@ BACKEND = Backend(
     env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
     capabilities=Capabilities(heads=("dp", "mp"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
-                              families=("iresnet",)),
+                              families=("iresnet",),
+                              why_not={"fp16": "OneFlow 0.9's eager mode has no dynamic loss "
+                                               "scaler"}),
     runs_as="eager; mp as a global tensor, `split(0)`",
     ranks_start="one process per rank, torch-style variables")

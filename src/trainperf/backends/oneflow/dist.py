@@ -23,19 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import oneflow as flow
 
+from ..workerkit import device_kind_for
+
 
 def resolve_device(kind: str) -> str:
-    """``cuda`` or ``cpu`` for a spec's ``device`` (``auto``, ``cuda`` or ``cpu``)."""
-    available = flow.cuda.is_available()
-    if kind == "auto":
-        return "cuda" if available else "cpu"
-    if kind == "cuda":
-        if not available:
-            raise ValueError("--device cuda was asked for but OneFlow sees no usable GPU")
-        return "cuda"
-    if kind == "cpu":
-        return "cpu"
-    raise ValueError(f"unknown device {kind!r}; expected auto, cuda or cpu")
+    """``cuda`` or ``cpu`` for a spec's ``device``."""
+    return device_kind_for(kind, int(flow.cuda.is_available()), "OneFlow")
 
 
 @dataclass

@@ -49,6 +49,8 @@ import oneflow as flow
 import oneflow.nn as nn
 import oneflow.nn.functional as F
 
+from ..base import require
+from .backend import BACKEND
 from .dist import Dist
 
 COS_EPS = 1e-6
@@ -57,10 +59,8 @@ FC_MODES = ("dp", "mp")
 
 
 def check_fc(mode: str) -> None:
-    if mode == "pfc":
-        raise ValueError("the oneflow backend runs --fc dp and mp; pfc is not implemented")
-    if mode not in FC_MODES:
-        raise ValueError(f"unknown fc mode {mode!r}")
+    """ValueError unless the backend's declaration runs head mode ``mode``."""
+    require(BACKEND.head_refusal(mode))
 
 
 def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -27,9 +27,10 @@ g + wd * w; w -= lr * buf`` (checked in the tests against ``oracle.sgd_momentum_
 the backbone's arrays are updated by OneFlow's fused multi-tensor kernel. The rate of each step
 is ``Workload.lr_at``.
 
-Precision: fp32 only. ``fp16`` and ``bf16`` are refused (:func:`check_precision`): OneFlow's
-eager mode has autocast but no dynamic loss scaler (its ``GradScaler`` serves ``nn.Graph``
-only), and a hand-written one could not be run here (no GPU).
+Precision: fp32 only; ``fp16`` and ``bf16`` are refused (the backend's declaration,
+:func:`check_workload`). OneFlow's eager mode has autocast but no dynamic loss scaler (its
+``GradScaler`` serves ``nn.Graph`` only), and a hand-written one could not be run here (no
+GPU).
 """
 
 from __future__ import annotations
@@ -40,35 +41,22 @@ import oneflow as flow
 import oneflow.nn as nn
 
 from ...config import Tuning, Workload
+from ..base import require
+from ..workerkit import start_batch
 from . import models
+from .backend import BACKEND
 from .dist import Dist
-from .heads import MarginSoftmaxHead, check_fc
+from .heads import MarginSoftmaxHead
 
 DDP_BUCKET_PARAMS = 10
 """Parameters per all-reduce bucket of OneFlow's DDP (its default: it counts arrays, not
 bytes, so ``Tuning.ddp_bucket_mb`` has no equivalent)."""
 
 
-def check_workload(workload: Workload) -> None:
-    """ValueError for what this backend does not run, before anything is built."""
-    if workload.task != "face":
-        raise ValueError("the oneflow backend runs face workloads only; classification "
-                         "(ResNet50) is not implemented")
-    check_fc(workload.fc)
-    check_precision(workload.precision)
-    if workload.channels_last:
-        raise ValueError("channels_last is not supported by the oneflow backend")
-    if workload.backbone not in models.backbone_names():
-        raise ValueError(f"the oneflow backend has no backbone {workload.backbone!r}; it runs "
-                         f"{', '.join(models.backbone_names())}")
-
-
-def check_precision(precision: str) -> None:
-    if precision == "fp16":
-        raise ValueError("fp16 is not implemented in the oneflow backend (OneFlow 0.9's eager "
-                         "mode has no dynamic loss scaler); use --precision fp32")
-    if precision == "bf16":
-        raise ValueError("bf16 is not supported by the oneflow backend; use --precision fp32")
+def check_workload(workload: Workload, device_kind: str = "cpu") -> None:
+    """ValueError for what this backend does not run (its declaration), before anything is
+    built."""
+    require(BACKEND.work_refusal(workload, device_kind))
 
 
 def synthetic_batch(workload: Workload, dist: Dist) -> tuple[flow.Tensor, flow.Tensor]:
@@ -85,13 +73,7 @@ def synthetic_batch(workload: Workload, dist: Dist) -> tuple[flow.Tensor, flow.T
 
 def init_batch(workload: Workload, arrays: Any, dist: Dist) -> tuple[flow.Tensor, flow.Tensor]:
     """This rank's batch from an alignment file (``RunSpec.init``)."""
-    images, labels = arrays[f"images/{dist.rank}"], arrays[f"labels/{dist.rank}"]
-    side = workload.input_size
-    if tuple(images.shape) != (workload.batch_size, 3, side, side):
-        raise ValueError(f"images/{dist.rank} has shape {tuple(images.shape)}, expected "
-                         f"{(workload.batch_size, 3, side, side)}")
-    if tuple(labels.shape) != (workload.batch_size,):
-        raise ValueError(f"labels/{dist.rank} has shape {tuple(labels.shape)}")
+    images, labels = start_batch(workload, arrays, dist.rank)
     return (flow.tensor(images, dtype=flow.float32, device=dist.device),
             flow.tensor(labels, dtype=flow.int64, device=dist.device))
 
@@ -114,7 +96,7 @@ class TrainStep:
 
     def __init__(self, workload: Workload, dist: Dist, tuning: Tuning | None = None,
                  init: Any = None) -> None:
-        check_workload(workload)
+        check_workload(workload, dist.device_type)
         self.workload = workload
         self.dist = dist
         self.tuning = tuning or Tuning()

@@ -1,10 +1,8 @@
 """Entry point of one measured OneFlow run: ``python -m trainperf.backends.oneflow.worker --spec S
 --events E``, started once per rank by ``trainperf.backends.spawn`` (``backend.py``).
 
-It follows ``trainperf.protocol`` as the torch worker does: rank 0 writes ``start``, one ``step``
-per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or ``exception``) and
-exits non-zero (3 for an out-of-memory, 1 otherwise). For tests, TRAINPERF_FAULT injects
-failures at steps (``trainperf.faults``).
+The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``step``/``end``
+events are ``workerkit``'s, as for every framework; this module is OneFlow's side of a run.
 
 Timing: ``trainperf.backends.loop``. OneFlow's eager mode queues every operation on its virtual
 machine and returns, so a step's markers (``TrainStep.markers``: one element of the last arrays
@@ -135,9 +133,6 @@ class OneFlowRun(FrameworkRun):
     def step(self, index: int) -> flow.Tensor:
         return self.train_step(self.images, self.labels)
 
-    def markers(self) -> list:
-        return self.train_step.markers
-
     def wait(self, markers: Sequence[flow.Tensor]) -> None:
         for array in markers:
             array.numpy()
@@ -150,12 +145,6 @@ class OneFlowRun(FrameworkRun):
 
     def read_losses(self, outputs: list) -> list[float]:
         return [float(v) for v in flow.stack([loss.reshape(()) for loss in outputs]).numpy()]
-
-    def skipped_steps(self) -> list[int]:
-        return self.train_step.skipped_steps
-
-    def loss_scale(self) -> float | None:
-        return self.train_step.loss_scale
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.dist)

@@ -43,6 +43,8 @@ BACKEND = Backend(
     name="paddle", framework="paddle", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(heads=("dp", "mp", "pfc"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")},
-                              families=FAMILIES),
+                              families=FAMILIES,
+                              why_not={p: "Paddle's CPU build has no half-precision matrix "
+                                          "products" for p in ("fp16", "bf16")}),
     runs_as="dynamic graph, AMP O1; pfc by PLSC's rule, sparse or dense update",
     ranks_start="one process per rank, `PADDLE_*` variables; gloo on CPU")

@@ -29,6 +29,8 @@ from typing import Any
 import paddle
 import paddle.distributed as dist
 
+from ..workerkit import device_kind_for
+
 STORE_WAIT_S = 120.0
 STORE_POLL_S = 0.02
 
@@ -40,18 +42,10 @@ def gpu_count() -> int:
 
 
 def resolve_device(kind: str) -> str:
-    """``gpu`` or ``cpu`` for a spec's ``device`` (``auto``, ``cuda`` or ``cpu``)."""
-    gpus = gpu_count()
-    if kind == "auto":
-        return "gpu" if gpus > 0 else "cpu"
-    if kind == "cuda":
-        if gpus == 0:
-            raise ValueError("--device cuda was asked for but Paddle sees no GPU (is the "
-                             "environment's paddle the paddlepaddle-gpu build?)")
-        return "gpu"
-    if kind == "cpu":
-        return "cpu"
-    raise ValueError(f"unknown device {kind!r}; expected auto, cuda or cpu")
+    """``gpu`` or ``cpu`` (Paddle's names) for a spec's ``device``."""
+    found = device_kind_for(kind, gpu_count(), "Paddle",
+                            " (is the environment's paddle the paddlepaddle-gpu build?)")
+    return "gpu" if found == "cuda" else "cpu"
 
 
 @dataclass

@@ -56,6 +56,8 @@ from typing import Any
 import numpy as np
 import paddle
 
+from ..base import require
+from .backend import BACKEND
 from .comm import Comm
 
 COS_EPS = 1e-6
@@ -67,9 +69,8 @@ POSITIVE_SCORE = 2.0
 
 
 def check_fc(mode: str) -> None:
-    if mode not in FC_MODES:
-        raise ValueError(f"unknown fc mode {mode!r}; the paddle backend runs "
-                         f"{', '.join(FC_MODES)}")
+    """ValueError unless the backend's declaration runs head mode ``mode``."""
+    require(BACKEND.head_refusal(mode))
 
 
 def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -55,21 +55,21 @@ import paddle
 import paddle.nn.functional as F
 
 from ...config import Tuning, Workload
+from ..base import require
+from ..scaling import LossScale
+from ..workerkit import start_batch
 from . import models
+from .backend import BACKEND
 from .comm import Comm
 from .heads import MarginSoftmaxHead, check_fc
 
-LOSS_SCALE_INIT = 2.0 ** 16
-LOSS_SCALE_GROWTH = 2.0
-LOSS_SCALE_BACKOFF = 0.5
-LOSS_SCALE_INTERVAL = 2000
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 def check_precision(precision: str, device_type: str) -> None:
-    if precision in AMP_DTYPES and device_type != "gpu":
-        raise ValueError(f"{precision} needs a GPU in the paddle backend (Paddle's CPU build "
-                         f"has no half-precision matrix products)")
+    """ValueError unless the backend's declaration runs ``precision`` on this device."""
+    require(BACKEND.precision_refusal(precision, "cuda" if device_type in ("gpu", "cuda")
+                                      else "cpu"))
 
 
 def synthetic_batch(workload: Workload, rank: int) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -85,15 +85,8 @@ def synthetic_batch(workload: Workload, rank: int) -> tuple[paddle.Tensor, paddl
 def init_batch(workload: Workload, arrays: Any, rank: int
                ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """Rank ``rank``'s batch from an alignment file (``RunSpec.init``)."""
-    images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
-    side = workload.input_size
-    if tuple(images.shape) != (workload.batch_size, 3, side, side):
-        raise ValueError(f"images/{rank} has shape {tuple(images.shape)}, expected "
-                         f"{(workload.batch_size, 3, side, side)}")
-    if tuple(labels.shape) != (workload.batch_size,):
-        raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
-    return (paddle.to_tensor(np.asarray(images, dtype=np.float32)),
-            paddle.to_tensor(np.asarray(labels, dtype=np.int64)))
+    images, labels = start_batch(workload, arrays, rank)
+    return paddle.to_tensor(images), paddle.to_tensor(labels)
 
 
 def _buckets(params: list[paddle.Tensor], bucket_bytes: float) -> list[list[int]]:
@@ -166,12 +159,16 @@ class TrainStep:
         # Average (dp, classification) or sum (sharded heads' backbone) of the summed gradients.
         self._mean = 1.0 if self.sharded else 1.0 / comm.world_size
 
-        self.loss_scale: float | None = LOSS_SCALE_INIT if self.fp16 else None
+        self.scaler = LossScale() if self.fp16 else None
         self._grad_scale = 1.0
         self._bad: paddle.Tensor | None = None
-        self._clean_steps = 0
         self.skipped_steps: list[int] = []
         """0-based indices of the steps that fp16 loss scaling skipped on every rank."""
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (None in other precisions)."""
+        return self.scaler.scale if self.scaler is not None else None
 
     @property
     def settings(self) -> dict:
@@ -249,15 +246,6 @@ class TrainStep:
         for g in grads:
             g.multiply_(coef)
 
-    def _update_scale(self, finite: bool) -> None:
-        if not finite:
-            self.loss_scale *= LOSS_SCALE_BACKOFF
-            self._clean_steps = 0
-            return
-        self._clean_steps += 1
-        if self._clean_steps == LOSS_SCALE_INTERVAL:
-            self.loss_scale *= LOSS_SCALE_GROWTH
-            self._clean_steps = 0
 
     def compute_gradients(self, images: paddle.Tensor, labels: paddle.Tensor
                           ) -> paddle.Tensor:
@@ -278,7 +266,7 @@ class TrainStep:
         step = True
         if self._bad is not None:
             step = float(self._bad.numpy()[0]) == 0.0  # the one read-back of an fp16 step
-            self._update_scale(step)
+            self.scaler.update(step)
         if step:
             self._scale_and_clip(self._mean / self._grad_scale)
             self.opt.set_lr(lr)

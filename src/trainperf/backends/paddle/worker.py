@@ -2,10 +2,8 @@
 --events E``, one process per rank, started by ``trainperf.backends.spawn`` with the variables
 of ``backend.rank_env`` (Paddle's own launcher's names).
 
-It follows ``trainperf.protocol`` as the torch worker does: rank 0 writes ``start``, one ``step``
-per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or ``exception``) and
-exits non-zero (3 for an out-of-memory, 1 otherwise). For tests, TRAINPERF_FAULT injects
-failures at steps (``trainperf.faults``).
+The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``step``/``end``
+events are ``workerkit``'s, as for every framework; this module is Paddle's side of a run.
 
 Timing: ``trainperf.backends.loop``. On a CPU Paddle's dynamic graph runs every operation to
 the end before the call returns, so a step's markers are empty and the watcher's stamp after
@@ -156,12 +154,6 @@ class PaddleRun(FrameworkRun):
 
     def read_losses(self, outputs: list) -> list[float]:
         return [float(v) for v in paddle.stack(outputs).astype("float32").numpy()]
-
-    def skipped_steps(self) -> list[int]:
-        return self.train_step.skipped_steps
-
-    def loss_scale(self) -> float | None:
-        return self.train_step.loss_scale
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.comm)

@@ -38,6 +38,7 @@ BACKEND = Backend(
     name="tf", framework="tensorflow", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(heads=("dp",),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
-                              families=("iresnet", "resnet_v1b"), channels_last=True),
+                              families=("iresnet", "resnet_v1b"), channels_last=True,
+                              why_not={"fp16": "TensorFlow's mixed float16 is not run on a CPU"}),
     runs_as="tf.Variable and tf.nn in one tf.function",
     ranks_start="`MultiWorkerMirroredStrategy` (`TF_CONFIG`, RING on CPU)")

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from ..workerkit import device_kind_for
+
 
 class Comm:
     """Rank, world size, device and collectives of this process."""
@@ -52,10 +54,8 @@ class Comm:
             tf.config.threading.set_intra_op_parallelism_threads(int(threads))
             tf.config.threading.set_inter_op_parallelism_threads(1)
         gpus = tf.config.list_physical_devices("GPU")
-        if device == "cuda" and not gpus:
-            raise ValueError("--device cuda: TensorFlow sees no GPU (tensorflow-cpu, or no "
-                             "CUDA device visible)")
-        if device == "cpu" or not gpus:
+        if device_kind_for(device, len(gpus), "TensorFlow",
+                           " (tensorflow-cpu, or no CUDA device visible)") == "cpu":
             tf.config.set_visible_devices([], "GPU")
             device_type = "cpu"
         else:

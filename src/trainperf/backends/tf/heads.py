@@ -28,14 +28,17 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from ..base import require
+from .backend import BACKEND
+
 COS_EPS = 1e-6
 NORM_EPS = 1e-12
 FC_MODES = ("dp",)
 
 
 def check_fc(mode: str) -> None:
-    if mode not in FC_MODES:
-        raise ValueError(f"the tf backend runs --fc dp only; {mode} is not implemented")
+    """ValueError unless the backend's declaration runs head mode ``mode``."""
+    require(BACKEND.head_refusal(mode))
 
 
 def margin_target_logit(c: tf.Tensor, m1: float, m2: float, m3: float) -> tf.Tensor:

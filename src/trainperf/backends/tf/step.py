@@ -39,22 +39,24 @@ import numpy as np
 import tensorflow as tf
 
 from ...config import Workload
+from ..base import require
+from ..scaling import BACKOFF as LOSS_SCALE_BACKOFF
+from ..scaling import GROWTH as LOSS_SCALE_GROWTH
+from ..scaling import INIT as LOSS_SCALE_INIT
+from ..scaling import INTERVAL as LOSS_SCALE_INTERVAL
+from ..workerkit import start_batch
 from . import models
+from .backend import BACKEND
 from .comm import Comm
 from .heads import MarginSoftmaxHead, check_fc
 
-LOSS_SCALE_INIT = 2.0 ** 16
-LOSS_SCALE_GROWTH = 2.0
-LOSS_SCALE_BACKOFF = 0.5
-LOSS_SCALE_INTERVAL = 2000
 CLIP_EPS = 1e-6
 
 
 def check_precision(precision: str, device_type: str) -> None:
-    if precision == "fp16" and device_type != "gpu":
-        raise ValueError("fp16 needs a GPU in the tf backend (mixed float16 on a CPU is not run)")
-    if precision == "bf16":
-        raise ValueError("bf16 is not supported by the tf backend (only fp32, and fp16 on a GPU)")
+    """ValueError unless the backend's declaration runs ``precision`` on this device."""
+    require(BACKEND.precision_refusal(precision, "cuda" if device_type in ("gpu", "cuda")
+                                      else "cpu"))
 
 
 def synthetic_batch(workload: Workload, rank: int, device: str) -> tuple[tf.Tensor, tf.Tensor]:
@@ -70,14 +72,8 @@ def synthetic_batch(workload: Workload, rank: int, device: str) -> tuple[tf.Tens
 def init_batch(workload: Workload, arrays: Any, rank: int, device: str
                ) -> tuple[tf.Tensor, tf.Tensor]:
     """Rank ``rank``'s batch from an alignment file (``RunSpec.init``: NCHW images)."""
-    images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
-    side = workload.input_size
-    if tuple(images.shape) != (workload.batch_size, 3, side, side):
-        raise ValueError(f"images/{rank} has shape {tuple(images.shape)}, expected "
-                         f"{(workload.batch_size, 3, side, side)}")
-    if tuple(labels.shape) != (workload.batch_size,):
-        raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
-    return to_device(workload, np.asarray(images).transpose(0, 2, 3, 1), labels, device)
+    images, labels = start_batch(workload, arrays, rank)
+    return to_device(workload, images.transpose(0, 2, 3, 1), labels, device)
 
 
 def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, device: str

@@ -2,10 +2,8 @@
 --events E``, one process per rank started by ``trainperf.backends.spawn`` with ``TF_CONFIG``
 (``backend.rank_env``).
 
-It follows ``trainperf.protocol`` as the torch worker does: rank 0 writes ``start``, one ``step``
-per step and ``end``; any rank that fails writes an ``error`` (kind ``oom`` or ``exception``) and
-exits non-zero (3 for an out-of-memory, 1 otherwise). For tests, TRAINPERF_FAULT injects
-failures at steps (``trainperf.faults``).
+The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``step``/``end``
+events are ``workerkit``'s, as for every framework; this module is TensorFlow's side of a run.
 
 Timing: ``trainperf.backends.loop``. A call of the step's ``tf.function`` may return before its
 work is done on a GPU, so a step's markers are its output tensors (the loss and the step counter

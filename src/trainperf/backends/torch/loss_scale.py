@@ -9,9 +9,9 @@ Partial FC head a rank can even step its backbone optimizer and skip the sampled
 Here, as Megatron-style trainers do, the step unscales every gradient any of its optimizers will
 apply, reduces one found-inf flag with MAX over the run's process group, and every rank then
 steps all its optimizers or none and updates its scale from that same flag, so the scales stay
-equal. The policy is GradScaler's (start at 2**16, halve on overflow, double after 2000 clean
-steps), run by the same fused device ops, so the scale and the flag never leave the device; the
-only host read-back is the skip decision itself.
+equal. The policy is GradScaler's (``backends.scaling``), run by the same fused device ops,
+so the scale and the flag never leave the device; the only host read-back is the skip decision
+itself.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from .. import scaling
 from .dist import DistContext, all_reduce_
 
 
@@ -28,9 +29,9 @@ class DynamicLossScaler:
     """Use once per step, in this order: ``scale_loss`` -> backward -> ``unscale_and_check_``
     -> ``should_step`` (then step every optimizer, or none) -> ``update``."""
 
-    def __init__(self, ctx: DistContext, init_scale: float = 2.0 ** 16,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
+    def __init__(self, ctx: DistContext, init_scale: float = scaling.INIT,
+                 growth_factor: float = scaling.GROWTH, backoff_factor: float = scaling.BACKOFF,
+                 growth_interval: int = scaling.INTERVAL) -> None:
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval > 0):
             raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval > 0")
         self.ctx = ctx

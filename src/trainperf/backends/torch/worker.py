@@ -104,12 +104,6 @@ class TorchRun(FrameworkRun):
     def read_losses(self, outputs: list) -> list[float]:
         return torch.stack(outputs).float().tolist()
 
-    def skipped_steps(self) -> list[int]:
-        return self.train_step.skipped_steps
-
-    def loss_scale(self) -> float | None:
-        return self.train_step.loss_scale
-
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(peak_memory(self.ctx.device), self.ctx)
 
