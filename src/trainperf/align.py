@@ -18,7 +18,8 @@ from pathlib import Path
 
 from . import results
 from .config import Measure, Topology, Tuning, Workload
-from .runner import Case, NullProgress, Plan, Runner
+from .progress import NullProgress
+from .runner import Case, Plan, Runner
 
 FIRST_LOSS_RTOL = 1e-4
 """The first loss is one forward pass from identical weights: float32 rounding only."""

@@ -1,10 +1,41 @@
-"""Live progress with rich while runs go; plain lines when output is not a terminal."""
+"""How a runner shows its runs as they go: live with rich on a terminal, one line per finished
+run otherwise (logs, CI), or nothing (capacity probes report through their own lines)."""
 
 from __future__ import annotations
 
 import sys
+from typing import Protocol
 
-from .runner import Progress, QuietProgress
+
+class Progress(Protocol):
+    def run_started(self, label: str, total_steps: int) -> None: ...
+    def steps_done(self, count: int) -> None: ...
+    def run_finished(self, label: str, record: dict) -> None: ...
+
+
+class NullProgress:
+    """Shows nothing (capacity probes report through their own lines)."""
+
+    def run_started(self, label: str, total_steps: int) -> None:
+        pass
+
+    def steps_done(self, count: int) -> None:
+        pass
+
+    def run_finished(self, label: str, record: dict) -> None:
+        pass
+
+
+class QuietProgress(NullProgress):
+    """No live display: one line per finished run, for logs and CI."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream
+
+    def run_finished(self, label: str, record: dict) -> None:
+        rate = record.get("samples_per_s")
+        figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
+        print(f"{label}: {record['status']} {figure}", file=self.stream or sys.stderr, flush=True)
 
 
 class RichProgress:

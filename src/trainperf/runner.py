@@ -15,15 +15,17 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 from . import envs, outcome, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
-from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
+from .backends.spawn import PORTS_PER_RUN
+from .backends.spawn import endpoint as endpoint_text
 from .config import DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
+from .progress import Progress, QuietProgress
 from .protocol import Event, ProtocolError, RunSpec, Start, Step
 from .rendezvous import NodeGroup, RendezvousError, interface_of
 
@@ -115,37 +117,6 @@ def check_plan(plan: Plan) -> None:
         backend.check(plan.workload.replace(batch_size=case.batch_size), case.topology,
                       plan.tuning, kind, train=plan.train is not None,
                       real_data=plan.data is not None)
-
-
-class Progress(Protocol):
-    def run_started(self, label: str, total_steps: int) -> None: ...
-    def steps_done(self, count: int) -> None: ...
-    def run_finished(self, label: str, record: dict) -> None: ...
-
-
-class NullProgress:
-    """Shows nothing (capacity probes report through their own lines)."""
-
-    def run_started(self, label: str, total_steps: int) -> None:
-        pass
-
-    def steps_done(self, count: int) -> None:
-        pass
-
-    def run_finished(self, label: str, record: dict) -> None:
-        pass
-
-
-class QuietProgress(NullProgress):
-    """No live display: one line per finished run, for logs and CI."""
-
-    def __init__(self, stream=None) -> None:
-        self.stream = stream
-
-    def run_finished(self, label: str, record: dict) -> None:
-        rate = record.get("samples_per_s")
-        figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
-        print(f"{label}: {record['status']} {figure}", file=self.stream or sys.stderr, flush=True)
 
 
 def multinode_env(topo: Topology, group: NodeGroup | None) -> dict[str, str]:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import results
-from .runner import NullProgress, Plan, Runner
+from .progress import NullProgress
+from .runner import Plan, Runner
 
 KINDS = {"max-batch": "batch_size", "max-classes": "num_classes"}
 # Growth stops here even without a failure: a search must end.

@@ -119,27 +119,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from ..recipes import RECIPES
 
     if args.frameworks:
-        from ..backends.capabilities import markdown_table, rows
-
-        if args.markdown:
-            print(markdown_table())
-            return EXIT_OK
-        # The short columns; --markdown has every one (how each is written, how ranks start).
-        short = {"framework": "framework", "version": "version", "heads": "heads",
-                 "precisions on a CPU": "CPU", "precisions on a GPU": "GPU",
-                 "backbones": "backbones", "channels-last": "channels-last",
-                 "real data (`--data`)": "--data", "trains to a target": "train",
-                 "several nodes": "nodes"}
-        tbl = Table(title="what each framework runs (anything else is refused before a run)")
-        for col in short.values():
-            tbl.add_column(col, overflow="fold")
-        for r in rows():
-            tbl.add_row(*(r[c] for c in short))
-        console = Console()
-        if not console.is_terminal:  # a log or a pipe: keep every column whole
-            console = Console(width=160)
-        console.print(tbl)
-        return EXIT_OK
+        return print_frameworks(args.markdown)
     tbl = Table(title="trainperf recipes")
     for col in ("recipe", "backbone", "classes", "batch"):
         tbl.add_column(col, no_wrap=True)  # names are typed back: never break them
@@ -148,6 +128,33 @@ def cmd_list(args: argparse.Namespace) -> int:
         w = r.workload
         tbl.add_row(r.name, w.backbone, str(w.num_classes), str(w.batch_size), r.description)
     Console().print(tbl)
+    return EXIT_OK
+
+
+def print_frameworks(markdown: bool) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..backends.capabilities import markdown_table, rows
+
+    if markdown:
+        print(markdown_table())
+        return EXIT_OK
+    # The short columns; --markdown has every one (how each is written, how ranks start).
+    short = {"framework": "framework", "version": "version", "heads": "heads",
+             "precisions on a CPU": "CPU", "precisions on a GPU": "GPU",
+             "backbones": "backbones", "channels-last": "channels-last",
+             "real data (`--data`)": "--data", "trains to a target": "train",
+             "several nodes": "nodes"}
+    tbl = Table(title="what each framework runs (anything else is refused before a run)")
+    for col in short.values():
+        tbl.add_column(col, overflow="fold")
+    for r in rows():
+        tbl.add_row(*(r[c] for c in short))
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: keep every column whole
+        console = Console(width=160)
+    console.print(tbl)
     return EXIT_OK
 
 

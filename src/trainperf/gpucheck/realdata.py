@@ -16,8 +16,9 @@ from ..data import dali_feed
 from ..data.decode import available as decoders_available
 from ..data.layout import open_dataset
 from ..data.synth import synthesize
+from ..progress import QuietProgress
 from ..report.input import verdict
-from ..runner import Runner, QuietProgress, interleave
+from ..runner import Runner, interleave
 from . import cases
 from .record import StageLog
 from .runs import plan_for, summarise

@@ -1,4 +1,5 @@
-"""Face verification of a torch backbone on insightface's ``.bin`` sets (``trainperf.data.binset``, ``trainperf.verify``).
+"""Face verification of a torch backbone on insightface's ``.bin`` sets (read by
+``trainperf.data.binset``, scored by ``trainperf.verify``).
 
 As insightface evaluates: each image's embedding plus its horizontal flip's, in eval mode
 (BatchNorm running statistics, no dropout), in fp32 whatever the training precision, so the
