@@ -191,11 +191,31 @@ class Backend:
         why = self.capabilities.why_not.get(what)
         return f" ({why})" if why else ""
 
+    def model_refusal(self, workload: Workload) -> str | None:
+        """Why this backend does not build the workload's model (one line), or None: its
+        backbone (and that backbone's task), its head mode, its memory format."""
+        caps, name = self.capabilities, self.name
+        try:
+            entry = catalog.lookup(workload.backbone, caps.families, name)
+        except ValueError as exc:
+            return str(exc)
+        if entry.task != workload.task:
+            return (f"backbone {workload.backbone!r} is a {entry.task} backbone, but the "
+                    f"workload is {workload.task}")
+        if workload.task == "face":
+            why = self.head_refusal(workload.fc)
+            if why:
+                return why
+        if workload.channels_last and not caps.channels_last:
+            return (f"the {name} backend runs its backbones channels-first only: drop "
+                    "--channels-last")
+        return None
+
     def work_refusal(self, workload: Workload, device_kind: str, train: bool = False,
                      real_data: bool = False) -> str | None:
-        """Why this backend does not run the work (one line), or None: its head, precision on
-        ``device_kind`` (``cpu`` or ``cuda``), backbone and memory format, real data and
-        training. What a worker checks once it knows its device."""
+        """Why this backend does not run the work (one line), or None: real data and
+        training, ``model_refusal``, and its precision on ``device_kind`` (``cpu`` or
+        ``cuda``). What a worker checks once it knows its device."""
         caps, name = self.capabilities, self.name
         if train and not caps.trains:
             return (f"the {name} backend does not train to accuracy yet (its worker has no "
@@ -206,21 +226,8 @@ class Backend:
                     "--frameworks` says which read --data)")
         if self.cannot_run:
             return f"the {name} backend cannot run yet: {self.cannot_run}"
-        try:
-            catalog.lookup(workload.backbone, caps.families, name)
-        except ValueError as exc:
-            return str(exc)
-        if workload.task == "face":
-            why = self.head_refusal(workload.fc)
-            if why:
-                return why
-        why = self.precision_refusal(workload.precision, device_kind)
-        if why:
-            return why
-        if workload.channels_last and not caps.channels_last:
-            return (f"the {name} backend runs its backbones channels-first only: drop "
-                    "--channels-last")
-        return None
+        return (self.model_refusal(workload)
+                or self.precision_refusal(workload.precision, device_kind))
 
     def refusal(self, workload: Workload, topology: Topology, tuning: Tuning,
                 device_kind: str, train: bool = False, real_data: bool = False) -> str | None:

@@ -67,6 +67,22 @@ def gpu_names() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
+def environment(framework: str, version: str, gpu: bool, gpu_memory_measure: str,
+                **fields: Any) -> dict[str, Any]:
+    """``Start.env`` in the shape every worker writes (the report reads these keys): the
+    framework's and numpy's versions, the device kind and, on a GPU, the device names
+    (nvidia-smi's); what memory the figures measure (on a CPU, the peak resident set).
+    ``fields`` give the rest (counts and CUDA versions the framework knows, its own settings)."""
+    import numpy as np
+
+    env = {"framework": framework, "framework_version": version, "numpy_version": np.__version__,
+           "device_type": "cuda" if gpu else "cpu", "device_names": gpu_names() if gpu else [],
+           "device_count": 0, "cuda_version": None, "cudnn_version": None, "nccl_version": None,
+           "memory_measure": gpu_memory_measure if gpu else "peak resident set (ru_maxrss)"}
+    env.update(fields)
+    return env
+
+
 def leave(code: int) -> NoReturn:
     """End the process now, without the interpreter's teardown: every event is written (each
     line in one ``write``) and every rank is past its last collective, so nothing the run needs

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ...protocol import RunSpec
-from ..workerkit import (FrameworkRun, gpu_names, load_init, memory_fields, rss_now_bytes,
+from ..workerkit import (FrameworkRun, environment, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
 from .backend import BACKEND
 
@@ -116,28 +116,19 @@ def framework_env(layout, threads: int | None) -> dict:
 
     gpu = layout.device_type == "cuda"
     cuda, cudnn = _cuda_versions() if gpu else (None, None)
-    return {
-        "framework": "jax",
-        "framework_version": jax.__version__,
-        "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
-        "flax_version": flax.__version__,
-        "optax_version": optax.__version__,
-        "numpy_version": np.__version__,
-        "device_type": layout.device_type,
-        "device_names": (gpu_names() or [d.device_kind for d in layout.devices]) if gpu else [],
-        "device_count": jax.device_count() if gpu else 0,
-        "platform": layout.devices[0].platform,
-        "cuda_version": cuda,
-        "cudnn_version": cudnn,
-        "nccl_version": None,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "threads": 1 if SINGLE_THREAD_FLAG in os.environ.get("XLA_FLAGS", "").split()
+    env = environment(
+        "jax", jax.__version__, gpu, "allocator peak_bytes_in_use (device memory_stats)",
+        jaxlib_version=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+        flax_version=flax.__version__, optax_version=optax.__version__,
+        device_count=jax.device_count() if gpu else 0, platform=layout.devices[0].platform,
+        cuda_version=cuda, cudnn_version=cudnn, xla_flags=os.environ.get("XLA_FLAGS", ""),
+        threads=1 if SINGLE_THREAD_FLAG in os.environ.get("XLA_FLAGS", "").split()
         else "xla default (one per core)",
-        "threads_asked": threads,
-        "default_matmul_precision": jax.config.jax_default_matmul_precision,
-        "memory_measure": "allocator peak_bytes_in_use (device memory_stats)" if gpu
-        else "peak resident set (ru_maxrss)",
-    }
+        threads_asked=threads,
+        default_matmul_precision=jax.config.jax_default_matmul_precision)
+    if gpu and not env["device_names"]:
+        env["device_names"] = [d.device_kind for d in layout.devices]
+    return env
 
 
 def _jaxlib_version() -> str | None:

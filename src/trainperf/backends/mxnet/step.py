@@ -47,14 +47,14 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd
 
-from ...config import Tuning, Workload
+from ...config import Topology, Tuning, Workload
 from ..base import require
 from ..scaling import LossScale
 from ..workerkit import start_batch
 from . import models
-from .backend import BACKEND
+from .backend import BACKEND, kvstore_rules
 from .comm import Comm
-from .heads import MarginSoftmaxHead, check_fc
+from .heads import MarginSoftmaxHead
 
 UPDATE_CHUNK = 45
 """Arrays per fused update / sum-of-squares call (MXNet's multi-tensor kernels take a bounded
@@ -113,15 +113,10 @@ class TrainStep:
 
     def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
                  init: Any = None) -> None:
-        task = models.backbone_task(workload.backbone)
-        if task != workload.task:
-            raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
-                             f"but the workload is {workload.task}")
-        if workload.task == "face":
-            check_fc(workload.fc)
-            if workload.fc == "mp" and comm.mode == "device":
-                raise ValueError("kvstore device runs data parallel only (--fc dp); use "
-                                 "dist_sync for --fc mp")
+        require(BACKEND.model_refusal(workload))
+        if comm.mode == "device":  # the declaration's kvstore rule, on this process's contexts
+            require(kvstore_rules(workload, Topology(devices_per_node=len(comm.contexts)),
+                                  Tuning(mxnet_kvstore="device")))
         check_precision(workload.precision, comm.device_type)
         rates = [workload.lr * f for f in (1.0, *workload.lr_scales)]
         if workload.momentum and any(r == 0 for r in rates):

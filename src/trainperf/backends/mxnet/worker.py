@@ -16,10 +16,9 @@ import os
 import sys
 
 import mxnet as mx
-import numpy as np
 
 from ...config import Tuning
-from ..workerkit import (FrameworkRun, cudnn_version, gpu_names, load_init, memory_fields,
+from ..workerkit import (FrameworkRun, environment, cudnn_version, load_init, memory_fields,
                          rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
 from .backend import BACKEND
@@ -81,29 +80,16 @@ def _cudnn_version() -> int | None:
 
 def framework_env(comm: Comm, threads: int | None) -> dict:
     gpu = comm.device_type == "gpu"
-    env: dict = {
-        "framework": "mxnet",
-        "framework_version": mx.__version__,
-        "numpy_version": np.__version__,
-        "device_type": "cuda" if gpu else "cpu",
-        "device_names": [],
-        "device_count": mx.context.num_gpus() if gpu else 0,
-        "cuda_version": None,
-        "cudnn_version": None,
-        "nccl_version": None,
-        "kvstore": comm.mode,
-        "omp_threads": threads or os.environ.get("OMP_NUM_THREADS"),
-        "cpu_worker_threads": os.environ.get("MXNET_CPU_WORKER_NTHREADS", "1"),
-        "cudnn_autotune": os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT") if gpu else None,
-        "memory_measure": ("device memory in use after the run (MXNet keeps no allocation "
-                           "peak; its pool keeps its high-water mark)") if gpu
-        else "peak resident set (ru_maxrss)",
-    }
-    if gpu:
-        env["device_names"] = gpu_names()
-        env["cuda_version"] = _cuda_version()
-        env["cudnn_version"] = _cudnn_version()
-    return env
+    return environment(
+        "mxnet", mx.__version__, gpu,
+        "device memory in use after the run (MXNet keeps no allocation peak; its pool keeps its "
+        "high-water mark)",
+        device_count=mx.context.num_gpus() if gpu else 0,
+        cuda_version=_cuda_version() if gpu else None,
+        cudnn_version=_cudnn_version() if gpu else None,
+        kvstore=comm.mode, omp_threads=threads or os.environ.get("OMP_NUM_THREADS"),
+        cpu_worker_threads=os.environ.get("MXNET_CPU_WORKER_NTHREADS", "1"),
+        cudnn_autotune=os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT") if gpu else None)
 
 
 def configure(tuning: Tuning, threads: int | None) -> None:

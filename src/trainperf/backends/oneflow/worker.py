@@ -23,10 +23,9 @@ from .rendezvous import wait_for_rank0
 # Before OneFlow is imported: the import joins the process group (see rendezvous.py).
 wait_for_rank0()
 
-import numpy as np  # noqa: E402
 import oneflow as flow  # noqa: E402
 
-from ..workerkit import (FrameworkRun, cudnn_version, gpu_names, load_init, memory_fields,
+from ..workerkit import (FrameworkRun, environment, cudnn_version, load_init, memory_fields,
                          rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
 from .backend import BACKEND
@@ -77,26 +76,16 @@ def _cudnn_version() -> int | None:
 
 def framework_env(dist: Dist, threads: int | None) -> dict:
     gpu = dist.device_type == "cuda"
-    env: dict = {
-        "framework": "oneflow",
-        "framework_version": flow.__version__,
-        "numpy_version": np.__version__,
-        "device_type": dist.device_type,
-        "device_names": gpu_names() if gpu else [],
-        "device_count": flow.cuda.device_count() if gpu else 0,
-        "cuda_version": None,
-        "cudnn_version": _cudnn_version() if gpu else None,
-        "nccl_version": None,
-        "intra_op_threads": threads,
-        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-        "memory_measure": ("device memory held by the process after the run (nvidia-smi)"
-                           if gpu else "peak resident set (ru_maxrss)"),
-    }
+    fields = {}
     if gpu:
         import oneflow.sysconfig
         code = int(oneflow.sysconfig.get_cuda_version())  # e.g. 11070
-        env["cuda_version"] = f"{code // 1000}.{code % 1000 // 10}"
-    return env
+        fields = {"device_count": flow.cuda.device_count(), "cudnn_version": _cudnn_version(),
+                  "cuda_version": f"{code // 1000}.{code % 1000 // 10}"}
+    return environment("oneflow", flow.__version__, gpu,
+                       "device memory held by the process after the run (nvidia-smi)",
+                       intra_op_threads=threads, omp_threads=os.environ.get("OMP_NUM_THREADS"),
+                       **fields)
 
 
 # ------------------------------------------------------------------------------------ run

@@ -61,7 +61,7 @@ from ..workerkit import start_batch
 from . import models
 from .backend import BACKEND
 from .comm import Comm
-from .heads import MarginSoftmaxHead, check_fc
+from .heads import MarginSoftmaxHead
 
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -109,12 +109,7 @@ class TrainStep:
 
     def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
                  init: Any = None) -> None:
-        task = models.backbone_task(workload.backbone)
-        if task != workload.task:
-            raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
-                             f"but the workload is {workload.task}")
-        if workload.task == "face":
-            check_fc(workload.fc)
+        require(BACKEND.model_refusal(workload))
         check_precision(workload.precision, comm.device_type)
         self.workload = workload
         self.comm = comm

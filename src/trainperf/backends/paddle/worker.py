@@ -25,7 +25,7 @@ import time
 import numpy as np
 import paddle
 
-from ..workerkit import (FrameworkRun, gpu_names, leave, load_init, memory_fields, rss_now_bytes,
+from ..workerkit import (FrameworkRun, environment, leave, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
 from . import models
 from .backend import BACKEND, CUDNN_SEARCH_FLAG
@@ -64,30 +64,17 @@ def memory_over_ranks(comm: Comm) -> dict:
 
 def framework_env(comm: Comm, threads: int | None) -> dict:
     gpu = comm.device_type == "gpu"
-    env: dict = {
-        "framework": "paddle",
-        "framework_version": paddle.__version__,
-        "numpy_version": np.__version__,
-        "device_type": "cuda" if gpu else "cpu",
-        "device_names": [],
-        "device_count": 0,
-        "cuda_version": None,
-        "cudnn_version": None,
-        "nccl_version": None,
-        "paddle_commit": getattr(paddle.version, "commit", None),
-        "collective_backend": comm.backend,
-        "omp_threads": threads or os.environ.get("OMP_NUM_THREADS"),
-        "memory_measure": "paddle.device.cuda.max_memory_allocated" if gpu
-        else "peak resident set (ru_maxrss)",
-    }
+    fields = {}
     if gpu:
-        env["device_count"] = paddle.device.cuda.device_count()
-        env["device_names"] = gpu_names()
-        env["cuda_version"] = paddle.version.cuda()
-        env["cudnn_version"] = paddle.version.cudnn()
         nccl = getattr(paddle.version, "nccl", None)
-        env["nccl_version"] = nccl() if callable(nccl) else None
-    return env
+        fields = {"device_count": paddle.device.cuda.device_count(),
+                  "cuda_version": paddle.version.cuda(), "cudnn_version": paddle.version.cudnn(),
+                  "nccl_version": nccl() if callable(nccl) else None}
+    return environment("paddle", paddle.__version__, gpu,
+                       "paddle.device.cuda.max_memory_allocated",
+                       paddle_commit=getattr(paddle.version, "commit", None),
+                       collective_backend=comm.backend,
+                       omp_threads=threads or os.environ.get("OMP_NUM_THREADS"), **fields)
 
 
 def configure(threads: int | None) -> None:

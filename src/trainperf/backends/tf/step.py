@@ -48,7 +48,7 @@ from ..workerkit import start_batch
 from . import models
 from .backend import BACKEND
 from .comm import Comm
-from .heads import MarginSoftmaxHead, check_fc
+from .heads import MarginSoftmaxHead
 
 CLIP_EPS = 1e-6
 
@@ -89,12 +89,7 @@ class TrainStep:
     marker is the step counter read after every update of the step has run."""
 
     def __init__(self, workload: Workload, comm: Comm, init: Any = None) -> None:
-        task = models.backbone_task(workload.backbone)
-        if task != workload.task:
-            raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
-                             f"but the workload is {workload.task}")
-        if workload.task == "face":
-            check_fc(workload.fc)
+        require(BACKEND.model_refusal(workload))
         check_precision(workload.precision, comm.device_type)
         self.workload = workload
         self.comm = comm

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from ..workerkit import (FrameworkRun, gpu_names, leave, load_init, memory_fields, rss_now_bytes,
+from ..workerkit import (FrameworkRun, environment, leave, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
 from . import models
 from .backend import BACKEND
@@ -82,27 +82,19 @@ def onednn_opts() -> bool | None:
 def framework_env(comm: Comm, threads: int | None) -> dict:
     gpu = comm.device_type == "gpu"
     build = tf.sysconfig.get_build_info()
-    env: dict = {
-        "framework": "tensorflow",
-        "framework_version": tf.__version__,
-        "keras_version": _version_of("keras"),
-        "numpy_version": np.__version__,
-        "device_type": "cuda" if gpu else "cpu",
-        "device_names": gpu_names() if gpu else [],
-        "device_count": len(tf.config.list_physical_devices("GPU")) if gpu else 0,
-        "cuda_version": build.get("cuda_version") if gpu else None,
-        "cudnn_version": build.get("cudnn_version") if gpu else None,
-        "nccl_version": None,
-        "collective": comm.communication,
-        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads() or None,
-        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads() or None,
-        "threads_asked": threads,
-        "tf32": tf.config.experimental.tensor_float_32_execution_enabled() if gpu else None,
-        "cudnn_autotune": os.environ.get("TF_CUDNN_USE_AUTOTUNE", "1") if gpu else None,
-        "memory_measure": "allocator peak (tf.config.experimental.get_memory_info)" if gpu
-        else "peak resident set (ru_maxrss)",
-    }
-    return env
+    return environment(
+        "tensorflow", tf.__version__, gpu,
+        "allocator peak (tf.config.experimental.get_memory_info)",
+        keras_version=_version_of("keras"),
+        device_count=len(tf.config.list_physical_devices("GPU")) if gpu else 0,
+        cuda_version=build.get("cuda_version") if gpu else None,
+        cudnn_version=build.get("cudnn_version") if gpu else None,
+        collective=comm.communication,
+        intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads() or None,
+        inter_op_threads=tf.config.threading.get_inter_op_parallelism_threads() or None,
+        threads_asked=threads,
+        tf32=tf.config.experimental.tensor_float_32_execution_enabled() if gpu else None,
+        cudnn_autotune=os.environ.get("TF_CUDNN_USE_AUTOTUNE", "1") if gpu else None)
 
 
 # ------------------------------------------------------------------------------------ run
