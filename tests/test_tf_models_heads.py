@@ -303,7 +303,7 @@ def test_refusals_and_load_errors(tf_side):
                               "not run)")
     assert errors["bf16"].startswith("bf16 is not supported by the tf backend")
     assert errors["mp"] == "the tf backend runs --fc dp only; mp is not implemented"
-    assert "backbone 'mobilefacenet_y1' is not built by the tf backend" in errors["unknown"]
+    assert "the tf backend has no backbone 'mobilefacenet_y1'" in errors["unknown"]
     load = errors["load"]
     assert "missing: fc.bias" in load and "unexpected: extra.weight" in load
     assert "conv1.weight: shape (1, 2, 3, 3), expected (8, 3, 3, 3)" in load

@@ -39,6 +39,14 @@ class Backbone:
     default_classes: int | None = None
     """Classification: the class count when a workload gives none."""
 
+    def embedding(self, given: int | None) -> int | None:
+        """The embedding width to build: ``given``, or the default when it is None."""
+        return self.default_embedding if given is None else given
+
+    def classes(self, given: int | None) -> int | None:
+        """The class count to build: ``given``, or the default when it is None."""
+        return self.default_classes if given is None else given
+
 
 def _iresnet(name: str, layers: tuple[int, ...], widths: tuple[int, ...] = IRESNET_WIDTHS
              ) -> Backbone:

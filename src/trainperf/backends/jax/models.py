@@ -50,6 +50,9 @@ import numpy as np
 from flax import linen as nn
 from flax.core import unfreeze
 
+from .. import catalog
+from .backend import BACKEND
+
 __all__ = [
     "backbone_names", "backbone_task", "build_backbone", "init_variables", "param_count",
     "torch_names", "torch_shape", "from_torch_layout", "load_torch_arrays", "BN_EPS", "BN_MOMENTUM",
@@ -203,16 +206,6 @@ class PReLU(nn.Module):
 
 # --------------------------------------------------------------------------------- IResNet
 
-IRESNET_WIDTHS = (64, 128, 256, 512)
-IRESNET_LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
-
-
 class IBasicBlock(nn.Module):
     """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
 
@@ -241,7 +234,7 @@ class IResNet(nn.Module):
     or "FC" (the same without dropout)."""
 
     layers: tuple[int, int, int, int]
-    widths: tuple[int, int, int, int] = IRESNET_WIDTHS
+    widths: tuple[int, int, int, int] = catalog.IRESNET_WIDTHS
     embedding_size: int = 512
     output_block: str = "E"
     dropout: float = 0.0
@@ -404,67 +397,50 @@ class ResNetV1b(nn.Module):
         return Dense(self.num_classes, dtype=d, name="fc")(x).astype(jnp.float32)
 
 
-# -------------------------------------------------------------------------------- registry
+# ------------------------------------------------------------------------- family builders
 
-def _iresnet(layers, widths=IRESNET_WIDTHS, default_embedding=512):
-    def build(*, embedding_size=None, output_block="E", dropout=0.0, dtype=jnp.float32, **_):
-        return IResNet(layers, widths, default_embedding if embedding_size is None
-                       else embedding_size, output_block, dropout, dtype)
-    return build
-
-
-def _mobilefacenet(default_embedding, **arch):
-    def build(*, embedding_size=None, dtype=jnp.float32, **_):
-        return MobileFaceNet(default_embedding if embedding_size is None else embedding_size,
-                             dtype=dtype, **arch)
-    return build
+def _iresnet(b: catalog.Backbone, *, embedding_size: int, output_block: str, dropout: float,
+             dtype: Dtype, **_: Any) -> IResNet:
+    return IResNet(**b.arch, embedding_size=embedding_size, output_block=output_block,
+                   dropout=dropout, dtype=dtype)
 
 
-def _resnet_v1b(layers, base_width, default_classes):
-    def build(*, num_classes=None, dtype=jnp.float32, **_):
-        return ResNetV1b(layers, default_classes if num_classes is None else num_classes,
-                         base_width, dtype)
-    return build
+def _mobilefacenet(b: catalog.Backbone, *, embedding_size: int, dtype: Dtype,
+                   **_: Any) -> MobileFaceNet:
+    return MobileFaceNet(**b.arch, embedding_size=embedding_size, dtype=dtype)
 
 
-# name -> (task, builder); defaults equal the torch builders' defaults.
-_REGISTRY: dict[str, tuple[str, Callable[..., nn.Module]]] = {
-    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
-    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
-    "mobilefacenet_y1": ("face", _mobilefacenet(128, width=1)),
-    "mobilefacenet": ("face", _mobilefacenet(512, width=2)),
-    "mobilefacenet_tiny": ("face", _mobilefacenet(64, width=1, blocks=(1, 1, 1),
-                                                  sep_channels=128, hidden=(32, 64, 64, 64))),
-    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
-    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
-}
+def _resnet_v1b(b: catalog.Backbone, *, num_classes: int, dtype: Dtype, **_: Any) -> ResNetV1b:
+    return ResNetV1b(**b.arch, num_classes=num_classes, dtype=dtype)
+
+
+# family -> builder of a catalogue entry; every family the backend declares has one.
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "iresnet": _iresnet, "mobilefacenet": _mobilefacenet, "resnet_v1b": _resnet_v1b}
+FAMILIES = BACKEND.capabilities.families
 
 
 def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _entry(name: str) -> tuple[str, Callable[..., nn.Module]]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown backbone {name!r}; known: "
-                         f"{', '.join(backbone_names())}") from None
+    return catalog.names(FAMILIES)
 
 
 def backbone_task(name: str) -> str:
     """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return _entry(name)[0]
+    return catalog.lookup(name, FAMILIES, BACKEND.name).task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None,
                    num_classes: int | None = None, output_block: str = "E",
                    dropout: float = 0.0, dtype: Dtype = jnp.float32) -> nn.Module:
     """The flax twin of torch's ``build_backbone(name, ...)``; arguments a family does not use
-    are ignored, ``None`` takes the torch builder's default. ``dtype`` is the compute dtype of
-    convolutions and dense layers (parameters stay fp32). The input side is the input's."""
-    return _entry(name)[1](embedding_size=embedding_size, num_classes=num_classes,
-                           output_block=output_block, dropout=dropout, dtype=dtype)
+    are ignored, ``None`` takes the catalogue's default (``backends.catalog``: torch's
+    defaults). ``dtype`` is the compute dtype of convolutions and dense layers (parameters stay
+    fp32). The input side is the input's."""
+    entry = catalog.lookup(name, FAMILIES, BACKEND.name)
+    return _BUILDERS[entry.family](
+        entry, embedding_size=entry.embedding(embedding_size),
+        num_classes=entry.classes(num_classes), output_block=output_block, dropout=dropout,
+        dtype=dtype)
 
 
 def init_variables(model: nn.Module, seed: int, input_size: int) -> dict:

@@ -47,6 +47,9 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
+from .. import catalog
+from .backend import BACKEND
+
 __all__ = [
     "Backbone", "backbone_names", "backbone_task", "build_backbone", "load_torch_arrays",
     "param_count", "to_tf_layout", "to_torch_layout", "torch_shapes", "BN_EPS", "BN_MOMENTUM",
@@ -210,16 +213,6 @@ class Dense:
 
 # ------------------------------------------------------------------------------- IResNet
 
-IRESNET_WIDTHS = (64, 128, 256, 512)
-IRESNET_LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
-
-
 class IBasicBlock:
     """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
 
@@ -334,7 +327,7 @@ class ResNetV1b:
         return self.fc(tf.reduce_mean(x, axis=[1, 2]))
 
 
-# ------------------------------------------------------------------------------ registry
+# ----------------------------------------------------------------------- family builders
 
 class Backbone:
     """A built network: call it on NHWC images; ``params`` holds its variables by torch name."""
@@ -355,44 +348,28 @@ class Backbone:
         return [e.variable for e in self.params.entries.values() if e.variable.trainable]
 
 
-def _iresnet(layers, widths=IRESNET_WIDTHS):
-    def build(p, *, embedding_size=None, input_size=112, output_block="E", dropout=0.0, **_):
-        return IResNet(p, layers, widths, 512 if embedding_size is None else embedding_size,
-                       input_size, output_block, dropout)
-    return build
+def _iresnet(p: Params, b: catalog.Backbone, *, embedding_size: int, input_size: int,
+             output_block: str, dropout: float, **_: Any) -> IResNet:
+    return IResNet(p, **b.arch, embedding_size=embedding_size, input_size=input_size,
+                   output_block=output_block, dropout=dropout)
 
 
-def _resnet_v1b(layers, base_width, default_classes):
-    def build(p, *, num_classes=None, **_):
-        return ResNetV1b(p, layers, base_width,
-                         default_classes if num_classes is None else num_classes)
-    return build
+def _resnet_v1b(p: Params, b: catalog.Backbone, *, num_classes: int, **_: Any) -> ResNetV1b:
+    return ResNetV1b(p, **b.arch, num_classes=num_classes)
 
 
-# name -> (task, builder); defaults equal the torch builders' defaults.
-_REGISTRY: dict[str, tuple[str, Callable[..., Any]]] = {
-    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
-    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
-    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
-    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
-}
+# family -> builder of a catalogue entry; every family the backend declares has one.
+_BUILDERS: dict[str, Callable[..., Any]] = {"iresnet": _iresnet, "resnet_v1b": _resnet_v1b}
+FAMILIES = BACKEND.capabilities.families
 
 
 def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _entry(name: str) -> tuple[str, Callable[..., Any]]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"backbone {name!r} is not built by the tf backend; it builds "
-                         f"{', '.join(backbone_names())}") from None
+    return catalog.names(FAMILIES)
 
 
 def backbone_task(name: str) -> str:
     """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return _entry(name)[0]
+    return catalog.lookup(name, FAMILIES, BACKEND.name).task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None,
@@ -400,12 +377,15 @@ def build_backbone(name: str, *, embedding_size: int | None = None,
                    output_block: str = "E", dropout: float = 0.0, seed: int = 0) -> Backbone:
     """The TensorFlow twin of torch's ``build_backbone(name, ...)``, its variables created on
     the current device and initialised from ``seed``. Arguments a family does not use are
-    ignored, as in torch; ``None`` takes the torch builder's default."""
-    task, builder = _entry(name)
+    ignored, as in torch; ``None`` takes the catalogue's default (``backends.catalog``: torch's
+    defaults)."""
+    entry = catalog.lookup(name, FAMILIES, BACKEND.name)
     params = Params(seed)
-    net = builder(params, embedding_size=embedding_size, num_classes=num_classes,
-                  input_size=input_size, output_block=output_block, dropout=dropout)
-    return Backbone(name, task, params, net)
+    net = _BUILDERS[entry.family](
+        params, entry, embedding_size=entry.embedding(embedding_size),
+        num_classes=entry.classes(num_classes), input_size=input_size,
+        output_block=output_block, dropout=dropout)
+    return Backbone(name, entry.task, params, net)
 
 
 def load_torch_arrays(net: Backbone, arrays: Any, prefix: str = "backbone/") -> None:
