@@ -10,9 +10,10 @@ Layout: activations are NHWC and convolution kernels HWIO ([kh, kw, in / groups,
 kernels [in, out] (XLA's native layouts on every backend). Every torch layer has a twin here
 with the same kernel, stride, padding and groups, and the same operations in the same order.
 The one place that converts torch's layouts (OIHW convolutions, [out, in] linear weights) is
-:func:`from_torch_layout`, used by :func:`load_torch_arrays`. IResNet's flatten before its
-fully connected layer transposes the NHWC map to NCHW first, so the dense kernel's rows are in
-torch's (C, H, W) order and its weight is torch's transposed, nothing more.
+:func:`from_torch_layout` (with ``trainperf.backends.layouts``' conversions), used by
+:func:`load_torch_arrays`. IResNet's flatten before its fully connected layer transposes the
+NHWC map to NCHW first, so the dense kernel's rows are in torch's (C, H, W) order and its
+weight is torch's transposed, nothing more.
 
 The layers are written here (not flax's ``nn.Conv`` / ``nn.BatchNorm``) for three reasons:
 their variables carry torch's leaf names (``weight``, ``bias``, ``running_mean``,
@@ -50,7 +51,7 @@ import numpy as np
 from flax import linen as nn
 from flax.core import unfreeze
 
-from .. import catalog
+from .. import catalog, layouts
 from .backend import BACKEND
 
 __all__ = [
@@ -497,25 +498,16 @@ def torch_names(variables: dict) -> dict[str, tuple[str, ...]]:
 
 
 def from_torch_layout(value: np.ndarray) -> np.ndarray:
-    """torch's layout -> this module's, the one place it is converted: OIHW convolution
-    weights -> HWIO, [out, in] linear weights -> [in, out]; vectors as they are."""
+    """torch's layout -> this module's: OIHW convolution weights -> HWIO, [out, in] linear
+    weights -> [in, out] (this module's only 4-d and 2-d variables); vectors as they are."""
     value = np.asarray(value)
-    if value.ndim == 4:
-        return np.ascontiguousarray(value.transpose(2, 3, 1, 0))
-    if value.ndim == 2:
-        return np.ascontiguousarray(value.T)
-    return value
+    return layouts.from_torch(value, layouts.layout_of_rank(value.ndim))
 
 
 def torch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape torch gives a variable of this module's ``shape`` (the inverse of
     :func:`from_torch_layout` on shapes)."""
-    shape = tuple(shape)
-    if len(shape) == 4:
-        return (shape[3], shape[2], shape[0], shape[1])
-    if len(shape) == 2:
-        return (shape[1], shape[0])
-    return shape
+    return layouts.torch_shape(shape, layouts.layout_of_rank(len(shape)))
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -543,29 +535,14 @@ def load_torch_arrays(variables: dict, arrays: Any, prefix: str = "backbone/") -
     Raises ValueError naming every missing, unexpected or wrongly shaped array, and a fixed BN
     gamma that is not all ones, before returning anything."""
     names = torch_names(variables)
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    problems = []
-    missing = [n for n in names if n not in keys]
-    unexpected = sorted(keys - set(names))
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: torch_shape(_get(variables, path).shape)
+                         for name, path in names.items()},
+        fixed_gamma={name for name, path in names.items() if path[0] == "frozen"},
+        dtype=np.float32)
     out = {c: unfreeze(variables[c]) for c in COLLECTIONS if c in variables}
     for name, path in names.items():
-        if name not in keys:
-            continue
-        value = from_torch_layout(np.asarray(arrays[prefix + name], dtype=np.float32))
-        want = tuple(_get(variables, path).shape)
-        if tuple(value.shape) != want:
-            problems.append(f"{name}: shape {torch_shape(value.shape)}, expected "
-                            f"{torch_shape(want)}")
-        elif path[0] == "frozen" and not np.all(value == 1):
-            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
-        _set(out, path, value)
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+        _set(out, path, from_torch_layout(values[name]))
     return out
 
 

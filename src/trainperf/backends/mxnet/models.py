@@ -47,7 +47,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.gluon import HybridBlock, Parameter, nn
 
-from .. import catalog
+from .. import catalog, layouts
 from .backend import BACKEND
 
 __all__ = [
@@ -439,27 +439,8 @@ def load_torch_arrays(net: nn.Block, arrays: Any, prefix: str = "backbone/",
     names = torch_names(net)
     fixed = {name for name, _, block in _walk(net)
              if _fixed_gamma(block) and name.endswith("weight")}
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    missing = [n for n in names if n not in keys]
-    unexpected = sorted(keys - set(names))
-    problems = []
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values: dict[str, np.ndarray] = {}
-    for name, param in names.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        if tuple(value.shape) != tuple(param.shape):
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-        elif name in fixed and not np.all(value == 1):
-            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
-        values[name] = value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: tuple(param.shape) for name, param in names.items()}, fixed)
     for name, param in names.items():
         if param._data is None and not param._deferred_init:
             param.initialize(ctx=ctx if ctx is not None else mx.cpu())

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
 import oneflow as flow
 import oneflow.nn as nn
 
-from .. import catalog
+from .. import catalog, layouts
 from .backend import BACKEND
 
 __all__ = ["backbone_names", "build_backbone", "load_torch_arrays", "param_count", "BN_EPS"]
@@ -139,26 +138,8 @@ def load_torch_arrays(net: nn.Module, arrays: Any, prefix: str = "backbone/") ->
     missing, unexpected or wrongly shaped array is a ValueError naming all of them, raised
     before anything changes."""
     state = net.state_dict()
-    wanted = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    problems = []
-    missing = [k for k in wanted if k not in keys]
-    unexpected = sorted(keys - set(wanted))
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values = {}
-    for name, current in wanted.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        if tuple(value.shape) != tuple(current.shape):
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected "
-                            f"{tuple(current.shape)}")
-        values[name] = value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {k: tuple(v.shape) for k, v in state.items()
+                         if not k.endswith("num_batches_tracked")})
     net.load_state_dict({**state, **{k: flow.tensor(v, dtype=state[k].dtype)
                                      for k, v in values.items()}})

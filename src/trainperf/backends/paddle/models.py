@@ -47,7 +47,7 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
-from .. import catalog
+from .. import catalog, layouts
 from .backend import BACKEND
 
 __all__ = [
@@ -368,12 +368,12 @@ def torch_names(net: nn.Layer) -> dict[str, tuple[paddle.Tensor, bool]]:
 
 def torch_shape(param: paddle.Tensor, transposed: bool) -> tuple[int, ...]:
     shape = tuple(int(s) for s in param.shape)
-    return shape[::-1] if transposed else shape
+    return layouts.torch_shape(shape, "linear") if transposed else shape
 
 
 def torch_state(net: nn.Layer) -> dict[str, np.ndarray]:
     """The torch ``state_dict`` of ``net`` as numpy arrays, in torch's names and layouts."""
-    return {name: (p.numpy().T if t else p.numpy()).copy()
+    return {name: (layouts.to_torch(p.numpy(), "linear") if t else p.numpy()).copy()
             for name, (p, t) in torch_names(net).items()}
 
 
@@ -384,28 +384,11 @@ def load_torch_arrays(net: nn.Layer, arrays: Any, prefix: str = "backbone/") -> 
     are not looked at. Raises ValueError naming every missing, unexpected or wrongly shaped
     array before changing anything."""
     names = torch_names(net)
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    missing = [n for n in names if n not in keys]
-    unexpected = sorted(keys - set(names))
-    problems = []
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values: dict[str, np.ndarray] = {}
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: torch_shape(p, t) for name, (p, t) in names.items()})
     for name, (param, transposed) in names.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        expected = torch_shape(param, transposed)
-        if tuple(value.shape) != expected:
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {expected}")
-        values[name] = value.T if transposed else value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
-    for name, (param, _) in names.items():
-        param.set_value(np.ascontiguousarray(values[name], dtype=_numpy_dtype(param)))
+        value = layouts.from_torch(values[name], "linear") if transposed else values[name]
+        param.set_value(np.ascontiguousarray(value, dtype=_numpy_dtype(param)))
 
 
 def _numpy_dtype(param: paddle.Tensor) -> np.dtype:

@@ -16,10 +16,10 @@ layers, because:
   TensorFlow's "SAME" pads a strided layer asymmetrically and would shift every window).
 
 Layout: activations NHWC, convolution kernels HWIO, dense weights [in, out]. torch's arrays
-(OIHW, [out, in]) are converted in ONE place, :func:`to_tf_layout` (its inverse
-:func:`to_torch_layout` beside it), used both by the
-initialisation (drawn in torch's layout, so the distributions are torch's) and by
-:func:`load_torch_arrays`. One dense layer needs more than a transpose: IResNet's ``fc`` reads a
+(OIHW, [out, in]) are converted in ONE place, :func:`to_tf_layout` (the conversions of
+``trainperf.backends.layouts``, as float32; its inverse :func:`to_torch_layout` beside it),
+used both by the initialisation (drawn in torch's layout, so the distributions are torch's) and
+by :func:`load_torch_arrays`. One dense layer needs more than a transpose: IResNet's ``fc`` reads a
 flattened feature map, which torch flattens in (C, H, W) order and NHWC in (H, W, C) order, so its
 rows are permuted once at load instead of transposing the activation at every step.
 
@@ -47,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from .. import catalog
+from .. import catalog, layouts
 from .backend import BACKEND
 
 __all__ = [
@@ -67,41 +67,15 @@ _RUNNING = ("running_mean", "running_var")
 
 def to_tf_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None
                  ) -> np.ndarray:
-    """torch's array -> TensorFlow's. ``layout``: ``conv`` (OIHW -> HWIO), ``linear``
-    ([out, in] -> [in, out]), ``linear_chw`` (a linear layer after a flatten of a (C, H, W) map:
-    [out, C*H*W] -> [H*W*C, out], rows in NHWC flatten order; ``chw`` gives (C, H, W)) or
-    ``vector`` (unchanged)."""
-    value = np.asarray(value, dtype=np.float32)
-    if layout == "conv":
-        return np.ascontiguousarray(value.transpose(2, 3, 1, 0))
-    if layout == "linear":
-        return np.ascontiguousarray(value.T)
-    if layout == "linear_chw":
-        c, h, w = chw
-        out = value.shape[0]
-        return np.ascontiguousarray(value.reshape(out, c, h, w).transpose(2, 3, 1, 0)
-                                    .reshape(h * w * c, out))
-    if layout == "vector":
-        return value
-    raise ValueError(f"unknown layout {layout!r}")
+    """torch's array -> TensorFlow's, as float32. ``layout`` (``trainperf.backends.layouts``):
+    ``conv`` (OIHW -> HWIO), ``linear`` ([out, in] -> [in, out]), ``linear_chw`` (a linear
+    layer after a flatten of a (C, H, W) map: [out, C*H*W] -> [H*W*C, out], rows in NHWC
+    flatten order; ``chw`` gives (C, H, W)) or ``vector`` (unchanged)."""
+    return layouts.from_torch(np.asarray(value, dtype=np.float32), layout, chw)
 
 
-def to_torch_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None
-                    ) -> np.ndarray:
-    """The inverse of :func:`to_tf_layout` (TensorFlow's array -> torch's)."""
-    value = np.asarray(value)
-    if layout == "conv":
-        return np.ascontiguousarray(value.transpose(3, 2, 0, 1))
-    if layout == "linear":
-        return np.ascontiguousarray(value.T)
-    if layout == "linear_chw":
-        c, h, w = chw
-        out = value.shape[1]
-        return np.ascontiguousarray(value.reshape(h, w, c, out).transpose(3, 2, 0, 1)
-                                    .reshape(out, c * h * w))
-    if layout == "vector":
-        return value
-    raise ValueError(f"unknown layout {layout!r}")
+to_torch_layout = layouts.to_torch
+"""The inverse of :func:`to_tf_layout` (TensorFlow's array -> torch's)."""
 
 
 @dataclass
@@ -394,27 +368,10 @@ def load_torch_arrays(net: Backbone, arrays: Any, prefix: str = "backbone/") -> 
     ``num_batches_tracked`` are ignored. Raises ValueError naming every missing, unexpected or
     wrongly shaped array (and a fixed gamma that is not all ones) before changing anything."""
     entries = net.params.entries
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    problems = []
-    missing = [n for n in entries if n not in keys]
-    unexpected = sorted(keys - set(entries))
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values = {}
-    for name, e in entries.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        if tuple(value.shape) != e.torch_shape:
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {e.torch_shape}")
-        elif not e.variable.trainable and not e.running and not np.all(value == 1):
-            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
-        values[name] = value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: e.torch_shape for name, e in entries.items()},
+        fixed_gamma={name for name, e in entries.items()
+                     if not e.variable.trainable and not e.running})
     for name, e in entries.items():
         e.variable.assign(to_tf_layout(values[name], e.layout, e.chw))
 
