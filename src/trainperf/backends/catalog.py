@@ -82,3 +82,24 @@ def lookup(name: str, families: tuple[str, ...] = FAMILIES, framework: str | Non
         who = f"the {framework} backend" if framework else "trainperf"
         raise ValueError(f"{who} has no backbone {name!r}; it builds {', '.join(names(families))}")
     return entry
+
+
+@dataclass(frozen=True)
+class BackendCatalog:
+    """The part of the catalogue one backend builds: every backbone of ``families`` (its
+    ``Capabilities.families``), its errors naming the backend (``framework``)."""
+
+    families: tuple[str, ...]
+    framework: str
+
+    def names(self) -> list[str]:
+        """Every backbone the backend builds, sorted."""
+        return names(self.families)
+
+    def lookup(self, name: str) -> Backbone:
+        """The entry of ``name``; ValueError naming what the backend builds when it has none."""
+        return lookup(name, self.families, self.framework)
+
+    def task(self, name: str) -> str:
+        """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
+        return self.lookup(name).task

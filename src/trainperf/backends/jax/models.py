@@ -418,16 +418,9 @@ def _resnet_v1b(b: catalog.Backbone, *, num_classes: int, dtype: Dtype, **_: Any
 # family -> builder of a catalogue entry; every family the backend declares has one.
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "iresnet": _iresnet, "mobilefacenet": _mobilefacenet, "resnet_v1b": _resnet_v1b}
-FAMILIES = BACKEND.capabilities.families
-
-
-def backbone_names() -> list[str]:
-    return catalog.names(FAMILIES)
-
-
-def backbone_task(name: str) -> str:
-    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return catalog.lookup(name, FAMILIES, BACKEND.name).task
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+backbone_task = CATALOG.task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None,
@@ -437,7 +430,7 @@ def build_backbone(name: str, *, embedding_size: int | None = None,
     are ignored, ``None`` takes the catalogue's default (``backends.catalog``: torch's
     defaults). ``dtype`` is the compute dtype of convolutions and dense layers (parameters stay
     fp32). The input side is the input's."""
-    entry = catalog.lookup(name, FAMILIES, BACKEND.name)
+    entry = CATALOG.lookup(name)
     return _BUILDERS[entry.family](
         entry, embedding_size=entry.embedding(embedding_size),
         num_classes=entry.classes(num_classes), output_block=output_block, dropout=dropout,

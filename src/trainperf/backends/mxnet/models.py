@@ -365,16 +365,9 @@ def _resnet_v1b(b: catalog.Backbone, *, num_classes: int, **_: Any) -> ResNetV1b
 # family -> builder of a catalogue entry; every family the backend declares has one.
 _BUILDERS: dict[str, Callable[..., HybridBlock]] = {
     "iresnet": _iresnet, "mobilefacenet": _mobilefacenet, "resnet_v1b": _resnet_v1b}
-FAMILIES = BACKEND.capabilities.families
-
-
-def backbone_names() -> list[str]:
-    return catalog.names(FAMILIES)
-
-
-def backbone_task(name: str) -> str:
-    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return catalog.lookup(name, FAMILIES, BACKEND.name).task
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+backbone_task = CATALOG.task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None, num_classes: int | None = None,
@@ -393,7 +386,7 @@ def build_backbone(name: str, *, embedding_size: int | None = None, num_classes:
     """
     if prelu not in PRELU_MODES:
         raise ValueError(f"prelu must be one of {PRELU_MODES}, got {prelu!r}")
-    entry = catalog.lookup(name, FAMILIES, BACKEND.name)
+    entry = CATALOG.lookup(name)
     return _BUILDERS[entry.family](
         entry, embedding_size=entry.embedding(embedding_size),
         num_classes=entry.classes(num_classes), input_size=input_size,

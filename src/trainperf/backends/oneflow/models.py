@@ -109,18 +109,15 @@ def _iresnet(b: catalog.Backbone, *, embedding_size: int, input_size: int, outpu
 
 # family -> builder of a catalogue entry; every family the backend declares has one.
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {"iresnet": _iresnet}
-FAMILIES = BACKEND.capabilities.families
-
-
-def backbone_names() -> list[str]:
-    return catalog.names(FAMILIES)
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None, input_size: int = 112,
                    output_block: str = "E", dropout: float = 0.0) -> IResNet:
     """The OneFlow twin of torch's ``build_backbone(name, ...)`` for the IResNet family
     (``embedding_size`` None: the catalogue's default, torch's)."""
-    entry = catalog.lookup(name, FAMILIES, BACKEND.name)
+    entry = CATALOG.lookup(name)
     return _BUILDERS[entry.family](entry, embedding_size=entry.embedding(embedding_size),
                                    input_size=input_size, output_block=output_block,
                                    dropout=dropout)

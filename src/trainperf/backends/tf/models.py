@@ -301,7 +301,7 @@ class ResNetV1b:
         return self.fc(tf.reduce_mean(x, axis=[1, 2]))
 
 
-# ----------------------------------------------------------------------- family builders
+# --------------------------------------------------- built networks and family builders
 
 class Backbone:
     """A built network: call it on NHWC images; ``params`` holds its variables by torch name."""
@@ -334,16 +334,9 @@ def _resnet_v1b(p: Params, b: catalog.Backbone, *, num_classes: int, **_: Any) -
 
 # family -> builder of a catalogue entry; every family the backend declares has one.
 _BUILDERS: dict[str, Callable[..., Any]] = {"iresnet": _iresnet, "resnet_v1b": _resnet_v1b}
-FAMILIES = BACKEND.capabilities.families
-
-
-def backbone_names() -> list[str]:
-    return catalog.names(FAMILIES)
-
-
-def backbone_task(name: str) -> str:
-    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return catalog.lookup(name, FAMILIES, BACKEND.name).task
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+backbone_task = CATALOG.task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None,
@@ -353,7 +346,7 @@ def build_backbone(name: str, *, embedding_size: int | None = None,
     the current device and initialised from ``seed``. Arguments a family does not use are
     ignored, as in torch; ``None`` takes the catalogue's default (``backends.catalog``: torch's
     defaults)."""
-    entry = catalog.lookup(name, FAMILIES, BACKEND.name)
+    entry = CATALOG.lookup(name)
     params = Params(seed)
     net = _BUILDERS[entry.family](
         params, entry, embedding_size=entry.embedding(embedding_size),

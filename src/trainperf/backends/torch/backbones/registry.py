@@ -16,7 +16,8 @@ FamilyBuilder = Callable[..., nn.Module]
 """``(catalogue entry, **build arguments) -> module``; arguments the family does not use are
 ignored."""
 
-FAMILIES = BACKEND.capabilities.families
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
 _BUILDERS: dict[str, FamilyBuilder] = {}
 
 
@@ -39,12 +40,8 @@ def family(name: str) -> Callable[[FamilyBuilder], FamilyBuilder]:
     return wrap
 
 
-def backbone_names() -> list[str]:
-    return catalog.names(FAMILIES)
-
-
 def get_spec(name: str) -> BackboneSpec:
-    entry = catalog.lookup(name, FAMILIES, BACKEND.name)
+    entry = CATALOG.lookup(name)
     return BackboneSpec(name, entry.task, partial(_build, entry))
 
 
