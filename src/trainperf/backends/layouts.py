@@ -22,11 +22,16 @@ from typing import Any, Collection, Mapping
 import numpy as np
 
 LAYOUTS = ("conv", "linear", "linear_chw", "vector")
+# Axis orders taking torch's array to the framework's and back (None: the same array). A
+# linear_chw weight's shape turns as a linear weight's does.
+_TO_FRAMEWORK = {"conv": (2, 3, 1, 0), "linear": (1, 0), "vector": None}
+_TO_TORCH = {"conv": (3, 2, 0, 1), "linear": (1, 0), "vector": None}
 
 
-def _check(layout: str) -> None:
+def _known(layout: str) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    return layout
 
 
 def _map_shape(chw: tuple[int, int, int] | None) -> tuple[int, int, int]:
@@ -35,48 +40,35 @@ def _map_shape(chw: tuple[int, int, int] | None) -> tuple[int, int, int]:
     return chw
 
 
+def _permuted(value: np.ndarray, axes: tuple[int, ...] | None) -> np.ndarray:
+    return value if axes is None else np.ascontiguousarray(value.transpose(axes))
+
+
 def from_torch(value: Any, layout: str, chw: tuple[int, int, int] | None = None) -> np.ndarray:
     """torch's array -> the framework's, in ``layout`` (the dtype is kept)."""
-    _check(layout)
     value = np.asarray(value)
-    if layout == "conv":
-        return np.ascontiguousarray(value.transpose(2, 3, 1, 0))
-    if layout == "linear":
-        return np.ascontiguousarray(value.T)
-    if layout == "linear_chw":
+    if _known(layout) == "linear_chw":
+        # A linear layer over a whole (C, H, W) map is a convolution whose kernel covers the
+        # map: its HWIO kernel, flattened, has its rows in NHWC flatten order.
         c, h, w = _map_shape(chw)
-        out = value.shape[0]
-        return np.ascontiguousarray(value.reshape(out, c, h, w).transpose(2, 3, 1, 0)
-                                    .reshape(h * w * c, out))
-    return value
+        return from_torch(value.reshape(-1, c, h, w), "conv").reshape(h * w * c, -1)
+    return _permuted(value, _TO_FRAMEWORK[layout])
 
 
 def to_torch(value: Any, layout: str, chw: tuple[int, int, int] | None = None) -> np.ndarray:
     """The inverse of :func:`from_torch`: the framework's array -> torch's."""
-    _check(layout)
     value = np.asarray(value)
-    if layout == "conv":
-        return np.ascontiguousarray(value.transpose(3, 2, 0, 1))
-    if layout == "linear":
-        return np.ascontiguousarray(value.T)
-    if layout == "linear_chw":
+    if _known(layout) == "linear_chw":
         c, h, w = _map_shape(chw)
-        out = value.shape[1]
-        return np.ascontiguousarray(value.reshape(h, w, c, out).transpose(3, 2, 0, 1)
-                                    .reshape(out, c * h * w))
-    return value
+        return to_torch(value.reshape(h, w, c, -1), "conv").reshape(-1, c * h * w)
+    return _permuted(value, _TO_TORCH[layout])
 
 
 def torch_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     """The shape torch gives an array the framework holds in ``layout`` with ``shape``."""
-    _check(layout)
+    axes = _TO_TORCH["linear" if _known(layout) == "linear_chw" else layout]
     shape = tuple(int(s) for s in shape)
-    if layout == "conv":
-        kh, kw, cin, cout = shape
-        return (cout, cin, kh, kw)
-    if layout in ("linear", "linear_chw"):
-        return shape[::-1]
-    return shape
+    return shape if axes is None else tuple(shape[a] for a in axes)
 
 
 def layout_of_rank(ndim: int) -> str:
@@ -91,10 +83,11 @@ def checked_torch_arrays(arrays: Any, prefix: str, shapes: Mapping[str, tuple[in
     """Every array a network needs, by torch name, from ``arrays[prefix + torch name]`` (a dict
     or an ``np.load`` result), in torch's layout: ``shapes`` is each torch name the network
     holds -> its torch shape, in the order the problems are told. Keys under ``prefix`` ending
-    in ``num_batches_tracked`` are ignored (no framework here keeps that count); keys outside
-    ``prefix`` are not looked at. ``fixed_gamma``: names of BatchNorm gammas held at 1, which
-    must be all ones (a framework would otherwise use 1 where torch's file says otherwise).
-    ``dtype``: what each array is read as (None: as stored).
+    in ``num_batches_tracked`` are ignored (BatchNorm's step count, which no loader takes from
+    torch); keys outside ``prefix`` are not looked at. ``fixed_gamma``: names of BatchNorm
+    gammas a network holds at 1, which must be all ones (a network that holds one at 1 would
+    silently disagree with a file that does not). ``dtype``: what each array is read as (None:
+    as stored).
 
     Raises one ValueError naming every missing, unexpected or wrongly shaped array and every
     fixed gamma that is not all ones, so a caller checks everything before it changes
