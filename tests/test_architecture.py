@@ -41,7 +41,8 @@ FRAMEWORK_PACKAGES = {"mxnet": {"mxnet"}, "paddle": {"paddle"},
 WORKER_SHARED = {"trainperf.protocol", "trainperf.config", "trainperf.faults",
                  "trainperf.backends.workerkit", "trainperf.backends.loop",
                  "trainperf.backends.base", "trainperf.backends.catalog",
-                 "trainperf.backends.scaling", "trainperf.backends.spawn"}
+                 "trainperf.backends.scaling", "trainperf.backends.layouts",
+                 "trainperf.backends.spawn"}
 """What any framework's folder may import of trainperf besides itself (``spawn``: its
 launchers, which start the ranks)."""
 
@@ -173,8 +174,10 @@ def _stdlib(name: str) -> bool:
 def test_shared_worker_modules_import_only_the_standard_library():
     for name in WORKER_SHARED:
         assert INSIDE[name] <= WORKER_SHARED, name
-        # workerkit reads an alignment start with numpy, which every worker has
-        allowed = {"numpy"} if name == "trainperf.backends.workerkit" else set()
+        # workerkit reads an alignment start with numpy, which every worker has, and layouts
+        # converts torch's arrays with it
+        allowed = ({"numpy"} if name in ("trainperf.backends.workerkit",
+                                          "trainperf.backends.layouts") else set())
         assert {m for m in OUTSIDE[name] if not _stdlib(m)} <= allowed, name
 
 

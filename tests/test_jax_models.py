@@ -155,4 +155,4 @@ def test_load_errors_and_unknown_name(runs):
     assert "unexpected: extra.weight" in err
     assert "conv1.weight: shape (1, 2, 3, 3), expected (8, 3, 3, 3)" in err
     assert "features.weight: a fixed BatchNorm gamma must be all ones" in err
-    assert "unknown backbone 'no_such_net'" in report["unknown_error"]
+    assert "the jax backend has no backbone 'no_such_net'" in report["unknown_error"]

@@ -209,4 +209,4 @@ def test_load_errors_and_unknown_name(runs):
     assert "unexpected: extra.weight" in err
     assert "conv1.weight: shape (1, 2, 3, 3), expected (8, 3, 3, 3)" in err
     assert "fc.weight: shape (256, 16), expected (16, 256)" in err  # torch's layout is asked
-    assert "unknown backbone 'no_such_net'" in (report["unknown_error"] or "")
+    assert "the paddle backend has no backbone 'no_such_net'" in (report["unknown_error"] or "")

@@ -303,7 +303,7 @@ def test_refusals_and_load_errors(tf_side):
                               "(TensorFlow's mixed float16 is not run on a CPU)")
     assert errors["bf16"] == "the tf backend runs --precision fp32 on a CPU"
     assert errors["mp"] == "the tf backend runs --fc dp; not mp"
-    assert "backbone 'mobilefacenet_y1' is not built by the tf backend" in errors["unknown"]
+    assert "the tf backend has no backbone 'mobilefacenet_y1'" in errors["unknown"]
     load = errors["load"]
     assert "missing: fc.bias" in load and "unexpected: extra.weight" in load
     assert "conv1.weight: shape (1, 2, 3, 3), expected (8, 3, 3, 3)" in load

@@ -39,6 +39,14 @@ class Backbone:
     default_classes: int | None = None
     """Classification: the class count when a workload gives none."""
 
+    def embedding(self, given: int | None) -> int | None:
+        """The embedding width to build: ``given``, or the default when it is None."""
+        return self.default_embedding if given is None else given
+
+    def classes(self, given: int | None) -> int | None:
+        """The class count to build: ``given``, or the default when it is None."""
+        return self.default_classes if given is None else given
+
 
 def _iresnet(name: str, layers: tuple[int, ...], widths: tuple[int, ...] = IRESNET_WIDTHS
              ) -> Backbone:
@@ -74,3 +82,24 @@ def lookup(name: str, families: tuple[str, ...] = FAMILIES, framework: str | Non
         who = f"the {framework} backend" if framework else "trainperf"
         raise ValueError(f"{who} has no backbone {name!r}; it builds {', '.join(names(families))}")
     return entry
+
+
+@dataclass(frozen=True)
+class BackendCatalog:
+    """The part of the catalogue one backend builds: every backbone of ``families`` (its
+    ``Capabilities.families``), its errors naming the backend (``framework``)."""
+
+    families: tuple[str, ...]
+    framework: str
+
+    def names(self) -> list[str]:
+        """Every backbone the backend builds, sorted."""
+        return names(self.families)
+
+    def lookup(self, name: str) -> Backbone:
+        """The entry of ``name``; ValueError naming what the backend builds when it has none."""
+        return lookup(name, self.families, self.framework)
+
+    def task(self, name: str) -> str:
+        """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
+        return self.lookup(name).task

@@ -10,9 +10,10 @@ Layout: activations are NHWC and convolution kernels HWIO ([kh, kw, in / groups,
 kernels [in, out] (XLA's native layouts on every backend). Every torch layer has a twin here
 with the same kernel, stride, padding and groups, and the same operations in the same order.
 The one place that converts torch's layouts (OIHW convolutions, [out, in] linear weights) is
-:func:`from_torch_layout`, used by :func:`load_torch_arrays`. IResNet's flatten before its
-fully connected layer transposes the NHWC map to NCHW first, so the dense kernel's rows are in
-torch's (C, H, W) order and its weight is torch's transposed, nothing more.
+:func:`from_torch_layout` (with ``trainperf.backends.layouts``' conversions), used by
+:func:`load_torch_arrays`. IResNet's flatten before its fully connected layer transposes the
+NHWC map to NCHW first, so the dense kernel's rows are in torch's (C, H, W) order and its
+weight is torch's transposed, nothing more.
 
 The layers are written here (not flax's ``nn.Conv`` / ``nn.BatchNorm``) for three reasons:
 their variables carry torch's leaf names (``weight``, ``bias``, ``running_mean``,
@@ -49,6 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax.core import unfreeze
+
+from .. import catalog, layouts
+from .backend import BACKEND
 
 __all__ = [
     "backbone_names", "backbone_task", "build_backbone", "init_variables", "param_count",
@@ -203,16 +207,6 @@ class PReLU(nn.Module):
 
 # --------------------------------------------------------------------------------- IResNet
 
-IRESNET_WIDTHS = (64, 128, 256, 512)
-IRESNET_LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
-
-
 class IBasicBlock(nn.Module):
     """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
 
@@ -241,7 +235,7 @@ class IResNet(nn.Module):
     or "FC" (the same without dropout)."""
 
     layers: tuple[int, int, int, int]
-    widths: tuple[int, int, int, int] = IRESNET_WIDTHS
+    widths: tuple[int, int, int, int] = catalog.IRESNET_WIDTHS
     embedding_size: int = 512
     output_block: str = "E"
     dropout: float = 0.0
@@ -404,67 +398,43 @@ class ResNetV1b(nn.Module):
         return Dense(self.num_classes, dtype=d, name="fc")(x).astype(jnp.float32)
 
 
-# -------------------------------------------------------------------------------- registry
+# ------------------------------------------------------------------------- family builders
 
-def _iresnet(layers, widths=IRESNET_WIDTHS, default_embedding=512):
-    def build(*, embedding_size=None, output_block="E", dropout=0.0, dtype=jnp.float32, **_):
-        return IResNet(layers, widths, default_embedding if embedding_size is None
-                       else embedding_size, output_block, dropout, dtype)
-    return build
-
-
-def _mobilefacenet(default_embedding, **arch):
-    def build(*, embedding_size=None, dtype=jnp.float32, **_):
-        return MobileFaceNet(default_embedding if embedding_size is None else embedding_size,
-                             dtype=dtype, **arch)
-    return build
+def _iresnet(b: catalog.Backbone, *, embedding_size: int, output_block: str, dropout: float,
+             dtype: Dtype, **_: Any) -> IResNet:
+    return IResNet(**b.arch, embedding_size=embedding_size, output_block=output_block,
+                   dropout=dropout, dtype=dtype)
 
 
-def _resnet_v1b(layers, base_width, default_classes):
-    def build(*, num_classes=None, dtype=jnp.float32, **_):
-        return ResNetV1b(layers, default_classes if num_classes is None else num_classes,
-                         base_width, dtype)
-    return build
+def _mobilefacenet(b: catalog.Backbone, *, embedding_size: int, dtype: Dtype,
+                   **_: Any) -> MobileFaceNet:
+    return MobileFaceNet(**b.arch, embedding_size=embedding_size, dtype=dtype)
 
 
-# name -> (task, builder); defaults equal the torch builders' defaults.
-_REGISTRY: dict[str, tuple[str, Callable[..., nn.Module]]] = {
-    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
-    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
-    "mobilefacenet_y1": ("face", _mobilefacenet(128, width=1)),
-    "mobilefacenet": ("face", _mobilefacenet(512, width=2)),
-    "mobilefacenet_tiny": ("face", _mobilefacenet(64, width=1, blocks=(1, 1, 1),
-                                                  sep_channels=128, hidden=(32, 64, 64, 64))),
-    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
-    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
-}
+def _resnet_v1b(b: catalog.Backbone, *, num_classes: int, dtype: Dtype, **_: Any) -> ResNetV1b:
+    return ResNetV1b(**b.arch, num_classes=num_classes, dtype=dtype)
 
 
-def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _entry(name: str) -> tuple[str, Callable[..., nn.Module]]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown backbone {name!r}; known: "
-                         f"{', '.join(backbone_names())}") from None
-
-
-def backbone_task(name: str) -> str:
-    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return _entry(name)[0]
+# family -> builder of a catalogue entry; every family the backend declares has one.
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "iresnet": _iresnet, "mobilefacenet": _mobilefacenet, "resnet_v1b": _resnet_v1b}
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+backbone_task = CATALOG.task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None,
                    num_classes: int | None = None, output_block: str = "E",
                    dropout: float = 0.0, dtype: Dtype = jnp.float32) -> nn.Module:
     """The flax twin of torch's ``build_backbone(name, ...)``; arguments a family does not use
-    are ignored, ``None`` takes the torch builder's default. ``dtype`` is the compute dtype of
-    convolutions and dense layers (parameters stay fp32). The input side is the input's."""
-    return _entry(name)[1](embedding_size=embedding_size, num_classes=num_classes,
-                           output_block=output_block, dropout=dropout, dtype=dtype)
+    are ignored, ``None`` takes the catalogue's default (``backends.catalog``: torch's
+    defaults). ``dtype`` is the compute dtype of convolutions and dense layers (parameters stay
+    fp32). The input side is the input's."""
+    entry = CATALOG.lookup(name)
+    return _BUILDERS[entry.family](
+        entry, embedding_size=entry.embedding(embedding_size),
+        num_classes=entry.classes(num_classes), output_block=output_block, dropout=dropout,
+        dtype=dtype)
 
 
 def init_variables(model: nn.Module, seed: int, input_size: int) -> dict:
@@ -521,25 +491,16 @@ def torch_names(variables: dict) -> dict[str, tuple[str, ...]]:
 
 
 def from_torch_layout(value: np.ndarray) -> np.ndarray:
-    """torch's layout -> this module's, the one place it is converted: OIHW convolution
-    weights -> HWIO, [out, in] linear weights -> [in, out]; vectors as they are."""
+    """torch's layout -> this module's: OIHW convolution weights -> HWIO, [out, in] linear
+    weights -> [in, out] (this module's only 4-d and 2-d variables); vectors as they are."""
     value = np.asarray(value)
-    if value.ndim == 4:
-        return np.ascontiguousarray(value.transpose(2, 3, 1, 0))
-    if value.ndim == 2:
-        return np.ascontiguousarray(value.T)
-    return value
+    return layouts.from_torch(value, layouts.layout_of_rank(value.ndim))
 
 
 def torch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape torch gives a variable of this module's ``shape`` (the inverse of
     :func:`from_torch_layout` on shapes)."""
-    shape = tuple(shape)
-    if len(shape) == 4:
-        return (shape[3], shape[2], shape[0], shape[1])
-    if len(shape) == 2:
-        return (shape[1], shape[0])
-    return shape
+    return layouts.torch_shape(shape, layouts.layout_of_rank(len(shape)))
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -567,29 +528,14 @@ def load_torch_arrays(variables: dict, arrays: Any, prefix: str = "backbone/") -
     Raises ValueError naming every missing, unexpected or wrongly shaped array, and a fixed BN
     gamma that is not all ones, before returning anything."""
     names = torch_names(variables)
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    problems = []
-    missing = [n for n in names if n not in keys]
-    unexpected = sorted(keys - set(names))
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: torch_shape(_get(variables, path).shape)
+                         for name, path in names.items()},
+        fixed_gamma={name for name, path in names.items() if path[0] == "frozen"},
+        dtype=np.float32)
     out = {c: unfreeze(variables[c]) for c in COLLECTIONS if c in variables}
     for name, path in names.items():
-        if name not in keys:
-            continue
-        value = from_torch_layout(np.asarray(arrays[prefix + name], dtype=np.float32))
-        want = tuple(_get(variables, path).shape)
-        if tuple(value.shape) != want:
-            problems.append(f"{name}: shape {torch_shape(value.shape)}, expected "
-                            f"{torch_shape(want)}")
-        elif path[0] == "frozen" and not np.all(value == 1):
-            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
-        _set(out, path, value)
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+        _set(out, path, from_torch_layout(values[name]))
     return out
 
 

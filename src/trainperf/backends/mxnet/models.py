@@ -47,6 +47,9 @@ import mxnet as mx
 import numpy as np
 from mxnet.gluon import HybridBlock, Parameter, nn
 
+from .. import catalog, layouts
+from .backend import BACKEND
+
 __all__ = [
     "backbone_names", "backbone_task", "build_backbone", "torch_names", "load_torch_arrays",
     "param_count", "BN_EPS", "BN_MOMENTUM", "PRELU_MODES", "PReLU",
@@ -145,16 +148,6 @@ def _dense(cin: int, cout: int, *, bias: bool = True) -> nn.Dense:
 # IResNet
 # --------------------------------------------------------------------------------------------
 
-IRESNET_WIDTHS = (64, 128, 256, 512)
-IRESNET_LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
-
-
 class IBasicBlock(HybridBlock):
     """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
 
@@ -184,9 +177,9 @@ class IResNet(HybridBlock):
     or "FC" (the same without dropout)."""
 
     def __init__(self, layers: tuple[int, int, int, int], *,
-                 widths: tuple[int, int, int, int] = IRESNET_WIDTHS, embedding_size: int = 512,
-                 input_size: int = 112, output_block: str = "E", dropout: float = 0.0,
-                 prelu: str = "exact", **kwargs: Any) -> None:
+                 widths: tuple[int, int, int, int] = catalog.IRESNET_WIDTHS,
+                 embedding_size: int = 512, input_size: int = 112, output_block: str = "E",
+                 dropout: float = 0.0, prelu: str = "exact", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if input_size % 16:
             raise ValueError(f"IResNet needs an input side divisible by 16, got {input_size}")
@@ -350,61 +343,31 @@ class ResNetV1b(HybridBlock):
 
 
 # --------------------------------------------------------------------------------------------
-# Registry
+# Builders of the catalogue's families
 # --------------------------------------------------------------------------------------------
 
-def _iresnet(layers, widths=IRESNET_WIDTHS, default_embedding=512):
-    def build(*, embedding_size=None, input_size=112, output_block="E", dropout=0.0,
-              prelu="exact", **_):
-        embedding = default_embedding if embedding_size is None else embedding_size
-        return IResNet(layers, widths=widths, embedding_size=embedding, input_size=input_size,
-                       output_block=output_block, dropout=dropout, prelu=prelu)
-    return build
+def _iresnet(b: catalog.Backbone, *, embedding_size: int, input_size: int, output_block: str,
+             dropout: float, prelu: str, **_: Any) -> IResNet:
+    return IResNet(**b.arch, embedding_size=embedding_size, input_size=input_size,
+                   output_block=output_block, dropout=dropout, prelu=prelu)
 
 
-def _mobilefacenet(default_embedding, **arch):
-    def build(*, embedding_size=None, input_size=112, prelu="exact", **_):
-        return MobileFaceNet(
-            embedding_size=default_embedding if embedding_size is None else embedding_size,
-            input_size=input_size, prelu=prelu, **arch)
-    return build
+def _mobilefacenet(b: catalog.Backbone, *, embedding_size: int, input_size: int, prelu: str,
+                   **_: Any) -> MobileFaceNet:
+    return MobileFaceNet(**b.arch, embedding_size=embedding_size, input_size=input_size,
+                         prelu=prelu)
 
 
-def _resnet_v1b(layers, base_width, default_classes):
-    def build(*, num_classes=None, **_):
-        return ResNetV1b(layers, base_width=base_width,
-                         num_classes=default_classes if num_classes is None else num_classes)
-    return build
+def _resnet_v1b(b: catalog.Backbone, *, num_classes: int, **_: Any) -> ResNetV1b:
+    return ResNetV1b(**b.arch, num_classes=num_classes)
 
 
-# name -> (task, builder); defaults equal the torch builders' defaults.
-_REGISTRY: dict[str, tuple[str, Callable[..., HybridBlock]]] = {
-    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
-    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
-    "mobilefacenet_y1": ("face", _mobilefacenet(128, width=1)),
-    "mobilefacenet": ("face", _mobilefacenet(512, width=2)),
-    "mobilefacenet_tiny": ("face", _mobilefacenet(64, width=1, blocks=(1, 1, 1), sep_channels=128,
-                                                  hidden=(32, 64, 64, 64))),
-    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
-    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
-}
-
-
-def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _entry(name: str) -> tuple[str, Callable[..., HybridBlock]]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(backbone_names())
-        raise ValueError(f"unknown backbone {name!r}; known: {known}") from None
-
-
-def backbone_task(name: str) -> str:
-    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return _entry(name)[0]
+# family -> builder of a catalogue entry; every family the backend declares has one.
+_BUILDERS: dict[str, Callable[..., HybridBlock]] = {
+    "iresnet": _iresnet, "mobilefacenet": _mobilefacenet, "resnet_v1b": _resnet_v1b}
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+backbone_task = CATALOG.task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None, num_classes: int | None = None,
@@ -414,19 +377,20 @@ def build_backbone(name: str, *, embedding_size: int | None = None, num_classes:
 
     Face backbones use ``embedding_size``, ``input_size``, ``output_block`` and ``dropout``
     (the last two: IResNet only); classification backbones use ``num_classes``. Arguments a
-    family does not use are ignored, as in torch. ``None`` takes the torch builder's default
-    (embedding 512, or 128 for mobilefacenet_y1 and 64 for mobilefacenet_tiny; 1000 classes,
-    or 10 for resnet_v1b_tiny). ``prelu`` (IResNet, MobileFaceNet): ``"exact"`` (default) or
-    ``"fused"``, see :class:`PReLU` (``"fused"`` is MXNet's own op, leaner, but its slope
-    gradients are wrong in hybridized graphs on MXNet's native kernels, as used on GPU).
+    family does not use are ignored, as in torch. ``None`` takes the catalogue's default
+    (``backends.catalog``: torch's defaults). ``prelu`` (IResNet, MobileFaceNet): ``"exact"``
+    (default) or ``"fused"``, see :class:`PReLU` (``"fused"`` is MXNet's own op, leaner, but its
+    slope gradients are wrong in hybridized graphs on MXNet's native kernels, as used on GPU).
     Call ``net.initialize(ctx=ctx)`` (every parameter carries its own initializer) and/or
     :func:`load_torch_arrays` before use.
     """
     if prelu not in PRELU_MODES:
         raise ValueError(f"prelu must be one of {PRELU_MODES}, got {prelu!r}")
-    return _entry(name)[1](embedding_size=embedding_size, num_classes=num_classes,
-                           input_size=input_size, output_block=output_block, dropout=dropout,
-                           prelu=prelu)
+    entry = CATALOG.lookup(name)
+    return _BUILDERS[entry.family](
+        entry, embedding_size=entry.embedding(embedding_size),
+        num_classes=entry.classes(num_classes), input_size=input_size,
+        output_block=output_block, dropout=dropout, prelu=prelu)
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,27 +432,8 @@ def load_torch_arrays(net: nn.Block, arrays: Any, prefix: str = "backbone/",
     names = torch_names(net)
     fixed = {name for name, _, block in _walk(net)
              if _fixed_gamma(block) and name.endswith("weight")}
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    missing = [n for n in names if n not in keys]
-    unexpected = sorted(keys - set(names))
-    problems = []
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values: dict[str, np.ndarray] = {}
-    for name, param in names.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        if tuple(value.shape) != tuple(param.shape):
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-        elif name in fixed and not np.all(value == 1):
-            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
-        values[name] = value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: tuple(param.shape) for name, param in names.items()}, fixed)
     for name, param in names.items():
         if param._data is None and not param._deferred_init:
             param.initialize(ctx=ctx if ctx is not None else mx.cpu())

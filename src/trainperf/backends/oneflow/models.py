@@ -28,21 +28,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
 import oneflow as flow
 import oneflow.nn as nn
+
+from .. import catalog, layouts
+from .backend import BACKEND
 
 __all__ = ["backbone_names", "build_backbone", "load_torch_arrays", "param_count", "BN_EPS"]
 
 BN_EPS = 1e-5
-WIDTHS = (64, 128, 256, 512)
-LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
 
 
 def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -71,7 +65,8 @@ class IBasicBlock(nn.Module):
 
 class IResNet(nn.Module):
     def __init__(self, layers: tuple[int, int, int, int], *,
-                 widths: tuple[int, int, int, int] = WIDTHS, embedding_size: int = 512,
+                 widths: tuple[int, int, int, int] = catalog.IRESNET_WIDTHS,
+                 embedding_size: int = 512,
                  input_size: int = 112, output_block: str = "E", dropout: float = 0.0) -> None:
         super().__init__()
         if input_size % 16:
@@ -106,37 +101,26 @@ class IResNet(nn.Module):
         return self.features(self.fc(x))
 
 
-def _iresnet(layers: tuple[int, int, int, int], widths: tuple[int, int, int, int] = WIDTHS
-             ) -> Callable[..., IResNet]:
-    def build(embedding_size: int = 512, input_size: int = 112, output_block: str = "E",
-              dropout: float = 0.0) -> IResNet:
-        return IResNet(layers, widths=widths, embedding_size=embedding_size,
-                       input_size=input_size, output_block=output_block, dropout=dropout)
-    return build
+def _iresnet(b: catalog.Backbone, *, embedding_size: int, input_size: int, output_block: str,
+             dropout: float) -> IResNet:
+    return IResNet(**b.arch, embedding_size=embedding_size, input_size=input_size,
+                   output_block=output_block, dropout=dropout)
 
 
-# Defaults equal the torch builders' defaults.
-_REGISTRY: dict[str, Callable[..., IResNet]] = {
-    **{name: _iresnet(layers) for name, layers in LAYERS.items()},
-    "iresnet_tiny": _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64)),
-}
-
-
-def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
+# family -> builder of a catalogue entry; every family the backend declares has one.
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {"iresnet": _iresnet}
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None, input_size: int = 112,
                    output_block: str = "E", dropout: float = 0.0) -> IResNet:
     """The OneFlow twin of torch's ``build_backbone(name, ...)`` for the IResNet family
-    (``embedding_size`` None: torch's default, 512)."""
-    try:
-        builder = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"the oneflow backend has no backbone {name!r}; it runs "
-                         f"{', '.join(backbone_names())}") from None
-    return builder(embedding_size=512 if embedding_size is None else embedding_size,
-                   input_size=input_size, output_block=output_block, dropout=dropout)
+    (``embedding_size`` None: the catalogue's default, torch's)."""
+    entry = CATALOG.lookup(name)
+    return _BUILDERS[entry.family](entry, embedding_size=entry.embedding(embedding_size),
+                                   input_size=input_size, output_block=output_block,
+                                   dropout=dropout)
 
 
 def param_count(net: nn.Module) -> int:
@@ -151,26 +135,8 @@ def load_torch_arrays(net: nn.Module, arrays: Any, prefix: str = "backbone/") ->
     missing, unexpected or wrongly shaped array is a ValueError naming all of them, raised
     before anything changes."""
     state = net.state_dict()
-    wanted = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    problems = []
-    missing = [k for k in wanted if k not in keys]
-    unexpected = sorted(keys - set(wanted))
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values = {}
-    for name, current in wanted.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        if tuple(value.shape) != tuple(current.shape):
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected "
-                            f"{tuple(current.shape)}")
-        values[name] = value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {k: tuple(v.shape) for k, v in state.items()
+                         if not k.endswith("num_batches_tracked")})
     net.load_state_dict({**state, **{k: flow.tensor(v, dtype=state[k].dtype)
                                      for k, v in values.items()}})

@@ -19,18 +19,8 @@
 
 The forward and the backward are written out by hand with Paddle operations under
 ``paddle.no_grad()`` (Paddle's fused ``margin_cross_entropy`` has no CPU kernel, and one code for
-both devices is one thing to check); the embedding gradient is handed to the backbone's graph
-with ``paddle.autograd.backward``. Per step, with e the embeddings, w the class rows, s the
-scale::
-
-    e_hat = e / max(|e|, 1e-12)          inv_j = 1 / max(|w_j|, 1e-12)
-    cos   = (e_hat @ w.T) * inv          [N, C]
-    z     = s * cos, the target entry s * margin(cos_target) (fp32, true derivative)
-    loss  = mean_i(log sum_j exp(z_ij - max_i) + max_i - z_i,target)
-    H     = d loss / d cos = s * (softmax(z) - onehot) / N, the target entry times margin'
-    G     = H * inv                      (so that cos's two products share it)
-    d e_hat = G @ w                      d e = (d e_hat - (d e_hat . e_hat) e_hat) / |e|
-    M     = G.T @ e_hat                  d w_j = M_j - (M_j . w_j) inv_j**2 w_j
+both devices is one thing to check), as derived in ``docs/margin_softmax_backward.md``; the
+embedding gradient is handed to the backbone's graph with ``paddle.autograd.backward``.
 
 In ``mp``/``pfc`` each rank holds a partial gradient of the one global loss for every gathered
 row, so a rank's embedding gradient is the sum over ranks of the gathered gradients of its own

@@ -47,6 +47,9 @@ import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
 
+from .. import catalog, layouts
+from .backend import BACKEND
+
 __all__ = [
     "backbone_names", "backbone_task", "build_backbone", "torch_names", "load_torch_arrays",
     "torch_state", "param_count", "BN_EPS", "BN_MOMENTUM",
@@ -109,16 +112,6 @@ def _linear(cin: int, cout: int, *, bias: bool = True) -> nn.Linear:
 # IResNet
 # --------------------------------------------------------------------------------------------
 
-IRESNET_WIDTHS = (64, 128, 256, 512)
-IRESNET_LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
-
-
 class IBasicBlock(nn.Layer):
     """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
 
@@ -145,8 +138,9 @@ class IResNet(nn.Layer):
     or "FC" (the same without dropout). PLSC's "ResNet50" is ``iresnet50`` with block E."""
 
     def __init__(self, layers: tuple[int, int, int, int], *,
-                 widths: tuple[int, int, int, int] = IRESNET_WIDTHS, embedding_size: int = 512,
-                 input_size: int = 112, output_block: str = "E", dropout: float = 0.0) -> None:
+                 widths: tuple[int, int, int, int] = catalog.IRESNET_WIDTHS,
+                 embedding_size: int = 512, input_size: int = 112, output_block: str = "E",
+                 dropout: float = 0.0) -> None:
         super().__init__()
         if input_size % 16:
             raise ValueError(f"IResNet needs an input side divisible by 16, got {input_size}")
@@ -295,60 +289,30 @@ class ResNetV1b(nn.Layer):
 
 
 # --------------------------------------------------------------------------------------------
-# Registry
+# Builders of the catalogue's families
 # --------------------------------------------------------------------------------------------
 
-def _iresnet(layers, widths=IRESNET_WIDTHS, default_embedding=512):
-    def build(*, embedding_size=None, input_size=112, output_block="E", dropout=0.0, **_):
-        embedding = default_embedding if embedding_size is None else embedding_size
-        return IResNet(layers, widths=widths, embedding_size=embedding, input_size=input_size,
-                       output_block=output_block, dropout=dropout)
-    return build
+def _iresnet(b: catalog.Backbone, *, embedding_size: int, input_size: int, output_block: str,
+             dropout: float, **_: Any) -> IResNet:
+    return IResNet(**b.arch, embedding_size=embedding_size, input_size=input_size,
+                   output_block=output_block, dropout=dropout)
 
 
-def _mobilefacenet(default_embedding, **arch):
-    def build(*, embedding_size=None, input_size=112, **_):
-        return MobileFaceNet(
-            embedding_size=default_embedding if embedding_size is None else embedding_size,
-            input_size=input_size, **arch)
-    return build
+def _mobilefacenet(b: catalog.Backbone, *, embedding_size: int, input_size: int,
+                   **_: Any) -> MobileFaceNet:
+    return MobileFaceNet(**b.arch, embedding_size=embedding_size, input_size=input_size)
 
 
-def _resnet_v1b(layers, base_width, default_classes):
-    def build(*, num_classes=None, **_):
-        return ResNetV1b(layers, base_width=base_width,
-                         num_classes=default_classes if num_classes is None else num_classes)
-    return build
+def _resnet_v1b(b: catalog.Backbone, *, num_classes: int, **_: Any) -> ResNetV1b:
+    return ResNetV1b(**b.arch, num_classes=num_classes)
 
 
-# name -> (task, builder); defaults equal the torch builders' defaults.
-_REGISTRY: dict[str, tuple[str, Callable[..., nn.Layer]]] = {
-    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
-    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
-    "mobilefacenet_y1": ("face", _mobilefacenet(128, width=1)),
-    "mobilefacenet": ("face", _mobilefacenet(512, width=2)),
-    "mobilefacenet_tiny": ("face", _mobilefacenet(64, width=1, blocks=(1, 1, 1), sep_channels=128,
-                                                  hidden=(32, 64, 64, 64))),
-    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
-    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
-}
-
-
-def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _entry(name: str) -> tuple[str, Callable[..., nn.Layer]]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(backbone_names())
-        raise ValueError(f"unknown backbone {name!r}; known: {known}") from None
-
-
-def backbone_task(name: str) -> str:
-    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return _entry(name)[0]
+# family -> builder of a catalogue entry; every family the backend declares has one.
+_BUILDERS: dict[str, Callable[..., nn.Layer]] = {
+    "iresnet": _iresnet, "mobilefacenet": _mobilefacenet, "resnet_v1b": _resnet_v1b}
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+backbone_task = CATALOG.task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None, num_classes: int | None = None,
@@ -357,9 +321,12 @@ def build_backbone(name: str, *, embedding_size: int | None = None, num_classes:
     """Build the Paddle twin of torch's ``build_backbone(name, ...)`` (initialised, in Paddle's
     default dtype). Face backbones use ``embedding_size``, ``input_size``, ``output_block`` and
     ``dropout`` (the last two: IResNet only); classification backbones use ``num_classes``.
-    ``None`` takes the torch builder's default."""
-    return _entry(name)[1](embedding_size=embedding_size, num_classes=num_classes,
-                           input_size=input_size, output_block=output_block, dropout=dropout)
+    ``None`` takes the catalogue's default (``backends.catalog``: torch's defaults)."""
+    entry = CATALOG.lookup(name)
+    return _BUILDERS[entry.family](
+        entry, embedding_size=entry.embedding(embedding_size),
+        num_classes=entry.classes(num_classes), input_size=input_size,
+        output_block=output_block, dropout=dropout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,12 +361,12 @@ def torch_names(net: nn.Layer) -> dict[str, tuple[paddle.Tensor, bool]]:
 
 def torch_shape(param: paddle.Tensor, transposed: bool) -> tuple[int, ...]:
     shape = tuple(int(s) for s in param.shape)
-    return shape[::-1] if transposed else shape
+    return layouts.torch_shape(shape, "linear") if transposed else shape
 
 
 def torch_state(net: nn.Layer) -> dict[str, np.ndarray]:
     """The torch ``state_dict`` of ``net`` as numpy arrays, in torch's names and layouts."""
-    return {name: (p.numpy().T if t else p.numpy()).copy()
+    return {name: (layouts.to_torch(p.numpy(), "linear") if t else p.numpy()).copy()
             for name, (p, t) in torch_names(net).items()}
 
 
@@ -410,28 +377,11 @@ def load_torch_arrays(net: nn.Layer, arrays: Any, prefix: str = "backbone/") -> 
     are not looked at. Raises ValueError naming every missing, unexpected or wrongly shaped
     array before changing anything."""
     names = torch_names(net)
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    missing = [n for n in names if n not in keys]
-    unexpected = sorted(keys - set(names))
-    problems = []
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values: dict[str, np.ndarray] = {}
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: torch_shape(p, t) for name, (p, t) in names.items()})
     for name, (param, transposed) in names.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        expected = torch_shape(param, transposed)
-        if tuple(value.shape) != expected:
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {expected}")
-        values[name] = value.T if transposed else value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
-    for name, (param, _) in names.items():
-        param.set_value(np.ascontiguousarray(values[name], dtype=_numpy_dtype(param)))
+        value = layouts.from_torch(values[name], "linear") if transposed else values[name]
+        param.set_value(np.ascontiguousarray(value, dtype=_numpy_dtype(param)))
 
 
 def _numpy_dtype(param: paddle.Tensor) -> np.dtype:

@@ -16,10 +16,10 @@ layers, because:
   TensorFlow's "SAME" pads a strided layer asymmetrically and would shift every window).
 
 Layout: activations NHWC, convolution kernels HWIO, dense weights [in, out]. torch's arrays
-(OIHW, [out, in]) are converted in ONE place, :func:`to_tf_layout` (its inverse
-:func:`to_torch_layout` beside it), used both by the
-initialisation (drawn in torch's layout, so the distributions are torch's) and by
-:func:`load_torch_arrays`. One dense layer needs more than a transpose: IResNet's ``fc`` reads a
+(OIHW, [out, in]) are converted in ONE place, :func:`to_tf_layout` (the conversions of
+``trainperf.backends.layouts``, as float32; its inverse :func:`to_torch_layout` beside it),
+used both by the initialisation (drawn in torch's layout, so the distributions are torch's) and
+by :func:`load_torch_arrays`. One dense layer needs more than a transpose: IResNet's ``fc`` reads a
 flattened feature map, which torch flattens in (C, H, W) order and NHWC in (H, W, C) order, so its
 rows are permuted once at load instead of transposing the activation at every step.
 
@@ -47,6 +47,9 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
+from .. import catalog, layouts
+from .backend import BACKEND
+
 __all__ = [
     "Backbone", "backbone_names", "backbone_task", "build_backbone", "load_torch_arrays",
     "param_count", "to_tf_layout", "to_torch_layout", "torch_shapes", "BN_EPS", "BN_MOMENTUM",
@@ -64,41 +67,15 @@ _RUNNING = ("running_mean", "running_var")
 
 def to_tf_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None
                  ) -> np.ndarray:
-    """torch's array -> TensorFlow's. ``layout``: ``conv`` (OIHW -> HWIO), ``linear``
-    ([out, in] -> [in, out]), ``linear_chw`` (a linear layer after a flatten of a (C, H, W) map:
-    [out, C*H*W] -> [H*W*C, out], rows in NHWC flatten order; ``chw`` gives (C, H, W)) or
-    ``vector`` (unchanged)."""
-    value = np.asarray(value, dtype=np.float32)
-    if layout == "conv":
-        return np.ascontiguousarray(value.transpose(2, 3, 1, 0))
-    if layout == "linear":
-        return np.ascontiguousarray(value.T)
-    if layout == "linear_chw":
-        c, h, w = chw
-        out = value.shape[0]
-        return np.ascontiguousarray(value.reshape(out, c, h, w).transpose(2, 3, 1, 0)
-                                    .reshape(h * w * c, out))
-    if layout == "vector":
-        return value
-    raise ValueError(f"unknown layout {layout!r}")
+    """torch's array -> TensorFlow's, as float32. ``layout`` (``trainperf.backends.layouts``):
+    ``conv`` (OIHW -> HWIO), ``linear`` ([out, in] -> [in, out]), ``linear_chw`` (a linear
+    layer after a flatten of a (C, H, W) map: [out, C*H*W] -> [H*W*C, out], rows in NHWC
+    flatten order; ``chw`` gives (C, H, W)) or ``vector`` (unchanged)."""
+    return layouts.from_torch(np.asarray(value, dtype=np.float32), layout, chw)
 
 
-def to_torch_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None
-                    ) -> np.ndarray:
-    """The inverse of :func:`to_tf_layout` (TensorFlow's array -> torch's)."""
-    value = np.asarray(value)
-    if layout == "conv":
-        return np.ascontiguousarray(value.transpose(3, 2, 0, 1))
-    if layout == "linear":
-        return np.ascontiguousarray(value.T)
-    if layout == "linear_chw":
-        c, h, w = chw
-        out = value.shape[1]
-        return np.ascontiguousarray(value.reshape(h, w, c, out).transpose(3, 2, 0, 1)
-                                    .reshape(out, c * h * w))
-    if layout == "vector":
-        return value
-    raise ValueError(f"unknown layout {layout!r}")
+to_torch_layout = layouts.to_torch
+"""The inverse of :func:`to_tf_layout` (TensorFlow's array -> torch's)."""
 
 
 @dataclass
@@ -209,16 +186,6 @@ class Dense:
 
 
 # ------------------------------------------------------------------------------- IResNet
-
-IRESNET_WIDTHS = (64, 128, 256, 512)
-IRESNET_LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
-
 
 class IBasicBlock:
     """BN-conv3x3-BN-PReLU-conv3x3(stride)-BN plus shortcut, no activation after the sum."""
@@ -334,7 +301,7 @@ class ResNetV1b:
         return self.fc(tf.reduce_mean(x, axis=[1, 2]))
 
 
-# ------------------------------------------------------------------------------ registry
+# --------------------------------------------------- built networks and family builders
 
 class Backbone:
     """A built network: call it on NHWC images; ``params`` holds its variables by torch name."""
@@ -355,44 +322,21 @@ class Backbone:
         return [e.variable for e in self.params.entries.values() if e.variable.trainable]
 
 
-def _iresnet(layers, widths=IRESNET_WIDTHS):
-    def build(p, *, embedding_size=None, input_size=112, output_block="E", dropout=0.0, **_):
-        return IResNet(p, layers, widths, 512 if embedding_size is None else embedding_size,
-                       input_size, output_block, dropout)
-    return build
+def _iresnet(p: Params, b: catalog.Backbone, *, embedding_size: int, input_size: int,
+             output_block: str, dropout: float, **_: Any) -> IResNet:
+    return IResNet(p, **b.arch, embedding_size=embedding_size, input_size=input_size,
+                   output_block=output_block, dropout=dropout)
 
 
-def _resnet_v1b(layers, base_width, default_classes):
-    def build(p, *, num_classes=None, **_):
-        return ResNetV1b(p, layers, base_width,
-                         default_classes if num_classes is None else num_classes)
-    return build
+def _resnet_v1b(p: Params, b: catalog.Backbone, *, num_classes: int, **_: Any) -> ResNetV1b:
+    return ResNetV1b(p, **b.arch, num_classes=num_classes)
 
 
-# name -> (task, builder); defaults equal the torch builders' defaults.
-_REGISTRY: dict[str, tuple[str, Callable[..., Any]]] = {
-    **{name: ("face", _iresnet(layers)) for name, layers in IRESNET_LAYERS.items()},
-    "iresnet_tiny": ("face", _iresnet((1, 1, 1, 1), widths=(8, 16, 32, 64))),
-    "resnet50_v1b": ("classification", _resnet_v1b((3, 4, 6, 3), 64, 1000)),
-    "resnet_v1b_tiny": ("classification", _resnet_v1b((1, 1, 1, 1), 8, 10)),
-}
-
-
-def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def _entry(name: str) -> tuple[str, Callable[..., Any]]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"backbone {name!r} is not built by the tf backend; it builds "
-                         f"{', '.join(backbone_names())}") from None
-
-
-def backbone_task(name: str) -> str:
-    """``face`` (images -> embeddings) or ``classification`` (images -> logits)."""
-    return _entry(name)[0]
+# family -> builder of a catalogue entry; every family the backend declares has one.
+_BUILDERS: dict[str, Callable[..., Any]] = {"iresnet": _iresnet, "resnet_v1b": _resnet_v1b}
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+backbone_task = CATALOG.task
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None,
@@ -400,12 +344,15 @@ def build_backbone(name: str, *, embedding_size: int | None = None,
                    output_block: str = "E", dropout: float = 0.0, seed: int = 0) -> Backbone:
     """The TensorFlow twin of torch's ``build_backbone(name, ...)``, its variables created on
     the current device and initialised from ``seed``. Arguments a family does not use are
-    ignored, as in torch; ``None`` takes the torch builder's default."""
-    task, builder = _entry(name)
+    ignored, as in torch; ``None`` takes the catalogue's default (``backends.catalog``: torch's
+    defaults)."""
+    entry = CATALOG.lookup(name)
     params = Params(seed)
-    net = builder(params, embedding_size=embedding_size, num_classes=num_classes,
-                  input_size=input_size, output_block=output_block, dropout=dropout)
-    return Backbone(name, task, params, net)
+    net = _BUILDERS[entry.family](
+        params, entry, embedding_size=entry.embedding(embedding_size),
+        num_classes=entry.classes(num_classes), input_size=input_size,
+        output_block=output_block, dropout=dropout)
+    return Backbone(name, entry.task, params, net)
 
 
 def load_torch_arrays(net: Backbone, arrays: Any, prefix: str = "backbone/") -> None:
@@ -414,27 +361,10 @@ def load_torch_arrays(net: Backbone, arrays: Any, prefix: str = "backbone/") -> 
     ``num_batches_tracked`` are ignored. Raises ValueError naming every missing, unexpected or
     wrongly shaped array (and a fixed gamma that is not all ones) before changing anything."""
     entries = net.params.entries
-    keys = {k[len(prefix):] for k in arrays.keys() if k.startswith(prefix)}
-    keys = {k for k in keys if not k.endswith("num_batches_tracked")}
-    problems = []
-    missing = [n for n in entries if n not in keys]
-    unexpected = sorted(keys - set(entries))
-    if missing:
-        problems.append(f"missing: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected: {', '.join(unexpected)}")
-    values = {}
-    for name, e in entries.items():
-        if name not in keys:
-            continue
-        value = np.asarray(arrays[prefix + name])
-        if tuple(value.shape) != e.torch_shape:
-            problems.append(f"{name}: shape {tuple(value.shape)}, expected {e.torch_shape}")
-        elif not e.variable.trainable and not e.running and not np.all(value == 1):
-            problems.append(f"{name}: a fixed BatchNorm gamma must be all ones")
-        values[name] = value
-    if problems:
-        raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
+    values = layouts.checked_torch_arrays(
+        arrays, prefix, {name: e.torch_shape for name, e in entries.items()},
+        fixed_gamma={name for name, e in entries.items()
+                     if not e.variable.trainable and not e.running})
     for name, e in entries.items():
         e.variable.assign(to_tf_layout(values[name], e.layout, e.chw))
 

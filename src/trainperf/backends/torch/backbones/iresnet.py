@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .registry import register
+from ... import catalog
+from .registry import family
 
 BN_EPS = 1e-5
-WIDTHS = (64, 128, 256, 512)
 
 
 def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -45,7 +45,7 @@ class IResNet(nn.Module):
         self,
         layers: tuple[int, int, int, int],
         *,
-        widths: tuple[int, int, int, int] = WIDTHS,
+        widths: tuple[int, int, int, int] = catalog.IRESNET_WIDTHS,
         embedding_size: int = 512,
         input_size: int = 112,
         output_block: str = "E",
@@ -84,22 +84,8 @@ class IResNet(nn.Module):
         return self.features(self.fc(x))
 
 
-def _face(layers: tuple[int, int, int, int], widths: tuple[int, int, int, int] = WIDTHS):
-    def build(embedding_size: int = 512, input_size: int = 112, output_block: str = "E",
-              dropout: float = 0.0, **_: object) -> IResNet:
-        return IResNet(layers, widths=widths, embedding_size=embedding_size, input_size=input_size,
-                       output_block=output_block, dropout=dropout)
-
-    return build
-
-
-LAYERS = {
-    "iresnet18": (2, 2, 2, 2),
-    "iresnet34": (3, 4, 6, 3),
-    "iresnet50": (3, 4, 14, 3),
-    "iresnet100": (3, 13, 30, 3),
-    "iresnet200": (6, 26, 60, 6),
-}
-for _name, _layers in LAYERS.items():
-    register(_name, "face")(_face(_layers))
-register("iresnet_tiny", "face")(_face((1, 1, 1, 1), widths=(8, 16, 32, 64)))
+@family("iresnet")
+def build(entry: catalog.Backbone, *, embedding_size: int, input_size: int = 112,
+          output_block: str = "E", dropout: float = 0.0, **_: object) -> IResNet:
+    return IResNet(**entry.arch, embedding_size=embedding_size, input_size=input_size,
+                   output_block=output_block, dropout=dropout)

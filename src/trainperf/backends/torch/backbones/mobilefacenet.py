@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .registry import register
+from ... import catalog
+from .registry import family
 
 
 class ConvBN(nn.Module):
@@ -78,17 +79,7 @@ class MobileFaceNet(nn.Module):
         return self.features(self.fc(torch.flatten(x, 1)))
 
 
-@register("mobilefacenet_y1", "face")
-def mobilefacenet_y1(embedding_size: int = 128, input_size: int = 112, **_: object) -> MobileFaceNet:
-    return MobileFaceNet(embedding_size=embedding_size, width=1, input_size=input_size)
-
-
-@register("mobilefacenet", "face")
-def mobilefacenet(embedding_size: int = 512, input_size: int = 112, **_: object) -> MobileFaceNet:
-    return MobileFaceNet(embedding_size=embedding_size, width=2, input_size=input_size)
-
-
-@register("mobilefacenet_tiny", "face")
-def mobilefacenet_tiny(embedding_size: int = 64, input_size: int = 112, **_: object) -> MobileFaceNet:
-    return MobileFaceNet(embedding_size=embedding_size, width=1, input_size=input_size,
-                         blocks=(1, 1, 1), sep_channels=128, hidden=(32, 64, 64, 64))
+@family("mobilefacenet")
+def build(entry: catalog.Backbone, *, embedding_size: int, input_size: int = 112,
+          **_: object) -> MobileFaceNet:
+    return MobileFaceNet(**entry.arch, embedding_size=embedding_size, input_size=input_size)

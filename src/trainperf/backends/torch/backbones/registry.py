@@ -1,11 +1,24 @@
-"""The backbone registry: families register their builders here by name."""
+"""The torch backbones by name: every entry of ``backends.catalog`` whose family this backend
+declares, built by the builder its family module registers (``@family("iresnet")``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch.nn as nn
+
+from ... import catalog
+from ..backend import BACKEND
+
+FamilyBuilder = Callable[..., nn.Module]
+"""``(catalogue entry, **build arguments) -> module``; arguments the family does not use are
+ignored."""
+
+CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
+backbone_names = CATALOG.names
+_BUILDERS: dict[str, FamilyBuilder] = {}
 
 
 @dataclass(frozen=True)
@@ -16,33 +29,32 @@ class BackboneSpec:
     build: Callable[..., nn.Module]
 
 
-_REGISTRY: dict[str, BackboneSpec] = {}
-
-
-def register(name: str, task: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
-    def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _REGISTRY:
-            raise RuntimeError(f"backbone {name!r} registered twice")
-        _REGISTRY[name] = BackboneSpec(name, task, fn)
+def family(name: str) -> Callable[[FamilyBuilder], FamilyBuilder]:
+    """Register the builder of the catalogue family ``name``."""
+    def wrap(fn: FamilyBuilder) -> FamilyBuilder:
+        if name in _BUILDERS:
+            raise RuntimeError(f"backbone family {name!r} registered twice")
+        _BUILDERS[name] = fn
         return fn
 
     return wrap
 
 
-def backbone_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def get_spec(name: str) -> BackboneSpec:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown backbone {name!r}; known: {', '.join(backbone_names())}") from None
+    entry = CATALOG.lookup(name)
+    return BackboneSpec(name, entry.task, partial(_build, entry))
+
+
+def _build(entry: catalog.Backbone, *, embedding_size: int | None = None,
+           num_classes: int | None = None, **kwargs: object) -> nn.Module:
+    return _BUILDERS[entry.family](entry, embedding_size=entry.embedding(embedding_size),
+                                   num_classes=entry.classes(num_classes), **kwargs)
 
 
 def build_backbone(name: str, **kwargs) -> nn.Module:
-    """Build a registered backbone. Face backbones take embedding_size, input_size, output_block,
-    dropout; classification backbones take num_classes."""
+    """Build a backbone of the catalogue. Face backbones take embedding_size, input_size,
+    output_block, dropout; classification backbones take num_classes. None or nothing: the
+    catalogue's default."""
     return get_spec(name).build(**kwargs)
 
 

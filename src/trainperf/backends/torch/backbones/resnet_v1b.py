@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .registry import register
+from ... import catalog
+from .registry import family
 
 
 class Bottleneck(nn.Module):
@@ -63,11 +64,6 @@ class ResNetV1b(nn.Module):
         return self.fc(torch.flatten(self.pool(self.body(self.stem(x))), 1))
 
 
-@register("resnet50_v1b", "classification")
-def resnet50_v1b(num_classes: int = 1000, **_: object) -> ResNetV1b:
-    return ResNetV1b((3, 4, 6, 3), num_classes=num_classes)
-
-
-@register("resnet_v1b_tiny", "classification")
-def resnet_v1b_tiny(num_classes: int = 10, **_: object) -> ResNetV1b:
-    return ResNetV1b((1, 1, 1, 1), num_classes=num_classes, base_width=8)
+@family("resnet_v1b")
+def build(entry: catalog.Backbone, *, num_classes: int, **_: object) -> ResNetV1b:
+    return ResNetV1b(**entry.arch, num_classes=num_classes)
