@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dist_util import run_ranks
-from trainperf.backends.torch.dist import DistContext, shard_of
+from trainperf.backends.layouts import shard_of
+from trainperf.backends.torch.dist import DistContext
 from trainperf.backends.torch.heads import MarginSoftmaxHead, SampledRowsSGD
 
 NUM_CLASSES = 103  # not divisible by 2 or 4: exercises the uneven shards

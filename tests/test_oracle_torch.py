@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import oracle
 from dist_util import run_ranks
 from trainperf.backends.torch.dist import DistContext, all_gather
-from trainperf.backends.torch.dist import shard_of as torch_shard_of
+from trainperf.backends.layouts import shard_of as torch_shard_of
 from trainperf.backends.torch.heads import MarginSoftmaxHead
 from trainperf.backends.torch.heads.fc import sample_classes
 from trainperf.backends.torch.heads.margin import apply_margin_

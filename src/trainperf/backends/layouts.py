@@ -1,5 +1,5 @@
-"""torch's arrays in other frameworks' networks: the layout conversions, and one check of a
-whole set of arrays before any of it is loaded.
+"""torch's arrays in other frameworks' networks: the layout conversions, one check of a whole
+set of arrays before any of it is loaded, and the rows of a class matrix each rank holds.
 
 Standard library and numpy only: every framework's worker imports it, and each pins its own
 numpy.
@@ -114,3 +114,12 @@ def checked_torch_arrays(arrays: Any, prefix: str, shapes: Mapping[str, tuple[in
     if problems:
         raise ValueError(f"cannot load torch arrays (prefix {prefix!r}): " + "; ".join(problems))
     return values
+
+
+def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(start, count) of ``rank``'s rows when ``total`` rows (a class matrix) are split over
+    ``world_size`` ranks: balanced, the first ``total % world_size`` ranks one row more. Every
+    sharded head splits by this one rule (OneFlow's ``split(0)`` does the same), so a start
+    file's class matrix and a checkpoint reshard alike in every framework."""
+    base, rem = divmod(total, world_size)
+    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)

@@ -43,22 +43,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax
+
+from ..layouts import shard_of
 from .dist import AXIS, Layout
 
 COS_EPS = 1e-6
 NORM_EPS = 1e-12
 FC_MODES = ("dp", "mp", "pfc")
-
-
-def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:
-    """(start, count) of ``rank``'s balanced shard; the first ``total % world_size`` ranks take
-    one more (torch's ``dist.shard_of``)."""
-    base, rem = divmod(total, world_size)
-    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
 
 
 def margin_target_logit(c: jax.Array, m1: float, m2: float, m3: float) -> jax.Array:

@@ -36,6 +36,7 @@ import math
 import mxnet as mx
 
 from ..base import require
+from ..layouts import shard_of
 from .backend import BACKEND
 from .comm import Comm
 
@@ -52,15 +53,6 @@ class ids below 2**36."""
 def check_fc(mode: str) -> None:
     """ValueError unless the backend's declaration runs head mode ``mode``."""
     require(BACKEND.head_refusal(mode))
-
-
-def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:
-    """(start, count) of ``rank``'s balanced shard; the first ``total % world_size`` ranks take
-    one more (torch's ``dist.shard_of``)."""
-    base, rem = divmod(total, world_size)
-    count = base + (1 if rank < rem else 0)
-    start = rank * base + min(rank, rem)
-    return start, count
 
 
 def margin_target_logit(c: mx.nd.NDArray, m1: float, m2: float, m3: float

@@ -45,11 +45,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import oneflow as flow
 import oneflow.nn as nn
 import oneflow.nn.functional as F
 
+import oneflow as flow
+
 from ..base import require
+from ..layouts import shard_of
 from .backend import BACKEND
 from .dist import Dist
 
@@ -61,14 +63,6 @@ FC_MODES = ("dp", "mp")
 def check_fc(mode: str) -> None:
     """ValueError unless the backend's declaration runs head mode ``mode``."""
     require(BACKEND.head_refusal(mode))
-
-
-def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:
-    """(start, count) of ``rank``'s rows of a ``split(0)`` tensor of ``total`` rows: the first
-    ``total % world_size`` ranks take one more (OneFlow's balanced splitter, torch's
-    ``shard_range``)."""
-    base, rem = divmod(total, world_size)
-    return rank * base + min(rank, rem), base + (1 if rank < rem else 0)
 
 
 def margin_target_logit(c: flow.Tensor, m1: float, m2: float, m3: float) -> flow.Tensor:

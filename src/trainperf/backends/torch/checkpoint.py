@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ...config import Workload
-from .dist import DistContext, shard_of
+from ..layouts import shard_of
+from .dist import DistContext
 from .step import TrainStep
 
 FORMAT = "trainperf.checkpoint/v1"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..base import COLLECTIVE_TIMEOUT_ENV
-
+from ..layouts import shard_of
 
 # Newer torch renames all_gather_into_tensor; keep working on both (the package asks torch>=2.4).
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -117,10 +117,3 @@ def shard_range(total: int, ctx: DistContext) -> tuple[int, int]:
     """(start, count) of this rank's balanced shard; the first ``total % world`` ranks take one
     more."""
     return shard_of(total, ctx.rank, ctx.world_size)
-
-
-def shard_of(total: int, rank: int, world_size: int) -> tuple[int, int]:
-    base, rem = divmod(total, world_size)
-    count = base + (1 if rank < rem else 0)
-    start = rank * base + min(rank, rem)
-    return start, count

@@ -26,8 +26,8 @@ from functools import lru_cache
 import torch
 
 from ...config import Workload
+from ..layouts import shard_of
 from .backbones import build_backbone
-from .dist import shard_of
 
 F32 = 4
 
