@@ -126,6 +126,14 @@ class FrameworkRun:
         """The rank that signs an error raised before ``connect`` has learnt the real one."""
         return int(os.environ.get("TRAINPERF_LOCAL_RANK", "0"))
 
+    def join(self, group: Any) -> None:
+        """Take the layout from a framework's process-group object that has ``rank``,
+        ``world_size``, ``distributed``, ``device`` and ``device_type`` (``gpu`` or ``cpu``:
+        MXNet's, Paddle's and TensorFlow's names)."""
+        self.rank, self.world_size = group.rank, group.world_size
+        self.distributed, self.device = group.distributed, group.device
+        self.device_kind = "cuda" if group.device_type == "gpu" else "cpu"
+
     # -- what a framework supplies ------------------------------------------------------------
     def connect(self) -> None:
         raise NotImplementedError

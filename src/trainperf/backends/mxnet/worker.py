@@ -106,11 +106,9 @@ class MXNetRun(FrameworkRun):
     backend = BACKEND
 
     def connect(self) -> None:
-        self.comm = comm = comm_from_env(self.spec.device)
-        self.rank, self.world_size = comm.rank, comm.world_size
-        self.distributed = comm.distributed  # a normal exit would finalize the kvstore
-        self.device = comm.device
-        self.device_kind = "cuda" if comm.device_type == "gpu" else "cpu"
+        # Distributed: a failed rank leaves at once, as a normal exit would finalize the kvstore.
+        self.comm = comm_from_env(self.spec.device)
+        self.join(self.comm)
 
     def memory_now(self) -> int:
         return current_memory(self.comm)

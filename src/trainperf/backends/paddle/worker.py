@@ -89,12 +89,10 @@ class PaddleRun(FrameworkRun):
     backend = BACKEND
 
     def connect(self) -> None:
-        self.comm = comm = comm_from_env(self.spec.device)
-        self.rank, self.world_size = comm.rank, comm.world_size
-        # A failed rank leaves at once: Paddle's exit would wait on peers stuck in a collective.
-        self.distributed = comm.distributed
-        self.device = comm.device
-        self.device_kind = "cuda" if comm.device_type == "gpu" else "cpu"
+        # Distributed: a failed rank leaves at once, as Paddle's exit would wait on peers stuck
+        # in a collective.
+        self.comm = comm_from_env(self.spec.device)
+        self.join(self.comm)
 
     def memory_now(self) -> int:
         return current_memory(self.comm)

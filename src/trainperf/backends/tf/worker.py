@@ -106,13 +106,10 @@ class TFRun(FrameworkRun):
     def connect(self) -> None:
         # Read once, at the first convolution: cuDNN's timing of its algorithms per shape.
         os.environ["TF_CUDNN_USE_AUTOTUNE"] = "1" if self.spec.tuning.cudnn_benchmark else "0"
-        self.comm = comm = Comm.create(self.spec.device, self.spec.threads)
-        self.rank, self.world_size = comm.rank, comm.world_size
-        # A failing rank leaves at once: TensorFlow's shutdown would wait on peers stuck in a
-        # collective; the launcher stops them.
-        self.distributed = comm.distributed
-        self.device = comm.device
-        self.device_kind = "cuda" if comm.device_type == "gpu" else "cpu"
+        # Distributed: a failing rank leaves at once, as TensorFlow's shutdown would wait on
+        # peers stuck in a collective; the launcher stops them.
+        self.comm = Comm.create(self.spec.device, self.spec.threads)
+        self.join(self.comm)
         self.compile_s: float | None = None
         self.outputs: list[tuple] = []
 

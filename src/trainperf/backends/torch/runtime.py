@@ -5,12 +5,11 @@ imports the other."""
 
 from __future__ import annotations
 
-import resource
-
 import torch
 
 from ...config import Tuning, Workload
 from ...protocol import EventWriter, Start
+from ..workerkit import rss_now_bytes, rss_peak_bytes
 from .dist import DistContext, all_gather
 from .env import framework_env
 from .flops import backbone_profile, train_flops_per_sample
@@ -36,16 +35,14 @@ def current_memory(device: torch.device) -> int:
     """Memory in use now: allocated device memory, or this process's resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+    return rss_now_bytes()
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device),
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
-    # ru_maxrss is in KiB on Linux.
-    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"peak_memory_bytes": rss_peak_bytes()}
 
 
 def memory_over_ranks(values: dict[str, int], ctx: DistContext) -> dict:
