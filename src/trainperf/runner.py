@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,8 +19,7 @@ from typing import Any, Iterator
 from . import envs, outcome, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
-from .backends.spawn import PORTS_PER_RUN
-from .backends.spawn import endpoint as endpoint_text
+from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
 from .config import DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail

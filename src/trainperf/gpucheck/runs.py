@@ -8,8 +8,7 @@ from pathlib import Path
 from ..config import DataSpec, Measure, Topology, Tuning
 from ..progress import QuietProgress
 from ..recipes import get_recipe
-from ..runner import Case as RunnerCase
-from ..runner import Plan, Runner
+from ..runner import Case as RunnerCase, Plan, Runner
 from .cases import Case
 from .power import PowerSampler
 

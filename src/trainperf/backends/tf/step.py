@@ -40,10 +40,8 @@ import tensorflow as tf
 
 from ...config import Workload
 from ..base import require
-from ..scaling import BACKOFF as LOSS_SCALE_BACKOFF
-from ..scaling import GROWTH as LOSS_SCALE_GROWTH
-from ..scaling import INIT as LOSS_SCALE_INIT
-from ..scaling import INTERVAL as LOSS_SCALE_INTERVAL
+from ..scaling import (BACKOFF as LOSS_SCALE_BACKOFF, GROWTH as LOSS_SCALE_GROWTH,
+                       INIT as LOSS_SCALE_INIT, INTERVAL as LOSS_SCALE_INTERVAL)
 from ..workerkit import start_batch
 from . import models
 from .backend import BACKEND
