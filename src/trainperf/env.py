@@ -11,6 +11,7 @@ import platform
 import shutil
 import socket
 import subprocess
+from functools import lru_cache
 from pathlib import Path
 
 from . import __version__
@@ -44,8 +45,11 @@ def nvidia_driver() -> dict:
     return {"driver_version": gpus[0]["driver_version"] if gpus else None, "gpus": gpus}
 
 
+@lru_cache(maxsize=1)
 def gpu_count() -> int:
-    """NVIDIA GPUs on this machine, without importing a framework (0 without nvidia-smi)."""
+    """NVIDIA GPUs on this machine, without importing a framework (0 without nvidia-smi).
+    Asked once per process: every plan's check and every run of a matrix would otherwise
+    start nvidia-smi again for the same answer."""
     if shutil.which("nvidia-smi") is None:
         return 0
     out = _run(["nvidia-smi", "-L"])
