@@ -31,6 +31,20 @@ def shared_torch_alignment_runs(tmp_path_factory):
         os.environ[align.CACHE_ENV] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_alignment_registry(tmp_path_factory):
+    """Verdicts that tests file (``trainperf.alignments``) stay out of the user's registry."""
+    from trainperf import alignments
+
+    old = os.environ.get(alignments.REGISTRY_ENV)
+    os.environ[alignments.REGISTRY_ENV] = str(tmp_path_factory.mktemp("alignments"))
+    yield
+    if old is None:
+        os.environ.pop(alignments.REGISTRY_ENV, None)
+    else:
+        os.environ[alignments.REGISTRY_ENV] = old
+
+
 @pytest.fixture(scope="session")
 def mxnet_python() -> str:
     """The MXNet environment's interpreter, built on first use and cached across sessions

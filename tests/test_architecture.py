@@ -25,7 +25,8 @@ PACKAGE = "trainperf"
 # Lowest first. A room may import its own floor and those below, never one above.
 FLOORS: list[tuple[str, set[str]]] = [
     ("foundation", {"__init__", "config", "protocol", "faults", "stats", "devices", "outcome",
-                    "recipes", "references", "results", "env", "procs", "bench"}),
+                    "recipes", "references", "results", "env", "procs", "bench",
+                    "alignments"}),
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
     ("launch", {"envs", "rendezvous", "runner", "progress"}),

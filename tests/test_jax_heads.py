@@ -13,7 +13,9 @@ the full softmax of one device; Partial FC's sample equals ``oracle.pfc_sample``
 scores; a pfc training step on two ranks updates the backbone as torch's SGD (momentum, weight
 decay, global-norm clipping, a learning-rate change) on its summed gradients and touches only
 the sampled class rows, each as torch's SGD with its own momentum row; unsupported settings are
-refused.
+refused, float64 among them where JAX's 64-bit mode is off, and a float64 program with a
+narrower float in it is caught. (float64 itself runs end to end in ``test_jax_runs``' strict
+alignment.)
 
 Tolerances: as the MXNet head's (float32 arithmetic on float32 inputs that the oracle casts to
 float64): loss 1e-5 relative, logits 1e-4 absolute, gradients 1e-5 of the largest entry.
@@ -188,6 +190,21 @@ try:
     refused.append("accepted")
 except ValueError as exc:
     refused.append(str(exc))
+# float64 where JAX's 64-bit mode is off (as here) would silently be float32: refused.
+try:
+    TrainStep(Workload(**base), one, init={}, dtype="float64")
+    refused.append("accepted")
+except ValueError as exc:
+    refused.append(str(exc))
+# A float64 program with a narrower float anywhere in it is caught.
+for text in ("%0 = stablehlo.convert %a : (tensor<8x64xf64>) -> tensor<8x64xf32>",
+             "%1 = stablehlo.constant dense<2.0> : tensor<bf16>",
+             "%2 = stablehlo.add %a, %b : tensor<8x64xf64>"):
+    try:
+        TrainStep.check_program(text)
+        refused.append("accepted")
+    except RuntimeError as exc:
+        refused.append(str(exc))
 json.dump({"rates": rates, "refused": refused, "fp16": fp16}, open(f"{folder}/misc.json", "w"))
 """
 
@@ -342,10 +359,14 @@ def test_rate_schedule_and_refusals(jax_side):
     sched = Workload(backbone="iresnet_tiny", num_classes=10, batch_size=4,
                      lr_steps=(2, 5), lr_scales=(0.1, 0.01))
     np.testing.assert_allclose(misc["rates"], [sched.lr_at(i) for i in range(7)], rtol=1e-7)
-    fp16_cpu, fp16_gpu, pfc_small = misc["refused"]
+    fp16_cpu, fp16_gpu, pfc_small, no_x64, to_f32, bf16, f64 = misc["refused"]
     assert fp16_cpu == "the jax backend runs --precision fp32, bf16 on a CPU; fp16 needs a GPU"
     assert fp16_gpu == "accepted"
     assert "samples a static 5 classes per shard, fewer than the 8 samples" in pfc_small
+    assert "needs jax_enable_x64" in no_x64
+    assert to_f32.startswith("a float64 step computes in f32: ")
+    assert bf16.startswith("a float64 step computes in bf16: ")
+    assert f64 == "accepted"
 
 
 def test_fp16_loss_scaling_skips_on_the_device(jax_side):

@@ -5,8 +5,9 @@ device): every torch ``state_dict`` key has a flax variable of the matching shap
 one layout conversion, OIHW -> HWIO and [out, in] -> [in, out]) and the parameter counts are
 equal. Tiny networks, with torch's weights loaded through ``load_torch_arrays``: the same
 training-mode output and the same BatchNorm running statistics afterwards (torch's unbiased
-running variance and momentum), in float32. The JAX side runs in the JAX environment (no torch
-there) and writes its results to files that this process compares.
+running variance and momentum), in float32; and ``torch_arrays``, what an alignment run dumps,
+gives back exactly torch's ``state_dict`` (names, layouts, values). The JAX side runs in the JAX
+environment (no torch there) and writes its results to files that this process compares.
 """
 
 from __future__ import annotations
@@ -65,13 +66,15 @@ for case, (name, kwargs, side) in spec["tiny"].items():
     data = np.load(f"{work}/{case}.torch.npz")
     model = models.build_backbone(name, **kwargs)
     variables = models.load_torch_arrays(models.abstract_variables(model, side), data)
+    back = models.torch_arrays(variables)
     params = variables.pop("params")
     run = jax.jit(lambda p, v, x: model.apply({"params": p, **v}, x, mutable=["batch_stats"]))
     out, updates = run(params, variables, jnp.asarray(data["x"].transpose(0, 2, 3, 1)))
     after = {f"after/{n}": np.asarray(v) for n, v in
              ((n, models._get({"batch_stats": updates["batch_stats"]}, p))
               for n, p in models.torch_names(variables).items() if p[0] == "batch_stats")}
-    np.savez(f"{work}/{case}.jax.npz", out=np.asarray(out), **after)
+    np.savez(f"{work}/{case}.jax.npz", out=np.asarray(out), **after,
+             **{f"back/{n[len('backbone/'):]}": v for n, v in back.items()})
 
 # load_torch_arrays names every missing, unexpected and wrongly shaped array.
 data = dict(np.load(f"{work}/iresnet_tiny_E.torch.npz"))
@@ -105,7 +108,9 @@ def _torch_case(case: str, name: str, kwargs: dict, side: int, work: Path) -> di
     with torch.no_grad():
         out = model(x)
     return {"out": out.numpy(),
-            "after": {k: v.numpy() for k, v in model.state_dict().items() if "running" in k}}
+            "after": {k: v.numpy() for k, v in model.state_dict().items() if "running" in k},
+            "start": {k: v for k, v in np.load(work / f"{case}.torch.npz").items()
+                      if k.startswith("backbone/") and not k.endswith("num_batches_tracked")}}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +151,19 @@ def test_training_forward_and_running_statistics_equal_torch(runs, case):
     for name, after in t["after"].items():
         np.testing.assert_allclose(j[f"after/{name}"], after, rtol=TOL, atol=TOL,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("case", list(TINY))
+def test_torch_arrays_give_back_the_loaded_state_dict(runs, case):
+    """What an alignment run dumps: every array torch holds (the fixed BN gamma too), by its
+    torch name, in torch's layout, bit for bit as loaded."""
+    torch_side, jax_side, _ = runs
+    want = torch_side[case]["start"]
+    got = {k[len("back/"):]: v for k, v in jax_side[case].items() if k.startswith("back/")}
+    assert sorted(got) == sorted(k[len("backbone/"):] for k in want)
+    for name, value in got.items():
+        assert value.dtype == np.float32, name
+        np.testing.assert_array_equal(value, want[f"backbone/{name}"], err_msg=name)
 
 
 def test_load_errors_and_unknown_name(runs):

@@ -7,6 +7,7 @@ Tolerances: MXNet computes in float32 from the same float32 inputs the oracle ca
 The loss agrees to a relative 1e-5; the logits (scaled by s = 64) to 1e-4 absolute; gradients
 to 1e-5 of the largest entry of the same gradient (measured: 1e-6 and below). The clamp of the
 margin is compared with ``oracle.FP32_COS_EPS``, the bound a float32 backend really applies.
+The head in float64 (an alignment run's) is the oracle's arithmetic to rounding: 1e-12.
 """
 
 from __future__ import annotations
@@ -55,13 +56,17 @@ folder = sys.argv[1]
 for name in sys.argv[2:]:
     x = np.load(f"{folder}/{name}_in.npz")
     c, d = x["weight"].shape
-    head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), Comm(), mx.cpu())
-    head.set_weight(x["weight"])
-    loss, grad = head.forward_backward(mx.nd.array(x["emb"]),
-                                       mx.nd.array(x["labels"], dtype="float64"),
-                                       keep_logits=True)
-    np.savez(f"{folder}/{name}_out.npz", loss=loss.asnumpy(), grad_emb=grad.asnumpy(),
-             grad_weight=head.grad.asnumpy(), logits=head.logits.asnumpy())
+    for dtype in ("float32", "float64"):
+        head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), Comm(),
+                                 mx.cpu(), dtype=dtype)
+        head.set_weight(x["weight"])
+        loss, grad = head.forward_backward(mx.nd.array(x["emb"], dtype=dtype),
+                                           mx.nd.array(x["labels"], dtype="float64"),
+                                           keep_logits=True)
+        np.savez(f"{folder}/{name}_{dtype}_out.npz", loss=loss.asnumpy(),
+                 grad_emb=grad.asnumpy(), grad_weight=head.grad.asnumpy(),
+                 logits=head.logits.asnumpy(), dtypes=[np.dtype(a.dtype).name for a in
+                                                       (loss, grad, head.grad, head.logits)])
 """
 
 
@@ -78,13 +83,27 @@ def dp_heads(tmp_path_factory, mxnet_python):
 @pytest.mark.parametrize("loss", list(MARGINS))
 def test_dp_head_equals_the_oracle(dp_heads, loss):
     x = np.load(dp_heads / f"{loss}_in.npz")
-    got = np.load(dp_heads / f"{loss}_out.npz")
+    got = np.load(dp_heads / f"{loss}_float32_out.npz")
     ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS[loss], SCALE,
                                        cos_eps=oracle.FP32_COS_EPS)
     assert float(got["loss"][0]) == pytest.approx(ref["loss"], rel=1e-5)
     np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
     close_to_max(got["grad_emb"], ref["grad_emb"])
     close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
+@pytest.mark.parametrize("loss", list(MARGINS))
+def test_dp_head_in_float64_is_the_oracles_arithmetic(dp_heads, loss):
+    """Every part of the head computes in float64 when asked (no float32 step in between):
+    the oracle's numbers to rounding, with its exact clamp of the cosine."""
+    x = np.load(dp_heads / f"{loss}_in.npz")
+    got = np.load(dp_heads / f"{loss}_float64_out.npz")
+    assert list(got["dtypes"]) == ["float64"] * 4
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS[loss], SCALE)
+    assert float(got["loss"][0]) == pytest.approx(ref["loss"], rel=1e-12)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-12)
+    close_to_max(got["grad_emb"], ref["grad_emb"], rtol=1e-12)
+    close_to_max(got["grad_weight"], ref["grad_weight"], rtol=1e-12)
 
 
 # ---------------------------------------------------------------- mp, 2 ranks in dist_sync

@@ -8,7 +8,8 @@ torch's weights and inputs.
 
 float64 is the proof of equality (agreement to ~1e-12). In float32 the frameworks round
 differently and an activation within rounding of a PReLU kink can take the other branch, so
-float32 is left to the alignment test, which compares whole training steps.
+float32 is not compared here. These use OneFlow's own BatchNorm kernel; the float64 alignment
+tests (``test_oneflow_align.py``) compare whole training steps with ``exact.py``'s BatchNorm.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ as a run does.
 Tolerances: Paddle computes in float32 from the same float32 inputs the oracle casts to float64.
 The loss agrees to a relative 1e-5; the logits (scaled by s = 64) to 1e-4 absolute; gradients
 to 1e-5 of the largest entry of the same gradient. The clamp of the margin is compared with
-``oracle.FP32_COS_EPS``, the bound a float32 backend really applies.
+``oracle.FP32_COS_EPS``, the bound a float32 backend really applies. A float64 head (an
+alignment run's) agrees with the oracle to 1e-12.
 """
 
 from __future__ import annotations
@@ -76,6 +77,24 @@ for name in ("arcface", "cosface", "combined"):
     loss, grad = head.forward_backward(T(x["emb"]), T(x["labels"]), keep_logits=True)
     np.savez(f"{folder}/{name}_out.npz", loss=loss.numpy(), grad_emb=grad.numpy(),
              grad_weight=head.grad.numpy(), logits=head.logits.numpy())
+
+# (1b) the same heads in float64 (an alignment run's), exact and with the margin's gradient
+# passed straight through (a negative control's break).
+for name in ("arcface", "combined"):
+    x = np.load(f"{folder}/{name}_in.npz")
+    c, d = x["weight"].shape
+    out = {}
+    for tag, through in (("exact", False), ("through", True)):
+        head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), Comm(),
+                                 dtype="float64")
+        head.straight_through = through
+        head.set_weight(x["weight"])
+        loss, grad = head.forward_backward(T(x["emb"].astype(np.float64)), T(x["labels"]),
+                                           keep_logits=True)
+        out.update({f"{tag}/loss": loss.numpy(), f"{tag}/grad_emb": grad.numpy(),
+                    f"{tag}/grad_weight": head.grad.numpy(), f"{tag}/logits": head.logits.numpy(),
+                    f"{tag}/weight": head.weight.numpy()})
+    np.savez(f"{folder}/{name}_f64_out.npz", **out)
 
 # (2) the sampling rule.
 s = np.load(f"{folder}/sample_in.npz")
@@ -219,6 +238,30 @@ def test_dp_head_equals_the_oracle(one_process, loss):
     np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
     close_to_max(got["grad_emb"], ref["grad_emb"])
     close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
+@pytest.mark.parametrize("loss", ["arcface", "combined"])
+def test_float64_head_equals_the_oracle_and_breaks_only_the_margins_slope(one_process, loss):
+    """A float64 head (an alignment run's) holds and returns float64 and equals the float64
+    oracle to rounding, the clamp at the oracle's own bound. Passing the margin's gradient
+    straight through leaves the forward alone and changes only the target classes' rows."""
+    x = np.load(one_process / f"{loss}_in.npz")
+    got = np.load(one_process / f"{loss}_f64_out.npz")
+    assert {got[k].dtype for k in got.files} == {np.dtype(np.float64)}
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS[loss], SCALE)
+    assert float(got["exact/loss"]) == pytest.approx(ref["loss"], rel=1e-12)
+    close_to_max(got["exact/logits"], ref["logits"], rtol=1e-12)
+    close_to_max(got["exact/grad_emb"], ref["grad_emb"], rtol=1e-12)
+    close_to_max(got["exact/grad_weight"], ref["grad_weight"], rtol=1e-12)
+
+    assert float(got["through/loss"]) == float(got["exact/loss"])
+    np.testing.assert_array_equal(got["through/logits"], got["exact/logits"])
+    targets = np.unique(x["labels"])
+    others = np.setdiff1d(np.arange(len(x["weight"])), targets)
+    np.testing.assert_array_equal(got["through/grad_weight"][others],
+                                  got["exact/grad_weight"][others])
+    assert not np.allclose(got["through/grad_weight"][targets],
+                           got["exact/grad_weight"][targets], rtol=1e-3, atol=0)
 
 
 def test_sampling_follows_the_oracles_rule(one_process):

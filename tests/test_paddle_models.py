@@ -6,7 +6,10 @@ output, input gradient, parameter gradients and BN running statistics (Paddle, l
 updates the running variance with the biased batch variance). The torch side runs here; the
 Paddle side runs in the Paddle environment on an .npz of torch's weights and inputs. Both sides
 compute in float64, where the two frameworks agree to rounding (~1e-13), so any mapping or
-semantic slip shows.
+semantic slip shows. The same networks as a float64 alignment run sets them up
+(``backends.paddle.alignment``: Paddle's BatchNorm and global pool with their constants held
+exactly) agree with torch to rounding everywhere but the running variance, which keeps Paddle's
+rule (the biased batch variance), also to rounding.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ CASES = {
 # IResNet-100 aside (the same code as IResNet-50 with more units; checked by hand, equal).
 COUNTED = ("iresnet_tiny", "iresnet50", "mobilefacenet_y1", "resnet50_v1b")
 TOL = 1e-8
+ALIGNED_TOL = 1e-11
+"""An alignment run's layers: float64 rounding only."""
 RUNNING_TOL = 1e-6
 """Paddle holds BatchNorm's momentum as a C float (0.9f = 0.89999998), so float64 running
 statistics agree to ~1e-8 relative, not to rounding."""
@@ -46,7 +51,7 @@ PADDLE_SIDE = r"""
 import json, sys
 import numpy as np
 import paddle
-from trainperf.backends.paddle import models
+from trainperf.backends.paddle import alignment, models
 
 work = sys.argv[1]
 spec = json.load(open(f"{work}/spec.json"))
@@ -58,11 +63,13 @@ for name in spec["counted"]:
         "shapes": {n: list(models.torch_shape(p, t))
                    for n, (p, t) in models.torch_names(net).items()}}
 
-paddle.set_default_dtype("float64")
-for case, c in spec["cases"].items():
-    data = np.load(f"{work}/{case}.torch.npz")
+def forward_backward(c, data, aligned):
+    # One training-mode forward and backward from torch's weights: Paddle's own layers, or
+    # (aligned) as a float64 alignment run sets them up.
     net = models.build_backbone(c["name"], input_size=c["side"], **c["kwargs"])
     models.load_torch_arrays(net, data)
+    if aligned:
+        alignment.use_exact_kernels(net)
     net.train()
     x = paddle.to_tensor(data["x"], stop_gradient=False)
     out = net(x)
@@ -76,7 +83,15 @@ for case, c in spec["cases"].items():
             res["grad/" + name] = g.T if transposed else g
         if name.endswith(("running_mean", "running_var")):
             res["after/" + name] = p.numpy()
+    return net, names, trainable, res
+
+
+paddle.set_default_dtype("float64")
+for case, c in spec["cases"].items():
+    data = np.load(f"{work}/{case}.torch.npz")
+    net, names, trainable, res = forward_backward(c, data, aligned=False)
     np.savez(f"{work}/{case}.paddle.npz", **res)
+    np.savez(f"{work}/{case}.aligned.npz", **forward_backward(c, data, aligned=True)[3])
     report["cases"][case] = {"names": list(names), "count": models.param_count(net),
                              "fixed": [n for n, (p, _) in names.items()
                                        if id(p) not in trainable and "running" not in n]}
@@ -148,7 +163,8 @@ def runs(tmp_path_factory, paddle_python):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((work / "report.json").read_text())
-    paddle_side = {case: dict(np.load(work / f"{case}.paddle.npz")) for case in CASES}
+    paddle_side = {case: {kind: dict(np.load(work / f"{case}.{kind}.npz"))
+                          for kind in ("paddle", "aligned")} for case in CASES}
     return torch_side, paddle_side, report
 
 
@@ -181,7 +197,7 @@ def test_recipe_backbones_have_torch_names_shapes_and_counts(runs, name):
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_gradients_and_running_statistics_match_torch(runs, case):
     t_all, p_all, report = runs
-    t, p, rep = t_all[case], p_all[case], report["cases"][case]
+    t, p, rep = t_all[case], p_all[case]["paddle"], report["cases"][case]
     assert rep["names"] == t["keys"] and rep["count"] == t["count"]
     # Only torch's fixed gamma (and BN running statistics) take no update in Paddle.
     assert sorted(rep["fixed"]) == sorted(t["fixed"])
@@ -199,6 +215,29 @@ def test_forward_gradients_and_running_statistics_match_torch(runs, case):
             n = t["counts"][name.rsplit(".", 1)[0]]
             kept = 0.9 * t["before"][name]
             _close(got, kept + (after - kept) * (n - 1) / n, name, tol=RUNNING_TOL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_alignment_layers_follow_paddles_rule_to_rounding(runs, case):
+    """As a float64 alignment run sets the network up (Paddle's BatchNorm with its epsilon and
+    momentum held exactly, the global pool as a mean): torch's output, gradients and running
+    mean to rounding, and the running variance Paddle's rule (the biased batch variance, which
+    the backend declares) to rounding, with torch's 0.9 kept exactly."""
+    t_all, p_all, _ = runs
+    t, p = t_all[case], p_all[case]["aligned"]
+    _close(p["out"], t["out"], "output", tol=ALIGNED_TOL)
+    _close(p["x_grad"], t["x_grad"], "input gradient", tol=ALIGNED_TOL)
+    scale = 1e-3 * max(float(np.abs(g).max()) for g in t["grads"].values())
+    for name, grad in t["grads"].items():
+        _close(p["grad/" + name], grad, f"gradient of {name}", scale, tol=ALIGNED_TOL)
+    for name, after in t["after"].items():
+        got = p["after/" + name]
+        if name.endswith("running_mean"):
+            _close(got, after, name, tol=ALIGNED_TOL)
+        else:
+            n = t["counts"][name.rsplit(".", 1)[0]]
+            kept = 0.9 * t["before"][name]
+            _close(got, kept + (after - kept) * (n - 1) / n, name, tol=ALIGNED_TOL)
 
 
 def test_load_errors_and_unknown_name(runs):

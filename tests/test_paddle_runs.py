@@ -1,12 +1,14 @@
 """The Paddle backend end to end through the CLI: a measured run on 1 and 2 ranks (mp), strict
-alignment with torch on 2 ranks (mp: the sharded softmax, the gathered embeddings and the summed
-backbone gradients), and failures (a killed rank, a raised error with a peer left waiting in a
-collective) recorded as results with no process of the run left behind.
+float64 alignment with torch on 2 ranks (mp and pfc at ratio 1.0: the sharded softmax, the
+gathered embeddings and the summed backbone gradients), and failures (a killed rank, a raised
+error with a peer left waiting in a collective) recorded as results with no process of the run
+left behind.
 
 The tests keep to the fewest runs that cover this: one CLI invocation each for the measured
-runs and for the faults (the faults name the world size they hit, so one invocation fails both
-of its cases differently), and one (fc, ranks) pair of alignment. ``dp`` on 2 ranks is checked
-step by step in ``test_paddle_heads.py``.
+runs, for the faults (the faults name the world size they hit, so one invocation fails both
+of its cases differently) and for the 2-rank alignment. ``dp`` on 2 ranks is checked step by
+step in ``test_paddle_heads.py``; alignment on one rank, with its negative controls, in
+``test_paddle_align.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from trainperf import envs, results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
+from align_checks import align, assert_strictly_aligned
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
@@ -74,19 +77,15 @@ def test_events_say_what_ran(measured):
     assert starts[1]["env"]["collective_backend"] == "gloo"
 
 
-def test_aligned_with_torch_on_two_ranks(tmp_path, paddle_python, capsys):
-    out = tmp_path / "align"
-    code = main(["align", "tiny-arcface", "--framework", "paddle", "--devices", "2", "--fc",
-                 "mp", "--steps", "3", "--out", str(out)])
+def test_aligned_in_float64_with_torch_on_two_ranks(tmp_path, paddle_python, capsys):
+    code, outcome = align("paddle", tmp_path / "align", "2", "mp,pfc")
     table = capsys.readouterr().out
-    outcome = json.loads((out / "align.json").read_text())
     assert code == 0, table
-    assert outcome["aligned"], table
-    (check,) = outcome["checks"]
-    assert (check["fc"], check["ranks"]) == ("mp", 2)
-    assert check["params"]["torch"] == check["params"]["other"]
-    assert check["first_loss_rel_diff"] <= 1e-4 and check["max_loss_rel_diff"] <= 2e-3
-    assert len(check["losses"]["other"]) == 3
+    assert outcome["aligned"] and outcome["dtype"] == "float64", table
+    assert outcome["workload"]["sample_ratio"] == 1.0
+    assert [(c["fc"], c["ranks"]) for c in outcome["checks"]] == [("mp", 2), ("pfc", 2)]
+    for check in outcome["checks"]:
+        assert_strictly_aligned(check)
     assert left_behind(tmp_path) == []
 
 

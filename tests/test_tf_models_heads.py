@@ -3,18 +3,32 @@ float64 oracle.
 
 TensorFlow runs in its own environment (``tf_python``, no torch there): ONE script run there
 (TensorFlow takes seconds to start) builds the backbones, runs the forward and backward of two
-tiny ones on torch's weights, the dp head on the oracle's inputs and three training steps, and
-writes ``.npz`` / JSON files; the comparisons happen here, against torch and ``tests/oracle.py``.
+tiny ones on torch's weights, the dp head on the oracle's inputs, three training steps and the
+BatchNorm bridge (below), and writes ``.npz`` / JSON files; the comparisons happen here, against torch and ``tests/oracle.py``.
 
 Tolerances (float32 against torch's float32 or the oracle's float64): outputs element by element
 to 1e-4 of the largest entry; gradients by relative L2 error below 5e-3 (an activation within
 rounding of a ReLU / PReLU / max-pool kink may take the other branch in one framework, which
 changes a gradient locally); the head's loss to 1e-5 relative, its logits (scaled by s = 64) to
-1e-4 absolute and its gradients to 1e-5 of the largest entry, as the MXNet head's.
+1e-4 absolute and its gradients to 1e-5 of the largest entry, as the MXNet head's. The same
+two networks in float64 (strict alignment's, BatchNorm composed of tf.nn ops) are held to torch's
+float64: outputs to 1e-12 of the largest entry, gradients to 1e-10 relative L2, statistics 1e-12.
+
+That float64 BatchNorm is a stand-in for the fused kernel every timed run uses (which has no
+float64 version), so it is bridged to it in float32 (``BRIDGE``): both paths on the same random
+values, every output, gradient and running statistic to 2e-6 of the array's largest entry.
+That is float32 rounding: its unit roundoff is 6e-8, and the arrays are sums of up to 100
+products (a channel's gradient of gamma over 4 x 5 x 5 values), computed in another order by
+each path, whose rounding grows as sqrt(100) = 10 unit roundoffs, times a few; the largest
+difference seen was 6.8e-7, of that gradient. A difference of rule is far above it: the biased
+variance in place of the unbiased one moves the running variance by 3e-3 to 8e-2 of its size
+here (checked to be over a hundred bounds away), a momentum of 0.9 in place of 0.1 the running
+mean by about 1.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -50,6 +64,17 @@ UPDATES = {
                             clip_grad_norm=None, lr_steps=(1,), lr_scales=(0.2,)),
                        (0.05, 0.01, 0.01), None),
 }
+
+# The float64 BatchNorm stand-in against the fused kernel, both in float32 (the bridge): an
+# input shape per case, 4-d as the convolutions' BatchNorms, 2-d as IResNet's embedding
+# BatchNorm (which the fused kernel runs as [N, 1, 1, C]), with small batches, where the
+# unbiased variance is furthest from the biased one (n / (n - 1): 1.01 for 4-d, 1.14 for 2-d).
+BRIDGE = {"4d": (4, 5, 5, 6), "2d": (8, 6)}
+BRIDGE_STEPS = 3
+BRIDGE_BOUND = 2e-6
+"""Of each array's largest entry (module docstring)."""
+TORCH_BN_MOMENTUM = 0.1
+"""The weight of the batch statistic in torch's running statistics."""
 
 TF_SIDE = r"""
 import json, sys
@@ -94,6 +119,65 @@ for case, (name, kwargs, side, _) in spec["forward"].items():
         if e.running:
             res["after/" + n] = e.variable.numpy()
     np.savez(f"{work}/{case}.tf.npz", **res)
+
+    # float64 (strict alignment's networks): BatchNorm composed of tf.nn ops, in training and
+    # in inference, and every variable read back in torch's layout.
+    net = models.build_backbone(name, input_size=side, dtype="float64", **kwargs)
+    models.load_torch_arrays(net, data)
+    x = tf.constant(data["x"].transpose(0, 2, 3, 1).astype(np.float64))
+    with tf.GradientTape() as tape:
+        out = net(x, training=True)
+        objective = tf.reduce_sum(out * tf.constant(data["r"], tf.float64))
+    grads = tape.gradient(objective, net.trainable_variables)
+    res = {"out": out.numpy(), "eval": net(x, training=False).numpy(),
+           **models.torch_arrays(net, "after/")}
+    for n, g in zip(trainable, grads):
+        e = net.params.entries[n]
+        res["grad/" + n] = models.to_torch_layout(g.numpy(), e.layout, e.chw)
+    np.savez(f"{work}/{case}.tf64.npz", **res)
+
+# The float64 BatchNorm stand-in (composed of tf.nn ops) against the fused kernel it replaces,
+# both in float32 and inside a tf.function, as TrainStep runs them: one BatchNorm built twice
+# from the same values, the second forced onto the composed path; a few training steps, then an
+# inference forward.
+def bn_training_step(bn):
+    @tf.function
+    def step(x, r):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = bn(x, training=True)
+            objective = tf.reduce_sum(out * r)
+        return [out] + tape.gradient(objective, [x, bn.weight, bn.bias])
+    return step
+
+
+report["bn_fused"] = {dtype: models.BatchNorm(models.Params(0, dtype), "bn", 3).fused
+                      for dtype in ("float32", "float64")}
+for case in spec["bridge"]:
+    data = np.load(f"{work}/bn_{case}.npz")
+    for path in ("fused", "composed"):
+        bn = models.BatchNorm(models.Params(0), "bn", data["weight"].size)
+        for key in ("weight", "bias", "running_mean", "running_var"):
+            getattr(bn, key).assign(data[key])
+        bn.fused = path == "fused"
+        step, res = bn_training_step(bn), {}
+        for i in range(int(data["steps"])):
+            values = step(tf.constant(data[f"x{i}"]), tf.constant(data[f"r{i}"]))
+            for key, v in zip(("out", "grad_x", "grad_weight", "grad_bias"), values):
+                res[f"{i}/{key}"] = v.numpy()
+            res[f"{i}/running_mean"] = bn.running_mean.numpy()
+            res[f"{i}/running_var"] = bn.running_var.numpy()
+        evaluate = tf.function(lambda x: bn(x, training=False))
+        res["eval"] = evaluate(tf.constant(data["x_eval"])).numpy()
+        np.savez(f"{work}/bn_{case}.{path}.npz", **res)
+try:
+    one = tf.ones([3], tf.float64)
+    tf.compat.v1.nn.fused_batch_norm(
+        tf.ones([2, 1, 1, 3], tf.float64), one, one, mean=one, variance=one,
+        epsilon=models.BN_EPS, is_training=True, exponential_avg_factor=models.BN_MOMENTUM)
+    report["errors"]["fused_float64"] = None
+except tf.errors.InvalidArgumentError as e:
+    report["errors"]["fused_float64"] = str(e)
 
 for name in spec["heads"]:
     x = np.load(f"{work}/{name}_in.npz")
@@ -194,13 +278,44 @@ def _torch_forward(case: str, name: str, kwargs: dict, side: int, batch: int, wo
         width = model.eval()(x[:1]).shape[1]
     r = torch.randn(batch, width)
     np.savez(work / f"{case}.torch.npz", x=x.numpy(), r=r.numpy(), **arrays)
+    model64 = copy.deepcopy(model).double()
     model.train()
     x = x.clone().requires_grad_(True)
     out = model(x)
     (out * r).sum().backward()
     return {"out": out.detach().numpy(), "x_grad": x.grad.numpy(),
             "grads": {k: p.grad.numpy() for k, p in model.named_parameters() if p.requires_grad},
-            "after": {k: v.numpy() for k, v in model.state_dict().items() if "running" in k}}
+            "after": {k: v.numpy() for k, v in model.state_dict().items() if "running" in k},
+            "float64": _torch_float64(model64.train(), x.detach().double(), r.double())}
+
+
+def _torch_float64(model: torch.nn.Module, x: torch.Tensor, r: torch.Tensor) -> dict:
+    """The float64 twin of ``_torch_forward``'s step, then an inference forward with the
+    running statistics that step left."""
+    out = model(x)
+    (out * r).sum().backward()
+    with torch.no_grad():
+        evaluated = model.eval()(x)
+    return {"out": out.detach().numpy(), "eval": evaluated.numpy(),
+            "grads": {k: p.grad.numpy() for k, p in model.named_parameters() if p.requires_grad},
+            "after": {k: v.numpy() for k, v in model.state_dict().items()
+                      if not k.endswith("num_batches_tracked")}}
+
+
+def _bridge_inputs(case: str, shape: tuple[int, ...], work: Path) -> None:
+    """A BatchNorm's values away from their initial ones, and ``BRIDGE_STEPS`` batches (with
+    their cotangents) whose channels have their own means and spreads, in float32, as
+    ``bn_<case>.npz`` for both paths of the bridge."""
+    rng = np.random.RandomState(sum(map(ord, case)))
+    c = shape[-1]
+    arrays = {"weight": rng.uniform(0.5, 1.5, c), "bias": rng.randn(c) * 0.5,
+              "running_mean": rng.randn(c), "running_var": rng.uniform(0.5, 2.0, c)}
+    for i in range(BRIDGE_STEPS):
+        arrays[f"x{i}"] = rng.randn(*shape) * rng.uniform(0.5, 3.0, c) + rng.randn(c) * 2.0
+        arrays[f"r{i}"] = rng.randn(*shape)
+    arrays["x_eval"] = rng.randn(*shape) * rng.uniform(0.5, 3.0, c) + rng.randn(c)
+    np.savez(work / f"bn_{case}.npz", steps=BRIDGE_STEPS,
+             **{k: v.astype(np.float32) for k, v in arrays.items()})
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +325,10 @@ def tf_side(tmp_path_factory, tf_python):
     for i, (name, margins) in enumerate(MARGINS.items()):
         np.savez(work / f"{name}_in.npz", **head_inputs(i, 12, 8, 37), margins=margins,
                  scale=SCALE)
+    for case, shape in BRIDGE.items():
+        _bridge_inputs(case, shape, work)
     spec = {"builds": BUILDS, "forward": FORWARD, "heads": list(MARGINS),
+            "bridge": list(BRIDGE),
             "updates": {k: (dict(v[0], lr_steps=list(v[0]["lr_steps"]),
                                  lr_scales=list(v[0]["lr_scales"])), v[1], v[2])
                         for k, v in UPDATES.items()}}
@@ -268,6 +386,80 @@ def test_training_forward_and_gradients_equal_torch(tf_side, case):
     for name, after in t["after"].items():
         np.testing.assert_allclose(got["after/" + name], after, rtol=1e-4, atol=1e-5,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("case", list(FORWARD))
+def test_float64_network_equals_torchs_float64(tf_side, case):
+    """The same step in float64 (a strict alignment run's network): BatchNorm composed of tf.nn
+    ops (no fused float64 kernel) against torch's, to float64 rounding, in training (output,
+    gradients, running statistics) and in inference after it; ``torch_arrays`` gives every
+    state_dict entry back in torch's layout, in float64."""
+    work, torch_side, _ = tf_side
+    t, got = torch_side[case]["float64"], np.load(work / f"{case}.tf64.npz")
+    scale = np.abs(t["out"]).max()
+    np.testing.assert_allclose(got["out"], t["out"], rtol=0, atol=1e-12 * scale)
+    np.testing.assert_allclose(got["eval"], t["eval"], rtol=0,
+                               atol=1e-12 * np.abs(t["eval"]).max())
+    # A bias that feeds a BatchNorm has a true gradient of zero: rounding alone, measured
+    # against a thousandth of the largest gradient.
+    floor = 1e-3 * max(float(np.linalg.norm(g)) for g in t["grads"].values())
+    for name, grad in t["grads"].items():
+        g = got["grad/" + name]
+        assert g.dtype == np.float64 and g.shape == grad.shape, name
+        assert np.linalg.norm(g - grad) <= 1e-10 * max(np.linalg.norm(grad), floor), name
+    after = {k[len("after/"):]: got[k] for k in got.files if k.startswith("after/")}
+    assert list(after) == list(t["after"])
+    for name, value in t["after"].items():
+        assert after[name].dtype == np.float64, name
+        np.testing.assert_allclose(after[name], value, rtol=1e-12, atol=1e-14, err_msg=name)
+
+
+def test_float32_batchnorm_is_the_fused_kernel_which_has_no_float64_version(tf_side):
+    """Why the BatchNorm has a stand-in, and where each runs: a float32 BatchNorm (every timed
+    run) is the fused kernel, a float64 one (a strict alignment run) is composed of tf.nn ops,
+    because FusedBatchNormV3 takes no float64 input nor variables."""
+    _, _, report = tf_side
+    assert report["bn_fused"] == {"float32": True, "float64": False}
+    assert "of double is not in the list of allowed values" in report["errors"]["fused_float64"]
+
+
+@pytest.mark.parametrize("case", list(BRIDGE))
+def test_composed_batchnorm_equals_the_fused_kernel(tf_side, case):
+    """The bridge from the float64 stand-in to the timed kernel: ``BatchNorm._composed`` and
+    the fused kernel, both in float32 on the same random values, give the same output and
+    gradients of the input, gamma and beta at each of three training steps, the same running
+    statistics after each, and the same inference output after the last, each array within
+    float32 rounding (``BRIDGE_BOUND`` of its largest entry)."""
+    work, _, _ = tf_side
+    fused, composed = (np.load(work / f"bn_{case}.{path}.npz") for path in ("fused", "composed"))
+    assert sorted(composed.files) == sorted(fused.files)
+    assert len(fused.files) == 6 * BRIDGE_STEPS + 1
+    for key in fused.files:
+        assert composed[key].dtype == fused[key].dtype == np.float32, key
+        close_to_max(composed[key], fused[key], BRIDGE_BOUND, key)
+
+
+@pytest.mark.parametrize("case", list(BRIDGE))
+def test_fused_kernel_moves_running_statistics_by_torchs_rule(tf_side, case):
+    """Which rule the timed kernel follows, that the stand-in must follow too: the fused
+    kernel's running statistics after each step equal torch's rule computed here in float64
+    (momentum 0.1, the UNBIASED batch variance) within the bridge's bound, and the biased rule
+    (Keras's) is over a hundred bounds away from it on these batches. So TensorFlow's BatchNorm
+    trains by torch's rule and the backend declares no ``rule_differences``."""
+    work, _, _ = tf_side
+    data, fused = np.load(work / f"bn_{case}.npz"), np.load(work / f"bn_{case}.fused.npz")
+    m = TORCH_BN_MOMENTUM
+    unbiased = {k: data[k].astype(np.float64) for k in ("running_mean", "running_var")}
+    biased = dict(unbiased)
+    for i in range(BRIDGE_STEPS):
+        x = data[f"x{i}"].astype(np.float64).reshape(-1, data["weight"].size)
+        for rule, ddof in ((unbiased, 1), (biased, 0)):
+            rule["running_mean"] = (1 - m) * rule["running_mean"] + m * x.mean(axis=0)
+            rule["running_var"] = (1 - m) * rule["running_var"] + m * x.var(axis=0, ddof=ddof)
+        for key in ("running_mean", "running_var"):
+            close_to_max(fused[f"{i}/{key}"], unbiased[key], BRIDGE_BOUND, f"step {i} {key}")
+        gap = np.abs(biased["running_var"] - unbiased["running_var"]).max()
+        assert gap > 100 * BRIDGE_BOUND * np.abs(unbiased["running_var"]).max()
 
 
 @pytest.mark.parametrize("loss", list(MARGINS))

@@ -1,5 +1,5 @@
 """The TensorFlow backend end to end through the CLI: a run on 1 and 2 ranks (results, env,
-losses), strict alignment with torch (``trainperf align``, dp on 2 ranks), a failing rank
+losses), strict alignment with torch in float64 (``trainperf align``, dp on 2 ranks), a failing rank
 (raised on one of 2 ranks, or killed) recorded as a result with no process of the run left
 behind, and what the backend refuses.
 
@@ -15,6 +15,7 @@ import pytest
 
 from trainperf import results
 from trainperf.cli import main
+from align_checks import align, assert_strictly_aligned
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
@@ -60,21 +61,19 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
     assert left_behind(out) == []
 
 
-def test_alignment_with_torch_on_two_ranks(tmp_path, tf_python):
-    """torch's weights and batches, three SGD steps, dp on 2 ranks (the gradient all-reduce
-    included; one rank runs the same step without it): the parameter counts
-    are equal and every loss within align's tolerances (first 1e-4, later 2e-3)."""
-    out = tmp_path / "align"
-    code = main(["align", "tiny-arcface", "--framework", "tf", "--fc", "dp", "--devices", "2",
-                 "--steps", "3", "--out", str(out)])
-    outcome = json.loads((out / "align.json").read_text())
+def test_aligned_in_float64_on_two_ranks(tmp_path, tf_python):
+    """torch's weights and batches, three SGD steps in float64, dp on 2 ranks (the float64
+    gradient all-reduce included): every tensor's update on both ranks within 1e-8 of torch's.
+    One rank and the negative controls: ``test_tf_align.py``."""
+    code, outcome = align("tf", tmp_path / "align", "2", "dp")
     assert code == 0, [c["problems"] for c in outcome["checks"]]
-    assert outcome["aligned"]
-    assert [(c["fc"], c["ranks"]) for c in outcome["checks"]] == [("dp", 2)]
-    for check in outcome["checks"]:
-        assert check["params"]["torch"] == check["params"]["other"] == 278712
-        assert len(check["losses"]["other"]) == 3
-        assert check["first_loss_rel_diff"] <= 1e-4 and check["max_loss_rel_diff"] <= 2e-3
+    assert outcome["aligned"] and outcome["dtype"] == "float64"
+    [check] = outcome["checks"]
+    assert (check["fc"], check["ranks"]) == ("dp", 2)
+    assert_strictly_aligned(check)
+    # Both ranks compared, each on its own batch (so their first losses differ).
+    first = {row["rank"]: row["loss"]["other"] for row in check["steps"] if row["step"] == 0}
+    assert first[0] != first[1]
     assert left_behind(tmp_path) == []
 
 

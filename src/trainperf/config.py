@@ -297,6 +297,58 @@ class TrainSpec:
         return _from_dict(cls, d, "train")
 
 
+ALIGN_DTYPES = ("float64", "float32")
+RULE_BREAKS = ("margin_straight_through",)
+"""Rule changes an alignment run makes on purpose (``AlignSpec.breaks``), for the negative
+controls that only a worker's code can make: ``margin_straight_through`` passes the margin's
+gradient to the cosine unchanged (derivative 1), as insightface's arcface_torch does. The other
+controls (weight decay, momentum, clipping, the rate schedule) change the candidate's workload."""
+
+
+@dataclass(frozen=True)
+class AlignSpec:
+    """A strict alignment run (``trainperf.align``): where its start is, what it computes in and
+    where it writes what it did after every step."""
+
+    start: str
+    """An ``.npz`` of initial weights and per-rank batches that the worker loads instead of
+    drawing its own. Layout: ``backbone/<torch state_dict name>`` (torch layouts: OIHW
+    convolutions, [out, in] linear weights, BatchNorm ``weight``/``bias``/``running_mean``/
+    ``running_var``), ``head/weight`` (the whole class matrix [classes, embedding]; a sharded
+    head takes its rows), ``images/<rank>`` (float32 NCHW) and ``labels/<rank>`` (int64)."""
+    dtype: str = "float32"
+    """What the parameters, activations, gradients and optimizer state are held and computed
+    in: ``float64`` (rounding far below any difference of rule) or ``float32``."""
+    dump: str | None = None
+    """A folder: after step i every rank writes ``step-<i>-rank-<r>.npz`` there
+    (``trainperf.backends.workerkit.write_dump``): its parameters and BatchNorm statistics in
+    torch's names and layouts, its loss, its gradient norm before clipping and its rate."""
+    breaks: tuple[str, ...] = ()
+    """Rules broken on purpose (``RULE_BREAKS``): negative controls only."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ALIGN_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(ALIGN_DTYPES)}, "
+                             f"got {self.dtype!r}")
+        unknown = [b for b in self.breaks if b not in RULE_BREAKS]
+        if unknown:
+            raise ValueError(f"unknown rule break(s) {unknown}; known: {', '.join(RULE_BREAKS)}")
+
+    def breaks_rule(self, rule: str) -> bool:
+        return rule in self.breaks
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["breaks"] = list(self.breaks)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AlignSpec":
+        d = dict(d)
+        d["breaks"] = tuple(d.get("breaks") or ())
+        return _from_dict(cls, d, "align")
+
+
 def parse_accuracy(text: str) -> float:
     """``0.95`` or ``95%`` as the fraction 0.95."""
     s = text.strip()
@@ -434,6 +486,6 @@ def parse_bytes(text: str) -> int:
 
 
 __all__ = [
-    "Workload", "Tuning", "DataSpec", "TrainSpec", "Topology", "Measure", "FC_MODES",
+    "Workload", "Tuning", "DataSpec", "TrainSpec", "AlignSpec", "Topology", "Measure", "FC_MODES",
     "PRECISIONS", "MARGINS", "parse_int_list", "parse_list", "parse_bytes", "parse_accuracy",
 ]

@@ -82,7 +82,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .config import DataSpec, Measure, TrainSpec, Tuning, Workload
+from .config import AlignSpec, DataSpec, Measure, TrainSpec, Tuning, Workload
 
 PROTOCOL = "trainperf.protocol/v1"
 ERROR_KINDS = ("oom", "exception")
@@ -106,13 +106,9 @@ class RunSpec:
     """``auto``, ``cuda`` or ``cpu``."""
     threads: int | None = None
     """Intra-op threads per process on CPU (None: the framework's default)."""
-    init: str | None = None
-    """Alignment (``trainperf.align``): an ``.npz`` of initial weights and per-rank batches
-    that the worker loads instead of drawing its own. Layout: ``backbone/<torch state_dict
-    name>`` (torch layouts: OIHW convolutions, [out, in] linear weights, BatchNorm
-    ``weight``/``bias``/``running_mean``/``running_var``), ``head/weight`` (the whole class
-    matrix [classes, embedding]; a sharded head takes its rows), ``images/<rank>`` (float32
-    NCHW) and ``labels/<rank>`` (int64)."""
+    align: AlignSpec | None = None
+    """A strict alignment run (``trainperf.align``): its start file, its dtype and where it
+    writes each step's state (``trainperf.config.AlignSpec``); None: a throughput run."""
     data: DataSpec | None = None
     """Real data (``trainperf.config.DataSpec``): batches come from a RecordIO file through
     the input pipeline; None: synthetic tensors made on the device once. With real data every
@@ -124,7 +120,8 @@ class RunSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
-                "device": self.device, "threads": self.threads, "init": self.init,
+                "device": self.device, "threads": self.threads,
+                "align": self.align.to_dict() if self.align else None,
                 "data": self.data.to_dict() if self.data else None,
                 "train": self.train.to_dict() if self.train else None}
 
@@ -138,7 +135,8 @@ class RunSpec:
         try:
             return cls(Workload.from_dict(d["workload"]), Measure.from_dict(d["measure"]),
                        Tuning.from_dict(d.get("tuning", {})), d.get("device", "auto"),
-                       d.get("threads"), d.get("init"),
+                       d.get("threads"),
+                       AlignSpec.from_dict(d["align"]) if d.get("align") else None,
                        DataSpec.from_dict(d["data"]) if d.get("data") else None,
                        TrainSpec.from_dict(d["train"]) if d.get("train") else None)
         except KeyError as exc:

@@ -20,7 +20,7 @@ from . import envs, outcome, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
-from .config import DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
+from .config import AlignSpec, DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
 from .progress import Progress, QuietProgress
@@ -59,8 +59,9 @@ class Plan:
     """The model's key in DLPerf's tables and exports (``r100``, ``y1``, ``r50``, ``rn50``)."""
     framework: str = "torch"
     """The backend that runs it (``trainperf.backends``)."""
-    init: str | None = None
-    """Alignment: the ``.npz`` every run loads its weights and batches from (``RunSpec.init``)."""
+    align: AlignSpec | None = None
+    """Alignment: the start every run loads its weights and batches from, its dtype and where
+    it writes its steps (``RunSpec.align``)."""
     data: DataSpec | None = None
     """Real data: the RecordIO dataset and loader every run reads (None: synthetic)."""
     data_role: str = "synthetic"
@@ -84,6 +85,8 @@ class Plan:
         data = {} if self.data_role == "synthetic" else {"data": self.data_record()}
         if self.train is not None:
             data["train"] = self.train.to_dict()
+        if self.align is not None:
+            data["align"] = self.align.to_dict()
         return {"recipe": self.recipe, "framework": self.framework, **data,
                 "workload": self.workload.to_dict(),
                 "measure": self.measure.to_dict(), "tuning": self.tuning.to_dict(),
@@ -331,7 +334,7 @@ class Runner:
             train = train.replace(checkpoint_dir=str((run_dir / "checkpoints").resolve()))
         spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
                        self.plan.tuning, case.topology.device,
-                       cpu_threads_per_process(case.topology.devices_per_node), self.plan.init,
+                       cpu_threads_per_process(case.topology.devices_per_node), self.plan.align,
                        self.plan.data, train)
         results.write_json_atomic(spec_path, spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}

@@ -139,6 +139,11 @@ class Capabilities:
     and verification sets."""
     several_nodes: bool = True
     """Its launch spans several nodes."""
+    rule_differences: dict[str, str] = field(default_factory=dict)
+    """Where its own kernels train by another rule than torch's, declared: the ending of the
+    dumped tensors' names (``running_var``) -> why. `trainperf align` measures those tensors and
+    prints the difference beside its verdict, which they do not decide; nothing else may
+    differ."""
     why_not: dict[str, str] = field(default_factory=dict)
     """Why a precision or head it does not run is missing, said with the refusal
     (``{"bf16": "MXNet 1.9's bfloat16 AMP is CPU-only, through oneDNN"}``)."""

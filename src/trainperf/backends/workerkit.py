@@ -11,6 +11,7 @@ import os
 import resource
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Sequence
 
 from ..config import Measure, Workload
@@ -188,6 +189,11 @@ class FrameworkRun:
         """``End``'s memory fields over every rank (a collective call, ``memory_fields``)."""
         raise NotImplementedError
 
+    def align_state(self) -> StepState:
+        """After a step of an alignment run (``AlignSpec.dump``), with the device synced: this
+        rank's state in torch's names and layouts."""
+        raise NotImplementedError
+
     # -- what a framework may change ----------------------------------------------------------
     def timed_loop(self, step: Callable[[int], Any], on_steps: Callable[[StepTimes], None]
                    ) -> tuple[float, list[Any]]:
@@ -221,18 +227,25 @@ class FrameworkRun:
 
 
 def load_init(spec: RunSpec) -> dict[str, Any] | None:
-    """An alignment start's arrays (``RunSpec.init``), or None."""
-    if not spec.init:
+    """An alignment start's arrays (``AlignSpec.start``), or None."""
+    if spec.align is None:
         return None
     import numpy as np  # every worker's environment has it; the runner's need not
 
-    with np.load(spec.init) as f:
+    with np.load(spec.align.start) as f:
         return {k: f[k] for k in f.files}
 
 
-def start_batch(workload: Workload, arrays: dict[str, Any], rank: int) -> tuple[Any, Any]:
-    """Rank ``rank``'s batch of an alignment start: float32 NCHW images and int64 labels
-    (numpy), their shapes checked against the workload."""
+def align_dtype(spec: RunSpec) -> str:
+    """What the run computes in: an alignment run's ``AlignSpec.dtype``, else float32."""
+    return spec.align.dtype if spec.align is not None else "float32"
+
+
+def start_batch(workload: Workload, arrays: dict[str, Any], rank: int, dtype: str = "float32"
+                ) -> tuple[Any, Any]:
+    """Rank ``rank``'s batch of an alignment start: NCHW images in ``dtype`` (the file holds
+    float32, which float64 holds exactly) and int64 labels (numpy), their shapes checked
+    against the workload."""
     import numpy as np
 
     images, labels = arrays[f"images/{rank}"], arrays[f"labels/{rank}"]
@@ -242,7 +255,45 @@ def start_batch(workload: Workload, arrays: dict[str, Any], rank: int) -> tuple[
                          f"{(workload.batch_size, 3, side, side)}")
     if tuple(labels.shape) != (workload.batch_size,):
         raise ValueError(f"labels/{rank} has shape {tuple(labels.shape)}")
-    return np.asarray(images, dtype=np.float32), np.asarray(labels, dtype=np.int64)
+    return np.asarray(images, dtype=dtype), np.asarray(labels, dtype=np.int64)
+
+
+@dataclass
+class StepState:
+    """What one rank did in one step of an alignment run, as ``write_dump`` writes it."""
+
+    arrays: dict[str, Any]
+    """Every parameter and BatchNorm statistic by torch name (``backbone/<state_dict name>``,
+    ``head/weight`` for this rank's rows of the class matrix) in torch's layout, as numpy
+    arrays in the dtype the run holds them in."""
+    grad_norm: float | None
+    """The backbone's gradient norm before clipping (the reduced gradient's: the same on every
+    rank); None where the framework computed none (no clipping)."""
+    lr: float
+    """The rate the framework's optimizer ran this step at (its own schedule's, not
+    ``Workload.lr_at``'s)."""
+
+
+def dump_name(step: int, rank: int) -> str:
+    """The file of ``rank``'s state after step ``step`` (``-1``: the start, as loaded, before
+    any step)."""
+    return f"start-rank-{rank}.npz" if step < 0 else f"step-{step:04d}-rank-{rank}.npz"
+
+
+def write_dump(folder: str, step: int, rank: int, state: StepState, loss: float) -> None:
+    """Write ``dump_name(step, rank)`` in ``folder``: the state's arrays, and ``loss``,
+    ``grad_norm`` (NaN for None) and ``lr`` as float64 scalars. Written to a temporary name
+    and renamed, so that a reader never sees half a file."""
+    import numpy as np
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, dump_name(step, rank))
+    scalars = {"loss": loss, "grad_norm": float("nan") if state.grad_norm is None
+               else state.grad_norm, "lr": state.lr}
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **{k: np.asarray(v) for k, v in state.arrays.items()},
+             **{k: np.float64(v) for k, v in scalars.items()})
+    os.replace(tmp, path)
 
 
 def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
@@ -279,9 +330,19 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
         write_start()
     faults = parse_faults(fw.world_size)
 
+    dump = spec.align.dump if spec.align is not None else None
+    if dump:
+        # The start as this framework loaded it: what the first update is measured from.
+        write_dump(dump, -1, fw.rank, fw.align_state(), float("nan"))
+
     def one_step(index: int) -> Any:
         inject(faults, index, fw.rank, fw.oom_error)
-        return fw.step(index)
+        out = fw.step(index)
+        if dump:
+            # An alignment run is not timed for its rate: waiting here costs only its window.
+            fw.sync()
+            write_dump(dump, index, fw.rank, fw.align_state(), fw.read_losses([out])[0])
+        return out
 
     on_steps = StepReporter(events, fw.rank, measure, global_batch,
                             first=None if started else write_start, data_wait=fw.data_wait)

@@ -35,6 +35,16 @@ def register(sub) -> None:
     align.add_argument("--steps", type=int, default=5, help="SGD steps (default 5)")
     align.add_argument("--batch-size", type=int, help="per device (default: the recipe's)")
     align.add_argument("--num-classes", type=int)
+    align.add_argument("--dtype", default="float64", choices=["float64"],
+                       help="what both sides compute in: float64, the only dtype whose "
+                            "rounding stays far under every difference of rule (every "
+                            "framework's worker computes in it on a CPU)")
+    align.add_argument("--controls", nargs="?", const="all", metavar="NAMES",
+                       help="also break one rule at a time in the framework and show that the "
+                            "check fails on each: all, or some of no_weight_decay, momentum, "
+                            "no_clip, lr_schedule, straight_through (comma-separated)")
+    align.add_argument("--keep-dumps", action="store_true",
+                       help="keep every step's weights (large at full size)")
     align.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     align.add_argument("--out", help="folder for the weights, runs and align.json")
     align.set_defaults(handler=cmd_align)
@@ -81,9 +91,11 @@ def cmd_align(args: argparse.Namespace) -> int:
 
     req = request(args.recipe, args.framework, parse_int_list(args.devices, "--devices"),
                   parse_list(args.fc), args.steps, args.timeout,
-                  Path(args.out) if args.out else None, args.batch_size, args.num_classes)
+                  Path(args.out) if args.out else None, args.batch_size, args.num_classes,
+                  parse_list(args.controls) if args.controls else None, args.keep_dumps)
     interrupt_on_sigterm()
     outcome = run_alignment(req)
     print(render_table(outcome))
     print(f"alignment: {req.out / 'align.json'}")
-    return EXIT_OK if outcome["aligned"] else EXIT_RUN_FAILED
+    ok = outcome["aligned"] and outcome["controls_caught"] is not False
+    return EXIT_OK if ok else EXIT_RUN_FAILED

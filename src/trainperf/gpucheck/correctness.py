@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..align import FIRST_LOSS_RTOL, LATER_LOSS_RTOL, compare, run_from_start
+from ..align import FIRST_LOSS_RTOL, LATER_LOSS_RTOL, compare_losses, run_from_start
 from ..backends.torch.alignment import write_start
-from ..config import Measure, Tuning
+from ..config import AlignSpec, Measure, Tuning
 from ..recipes import get_recipe
 from ..report.markdown import gib
 from . import cases
@@ -40,11 +40,13 @@ def align_on_device(log: StageLog, mode: str, work: Path) -> None:
     for fc in ("dp", "mp", "pfc"):
         workload = base.replace(fc=fc)
         where = work / "runs" / f"align-{fc}"
-        ref, ref_params = run_from_start(RECIPE, workload, init, where / "cpu", ALIGN_STEPS,
-                                         120, device="cpu")
-        got, got_params = run_from_start(RECIPE, workload, init, where / "device", ALIGN_STEPS,
-                                         120, device=device, tuning=Tuning(tf32="off"))
-        verdict = compare(ref.get("losses"), got.get("losses"), ref_params, got_params)
+        start = AlignSpec(str(init))
+        cpu = run_from_start(RECIPE, workload, start, where / "cpu", ALIGN_STEPS, 120,
+                             device="cpu")
+        dev = run_from_start(RECIPE, workload, start, where / "device", ALIGN_STEPS, 120,
+                             device=device, tuning=Tuning(tf32="off"))
+        ref, ref_params, got, got_params = cpu.record, cpu.params, dev.record, dev.params
+        verdict = compare_losses(ref.get("losses"), got.get("losses"), ref_params, got_params)
         for side, rec in (("CPU", ref), (device, got)):
             if rec.get("status") != "ok":
                 verdict["problems"].insert(0, f"{side} run {rec.get('status')}: "

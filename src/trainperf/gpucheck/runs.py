@@ -18,14 +18,14 @@ this."""
 
 
 def plan_for(case: Case, work: Path, measure: Measure, device: str, tuning: Tuning = Tuning(),
-             framework: str = "torch", init: str | None = None, data: DataSpec | None = None,
+             framework: str = "torch", data: DataSpec | None = None,
              folder: str | None = None) -> Plan:
     recipe = get_recipe(case.recipe)
     workload = recipe.workload.replace(**case.changes)
     cases = [RunnerCase(Topology(1, device=device), workload.batch_size)]
     out = work / "runs" / (folder or case.name)
     return Plan(recipe.name, workload, measure, cases, out, tuning, recipe.reference_model,
-                framework, init=init, data=data, data_role="real" if data else "synthetic")
+                framework, data=data, data_role="real" if data else "synthetic")
 
 
 def run_plan(plan: Plan) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from .. import alignments
+
 
 def fmt(value, digits: int = 2, suffix: str = "") -> str:
     if value is None:
@@ -204,6 +206,24 @@ def comparison_table(docs: list[dict], labels: list[str]) -> str:
     return table(header, rows)
 
 
+def alignment_lines(docs: list[dict]) -> list[str]:
+    """What each framework's figures in a comparison rest on: its alignment with torch on the
+    same recipe and versions (``trainperf.alignments``), or "not aligned"."""
+    torch_version = next((d.get("env", {}).get("framework_version") for d in docs
+                          if d.get("framework") == "torch"), None)
+    lines = []
+    for d in docs:
+        framework = d.get("framework")
+        if framework in (None, "torch") or d.get("source"):
+            continue  # torch is the reference; ingested logs ran no worker of ours
+        version = d.get("env", {}).get("framework_version")
+        record = alignments.find(d["recipe"], framework,
+                                 {"torch": torch_version, framework: version})
+        lines.append(f"- {framework} {version or ''}: "
+                     f"{alignments.describe(record, d['recipe'], framework)}")
+    return lines
+
+
 def render_report(docs: list[dict], plots: list[str] | None = None,
                   extra_sections: list[str] | None = None) -> str:
     labels = unique_labels(docs)
@@ -213,6 +233,10 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
         what = " ".join(w for w in labels[0].split() if w in shared)
         parts += ["## Comparison" + (f": {what}" if what else ""), "",
                   comparison_table(docs, labels), ""]
+        aligned = alignment_lines(docs)
+        if aligned:
+            parts += ["Alignment with torch (`trainperf align`), which a ratio between "
+                      "frameworks rests on:", "", *aligned, ""]
     for doc, label in zip(docs, labels):
         parts += [f"## {label}", "", describe(doc), "", single_table(doc), ""]
         fails = failures(doc)

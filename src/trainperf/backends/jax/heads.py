@@ -34,7 +34,13 @@ gradient outside its band but does at its bounds (torch's clamp backward); past 
 (pi - m2) / m1 the logit continues as cos(theta) - m3 - (1 + cos(theta_max)). CosFace and plain
 softmax (m1 = 1, m2 = 0) are c - m3. The row max is a constant to autodiff (it cancels in the
 loss), so its ``pmax`` needs no gradient. Under bf16 / fp16 the class-matrix product runs in
-that dtype (as torch's autocast head) and everything after it in fp32.
+that dtype (as torch's autocast head) and everything after it in fp32; in a float64 alignment
+run everything, the product included, runs in float64 (nothing is lifted "to fp32" from
+float64, as torch's ``at_least_fp32``).
+
+``straight_through`` (an alignment run's negative control only, ``AlignSpec.breaks``): the
+margin's value in the forward, but the cosine's derivative (1) in the backward, as insightface's
+arcface_torch computes it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import jax
 
 from ..layouts import shard_of
 from .dist import AXIS, Layout
+from .models import at_least_fp32
 
 COS_EPS = 1e-6
 NORM_EPS = 1e-12
@@ -57,7 +64,7 @@ FC_MODES = ("dp", "mp", "pfc")
 
 
 def margin_target_logit(c: jax.Array, m1: float, m2: float, m3: float) -> jax.Array:
-    """Unscaled target logit of fp32 target cosines ``c`` (any shape)."""
+    """Unscaled target logit of fp32 (or float64) target cosines ``c`` (any shape)."""
     if m1 == 1.0 and m2 == 0.0:
         return c - m3
     lo, hi = -1.0 + COS_EPS, 1.0 - COS_EPS
@@ -79,22 +86,31 @@ def _row_norm(x: jax.Array) -> jax.Array:
 def margin_softmax_loss(emb: jax.Array, local_labels: jax.Array, weight: jax.Array, *,
                         margins: tuple[float, float, float], scale: float,
                         axis: str | None = None, valid: jax.Array | None = None,
-                        mm_dtype: Any = jnp.float32, return_logits: bool = False) -> Any:
+                        mm_dtype: Any = jnp.float32, straight_through: bool = False,
+                        return_logits: bool = False) -> Any:
     """Mean margin-softmax cross-entropy of the batch ``emb`` [N, D] against the class rows
     ``weight`` [K, D]. ``local_labels`` [N]: each sample's row in ``weight``, or -1 when its
     class lives on another rank. ``axis``: the mesh axis the classes are sharded over (the max,
     the sum and the target are combined over it), None for one whole class matrix. ``valid``
-    [K] masks padded / surplus rows out of the softmax. With ``return_logits`` (tests), returns
-    (loss, this shard's scaled logits [N, K])."""
+    [K] masks padded / surplus rows out of the softmax. ``straight_through``: the margin's
+    gradient passed to the cosine unchanged (module docstring). With ``return_logits`` (tests),
+    returns (loss, this shard's scaled logits [N, K]).
+
+    The arithmetic after the product runs in fp32, or in float64 when the embeddings are
+    float64 (an alignment run's)."""
     m1, m2, m3 = margins
-    e = emb.astype(jnp.float32)
+    e = at_least_fp32(emb)
     e_hat = e / _row_norm(e)[:, None]
-    cos = jnp.dot(e_hat.astype(mm_dtype), weight.astype(mm_dtype).T).astype(jnp.float32)
-    cos = cos * (1.0 / _row_norm(weight.astype(jnp.float32)))[None, :]
+    cos = jnp.dot(e_hat.astype(mm_dtype), weight.astype(mm_dtype).T).astype(e.dtype)
+    cos = cos * (1.0 / _row_norm(at_least_fp32(weight)))[None, :]
     has = local_labels >= 0
     col = jnp.maximum(local_labels, 0)
     target_cos = jnp.take_along_axis(cos, col[:, None], axis=1)[:, 0]
-    target = jnp.where(has, margin_target_logit(target_cos, m1, m2, m3), target_cos)
+    margined = margin_target_logit(target_cos, m1, m2, m3)
+    if straight_through:
+        # The margin's value, the cosine's derivative: a rule broken on purpose.
+        margined = target_cos + jax.lax.stop_gradient(margined - target_cos)
+    target = jnp.where(has, margined, target_cos)
     onehot = (jnp.arange(weight.shape[0])[None, :] == col[:, None]) & has[:, None]
     z = scale * jnp.where(onehot, target[:, None], cos)
     if valid is not None:
@@ -158,6 +174,11 @@ class MarginSoftmaxHead:
     update_rule: str = "sparse"
     """pfc below ratio 1: ``sparse`` (sampled rows only, momentum per row) or ``dense``."""
     mm_dtype: Any = jnp.float32
+    """The class-matrix product's dtype (the run's compute dtype)."""
+    dtype: Any = jnp.float32
+    """What the class rows are held in (float64 in a float64 alignment run)."""
+    straight_through: bool = False
+    """The margin's gradient passed straight through (an alignment control only)."""
 
     def __post_init__(self) -> None:
         if self.mode not in FC_MODES:
@@ -225,8 +246,8 @@ class MarginSoftmaxHead:
             draw(r, shard_of(self.num_classes, r, self.world_size)[1])))
 
     def weight_from_matrix(self, layout: Layout, matrix: np.ndarray) -> jax.Array:
-        """The head's rows from the whole class matrix [C, D] (alignment)."""
-        matrix = np.asarray(matrix, dtype=np.float32)
+        """The head's rows from the whole class matrix [C, D] (alignment), in ``dtype``."""
+        matrix = np.asarray(matrix, dtype=self.dtype)
         if matrix.shape != (self.num_classes, self.embedding_size):
             raise ValueError(f"head/weight has shape {matrix.shape}, expected "
                              f"{(self.num_classes, self.embedding_size)}")
@@ -260,7 +281,8 @@ class MarginSoftmaxHead:
             return Selection(local, None, valid)
         rank = jax.lax.axis_index(AXIS)
         sizes = jnp.asarray([self.num_sample(r) for r in range(self.world_size)], jnp.int32)
-        uniform = jax.random.uniform(key, (self.block_rows,), jnp.float32)
+        # In the rows' dtype: a float64 run holds no float32 value at all.
+        uniform = jax.random.uniform(key, (self.block_rows,), self.dtype)
         index, remapped, valid = sample_classes(local, count, sizes[rank], self.max_sample,
                                                 uniform)
         return Selection(remapped, index, None if self._all_sizes_equal else valid)
@@ -276,4 +298,5 @@ class MarginSoftmaxHead:
             emb = jax.lax.all_gather(emb, AXIS, tiled=True)
         return margin_softmax_loss(emb, selection.local_labels, rows, margins=self.margins,
                                    scale=self.scale, axis=AXIS if self.sharded else None,
-                                   valid=selection.valid, mm_dtype=self.mm_dtype)
+                                   valid=selection.valid, mm_dtype=self.mm_dtype,
+                                   straight_through=self.straight_through)

@@ -23,6 +23,11 @@ updated with the *unbiased* batch variance, batch variance computed in two passe
 where flax's default ``E[x^2] - E[x]^2`` loses digits); and a compute dtype (bf16, fp16)
 applies to convolutions and dense layers only, BatchNorm statistics staying fp32.
 
+float64 (a strict alignment run, ``jax_enable_x64`` on): the variables are float64 as loaded,
+the compute dtype is float64, and every place that lifts a narrow value to fp32 (BatchNorm,
+the embedding's BN, the classifier's pooling and logits) keeps a float64 one as it is
+(:func:`at_least_fp32`), as torch's ``at_least_fp32`` does.
+
 Collections: ``params`` (trained), ``batch_stats`` (BN running statistics, torch buffers) and
 ``frozen``: IResNet's embedding-BN gamma, fixed at 1 (torch: a parameter with
 ``requires_grad=False``, MXNet's ``fix_gamma``). It is counted as a parameter, as torch counts
@@ -56,7 +61,8 @@ from .backend import BACKEND
 
 __all__ = [
     "backbone_names", "backbone_task", "build_backbone", "init_variables", "param_count",
-    "torch_names", "torch_shape", "from_torch_layout", "load_torch_arrays", "BN_EPS", "BN_MOMENTUM",
+    "torch_names", "torch_shape", "from_torch_layout", "load_torch_arrays", "torch_arrays",
+    "at_least_fp32", "BN_EPS", "BN_MOMENTUM",
 ]
 
 BN_EPS = 1e-5
@@ -65,6 +71,12 @@ BN_MOMENTUM = 0.1
 COLLECTIONS = ("params", "frozen", "batch_stats")
 
 Dtype = Any
+
+
+def at_least_fp32(x: jax.Array) -> jax.Array:
+    """``x`` in fp32, or as it is when it is wider (float64, an alignment run's): the dtype in
+    which statistics, the margin and the loss are computed."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 @dataclass(frozen=True)
@@ -165,7 +177,7 @@ class BatchNorm(nn.Module):
     """Training-mode BatchNorm over the last axis with torch's arithmetic (see the module
     docstring). ``gamma``: ``learn`` (init 1), ``zero`` (learned, init 0) or ``fixed`` (held
     at 1 in the ``frozen`` collection). The output has the input's dtype; statistics and
-    normalisation run in fp32."""
+    normalisation run in fp32 (float64 for a float64 input)."""
 
     momentum: float = BN_MOMENTUM
     eps: float = BN_EPS
@@ -181,7 +193,7 @@ class BatchNorm(nn.Module):
         bias = _param(self, "bias", ZEROS, (c,))
         running_mean = _variable(self, "batch_stats", "running_mean", ZEROS, (c,))
         running_var = _variable(self, "batch_stats", "running_var", ONES, (c,))
-        xf = x.astype(jnp.float32)
+        xf = at_least_fp32(x)
         axes = tuple(range(x.ndim - 1))
         mean = jnp.mean(xf, axis=axes)
         centered = xf - mean
@@ -263,7 +275,7 @@ class IResNet(nn.Module):
         if rate > 0:
             x = nn.Dropout(rate, deterministic=False)(x)
         x = Dense(self.embedding_size, dtype=d, name="fc")(x)
-        return BatchNorm(gamma="fixed", name="features")(x.astype(jnp.float32))
+        return BatchNorm(gamma="fixed", name="features")(at_least_fp32(x))
 
 
 # --------------------------------------------------------------------------- MobileFaceNet
@@ -343,7 +355,7 @@ class MobileFaceNet(nn.Module):
                    name="gdc")(x)
         x = Dense(self.embedding_size, use_bias=False, dtype=d, name="fc")(
             x.reshape(x.shape[0], -1))
-        return BatchNorm(name="features")(x.astype(jnp.float32))
+        return BatchNorm(name="features")(at_least_fp32(x))
 
 
 # ------------------------------------------------------------------------------ ResNet v1b
@@ -373,7 +385,8 @@ class Bottleneck(nn.Module):
 
 class ResNetV1b(nn.Module):
     """Classification ResNet v1b: stem (7x7/2 conv, BN, ReLU, 3x3/2 max pool), bottlenecks,
-    global average pool, FC to ``num_classes``; returns fp32 logits."""
+    global average pool, FC to ``num_classes``; returns fp32 logits (float64 in a float64
+    run)."""
 
     layers: tuple[int, int, int, int]
     num_classes: int = 1000
@@ -394,8 +407,8 @@ class ResNetV1b(nn.Module):
                 x = Bottleneck(width, 2 if (i == 0 and stage > 0) else 1, dtype=d,
                                name=f"body.{index}")(x)
                 index += 1
-        x = jnp.mean(x.astype(jnp.float32), axis=(1, 2))
-        return Dense(self.num_classes, dtype=d, name="fc")(x).astype(jnp.float32)
+        x = jnp.mean(at_least_fp32(x), axis=(1, 2))
+        return at_least_fp32(Dense(self.num_classes, dtype=d, name="fc")(x))
 
 
 # ------------------------------------------------------------------------- family builders
@@ -428,8 +441,9 @@ def build_backbone(name: str, *, embedding_size: int | None = None,
                    dropout: float = 0.0, dtype: Dtype = jnp.float32) -> nn.Module:
     """The flax twin of torch's ``build_backbone(name, ...)``; arguments a family does not use
     are ignored, ``None`` takes the catalogue's default (``backends.catalog``: torch's
-    defaults). ``dtype`` is the compute dtype of convolutions and dense layers (parameters stay
-    fp32). The input side is the input's."""
+    defaults). ``dtype`` is the compute dtype of convolutions and dense layers (parameters keep
+    the dtype they are given: fp32, or float64 in an alignment run). The input side is the
+    input's."""
     entry = CATALOG.lookup(name)
     return _BUILDERS[entry.family](
         entry, embedding_size=entry.embedding(embedding_size),
@@ -521,10 +535,12 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def load_torch_arrays(variables: dict, arrays: Any, prefix: str = "backbone/") -> dict:
+def load_torch_arrays(variables: dict, arrays: Any, prefix: str = "backbone/",
+                      dtype: Any = np.float32) -> dict:
     """``variables`` (nested dicts; only shapes are read, abstract ones do) with every variable
     set from ``arrays[prefix + torch_name]`` (a dict or an ``np.load`` result), converted by
-    :func:`from_torch_layout`, as float32 numpy arrays. ``num_batches_tracked`` keys are ignored.
+    :func:`from_torch_layout`, as numpy arrays of ``dtype`` (float32; float64 for a float64
+    alignment run). ``num_batches_tracked`` keys are ignored.
     Raises ValueError naming every missing, unexpected or wrongly shaped array, and a fixed BN
     gamma that is not all ones, before returning anything."""
     names = torch_names(variables)
@@ -532,10 +548,21 @@ def load_torch_arrays(variables: dict, arrays: Any, prefix: str = "backbone/") -
         arrays, prefix, {name: torch_shape(_get(variables, path).shape)
                          for name, path in names.items()},
         fixed_gamma={name for name, path in names.items() if path[0] == "frozen"},
-        dtype=np.float32)
+        dtype=dtype)
     out = {c: unfreeze(variables[c]) for c in COLLECTIONS if c in variables}
     for name, path in names.items():
         _set(out, path, from_torch_layout(values[name]))
+    return out
+
+
+def torch_arrays(variables: dict, prefix: str = "backbone/") -> dict[str, np.ndarray]:
+    """The inverse of :func:`load_torch_arrays`: every variable of every collection (numpy or
+    host-readable arrays) as ``prefix + torch name`` -> its value in torch's layout, dtype kept.
+    The fixed BN gamma is there too: torch holds it as a parameter."""
+    out = {}
+    for name, path in torch_names(variables).items():
+        value = np.asarray(_get(variables, path))
+        out[prefix + name] = layouts.to_torch(value, layouts.layout_of_rank(value.ndim))
     return out
 
 

@@ -40,10 +40,20 @@ halve on an overflow, double after 2000 clean steps); the overflow check covers 
 of every rank and is one decision for all of them, taken on the device (a skipped step keeps the
 old parameters and momentum through ``jnp.where``), so even fp16 reads nothing back inside the
 window; which steps were skipped is read after it. fp16 is refused on a CPU (``check_precision``).
+
+A strict alignment run (``dtype="float64"``, with ``jax_enable_x64`` set before any array was
+made) holds and computes everything in float64: the loaded weights, BatchNorm statistics and
+class rows, the inputs, every activation, the head, the gradients, optax's momentum and the
+rate. Building such a step checks that the state holds no narrower float, and
+:meth:`TrainStep.check_program` that the lowered program computes none. ``record`` (an
+alignment run with a dump) adds the step's rate and the backbone's gradient norm before
+clipping to the step's outputs (computed even where the workload does not clip); a throughput
+run's program has neither.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -69,6 +79,8 @@ it compiles in a fraction of the time of the default threefry, whose hash is unr
 every program that draws, and runs faster on GPUs."""
 CLIP_EPS = 1e-6
 """torch's clip_grad_norm_ divides by norm + 1e-6."""
+NARROW_FLOATS = re.compile(r"tensor<(?:[0-9?]+x)*(f16|bf16|f32)>")
+"""A float narrower than float64 in a lowered program's text (StableHLO tensor types)."""
 
 
 def check_precision(precision: str, device_type: str) -> None:
@@ -89,18 +101,20 @@ def synthetic_batch(workload: Workload, rank: int) -> tuple[jax.Array, jax.Array
     return images, labels
 
 
-def init_batch(workload: Workload, arrays: Any, rank: int) -> tuple[jax.Array, jax.Array]:
-    """Rank ``rank``'s batch from an alignment file (NCHW there, NHWC here)."""
-    images, labels = start_batch(workload, arrays, rank)
-    return (jnp.asarray(images.transpose(0, 2, 3, 1), jnp.float32),
-            jnp.asarray(labels, jnp.int32))
+def init_batch(workload: Workload, arrays: Any, rank: int, dtype: str = "float32"
+               ) -> tuple[jax.Array, jax.Array]:
+    """Rank ``rank``'s batch from an alignment file (NCHW there, NHWC here), images in
+    ``dtype``."""
+    images, labels = start_batch(workload, arrays, rank, dtype)
+    return (jnp.asarray(images.transpose(0, 2, 3, 1), dtype), jnp.asarray(labels, jnp.int32))
 
 
-def _lr_at(workload: Workload, step: jax.Array) -> jax.Array:
-    """``Workload.lr_at`` on the device (the same float32 rates torch's kernels use)."""
-    rate = jnp.float32(workload.lr)
+def _lr_at(workload: Workload, step: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    """``Workload.lr_at`` on the device, in ``dtype`` (float32: the same rates torch's float32
+    kernels use; float64 in an alignment run)."""
+    rate = jnp.asarray(workload.lr, dtype)
     for boundary, factor in zip(workload.lr_steps, workload.lr_scales):
-        rate = jnp.where(step >= boundary, jnp.float32(workload.lr * factor), rate)
+        rate = jnp.where(step >= boundary, jnp.asarray(workload.lr * factor, dtype), rate)
     return rate
 
 
@@ -146,6 +160,24 @@ def _next_scaler(scaler: dict, finite: jax.Array) -> dict:
     return {"scale": scale, "clean": jnp.where(grow, 0, clean)}
 
 
+def _float_dtype(name: str, workload: Workload, init: Any) -> Any:
+    """The dtype a step holds its state in; float64 only where it can be honoured: from an
+    alignment start, in fp32 precision, with JAX's 64-bit mode on (without it JAX would make
+    every float64 array float32, silently)."""
+    dtype = jnp.dtype(name)
+    if dtype not in (jnp.float32, jnp.float64):
+        raise ValueError(f"a jax step holds its state in float32 or float64, not {name}")
+    if dtype == jnp.float64:
+        if init is None:
+            raise ValueError("a float64 step is an alignment run's: it needs a start file")
+        if workload.precision != "fp32":
+            raise ValueError(f"a float64 alignment run computes everything in float64; "
+                             f"--precision {workload.precision} would narrow it")
+        if not jax.config.jax_enable_x64:
+            raise ValueError("a float64 step needs jax_enable_x64, set before any array is made")
+    return dtype
+
+
 def _under(path: tuple, name: str) -> bool:
     return any(getattr(k, "key", None) == name for k in path)
 
@@ -153,36 +185,47 @@ def _under(path: tuple, name: str) -> bool:
 class TrainStep:
     """Builds the state and the compiled step of one workload on ``layout``.
 
-    ``step(images, labels)`` (global arrays split over ranks: NHWC float32 images, int32
-    labels) runs one step and returns the per-rank loss [world size] without waiting for it.
+    ``step(images, labels)`` (global arrays split over ranks: NHWC images in float32, or in
+    ``dtype``, int32 labels) runs one step and returns the per-rank loss [world size] without
+    waiting for it.
     ``init`` (an alignment ``.npz``) replaces the drawn weights with torch's. ``expose_grads``
     (tests): every call also keeps the reduced, unscaled, unclipped gradients in
     ``last_grads``.
+
+    Alignment (see the module docstring): ``dtype`` is what everything is held and computed in
+    (``float64`` needs an ``init``, fp32 precision and ``jax_enable_x64``); ``record`` keeps the
+    last step's rate and gradient norm before clipping (``last_record``, on the device);
+    ``straight_through`` breaks the margin's gradient on purpose (a negative control).
     """
 
     def __init__(self, workload: Workload, layout: Layout, init: Any = None,
-                 expose_grads: bool = False) -> None:
+                 expose_grads: bool = False, dtype: str = "float32", record: bool = False,
+                 straight_through: bool = False) -> None:
         task = models.backbone_task(workload.backbone)
         if task != workload.task:
             raise ValueError(f"backbone {workload.backbone!r} is a {task} backbone, "
                              f"but the workload is {workload.task}")
         check_precision(workload.precision, layout.device_type)
+        self.dtype = _float_dtype(dtype, workload, init)
         self.workload = workload
         self.layout = layout
         self.world = layout.world_size
         self.fp16 = workload.precision == "fp16"
         self.expose_grads = expose_grads
-        dtype = COMPUTE_DTYPES[workload.precision]
+        self.record = record
+        # float64 computes in float64 throughout; otherwise the precision's dtype.
+        compute = self.dtype if self.dtype == jnp.float64 else COMPUTE_DTYPES[workload.precision]
         self.model = models.build_backbone(
             workload.backbone, embedding_size=workload.embedding_size,
             num_classes=workload.num_classes, output_block=workload.output_block,
-            dropout=workload.dropout, dtype=dtype)
+            dropout=workload.dropout, dtype=compute)
         self.head: MarginSoftmaxHead | None = None
         if workload.task == "face":
             self.head = MarginSoftmaxHead(
                 workload.num_classes, workload.embedding_size, workload.resolved_margins,
                 workload.scale, self.world, workload.fc, workload.sample_ratio,
-                workload.pfc_update, dtype)
+                workload.pfc_update, mm_dtype=compute, dtype=self.dtype,
+                straight_through=straight_through)
             self.head.check_batch(workload.batch_size * self.world)
         self.sharded = self.head is not None and self.head.sharded
         self.sparse = self.head is not None and self.head.update == "sparse"
@@ -191,14 +234,18 @@ class TrainStep:
 
         if init is not None:
             abstract = models.abstract_variables(self.model, workload.input_size)
-            variables = models.load_torch_arrays(abstract, init)
+            variables = models.load_torch_arrays(abstract, init, dtype=self.dtype)
         else:
             variables = models.init_variables(self.model, workload.seed, workload.input_size)
         self.param_count = models.param_count(variables)
         self.state, self.frozen = self._build_state(variables, init)
+        self._check_state_dtype()
         self.state_specs = self._specs(self.state)
         self.skipped: list[jax.Array] = []
         self.last_grads: Any = None
+        self.last_record: dict[str, jax.Array] | None = None
+        """``record``: the last step's ``lr`` and ``grad_norm`` (before clipping), replicated
+        device scalars."""
         self._jitted = jax.jit(self._shard_mapped(), donate_argnums=(0,))
         self._compiled = None
         self._last_loss: jax.Array | None = None
@@ -215,7 +262,7 @@ class TrainStep:
             else:
                 weight = head.init_weight(layout, self.workload.seed)
             if self.sparse:
-                momentum = layout.zeros(weight.shape, np.float32, weight.sharding.spec)
+                momentum = layout.zeros(weight.shape, weight.dtype, weight.sharding.spec)
                 state["head"] = {"weight": weight, "momentum": momentum}
             else:
                 state["params"]["head"] = weight
@@ -233,6 +280,18 @@ class TrainStep:
         frozen = layout.replicated(variables.get("frozen", {}))
         return state, frozen
 
+    def _check_state_dtype(self) -> None:
+        """A float64 run's state (weights, statistics, momentum, fixed gamma) must hold no
+        narrower float: one would silently round every update it takes part in."""
+        if self.dtype != jnp.float64:
+            return
+        leaves = jax.tree_util.tree_leaves_with_path({"state": self.state,
+                                                      "frozen": self.frozen})
+        narrow = [jax.tree_util.keystr(path) for path, leaf in leaves
+                  if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != jnp.float64]
+        if narrow:
+            raise RuntimeError(f"a float64 step holds narrower floats: {', '.join(narrow[:4])}")
+
     def _specs(self, state: dict) -> dict:
         """The PartitionSpec of every state leaf (see the module docstring)."""
         def spec(path, _):
@@ -248,7 +307,7 @@ class TrainStep:
     def _shard_mapped(self):
         wl, head, model = self.workload, self.head, self.model
         sharded, sparse, fp16 = self.sharded, self.sparse, self.fp16
-        tx, expose = self.tx, self.expose_grads
+        tx, expose, record, dtype = self.tx, self.expose_grads, self.record, self.dtype
         base_key = jax.random.key(wl.seed, impl=RNG_IMPL)
 
         def body(state: dict, frozen: dict, images: jax.Array, labels: jax.Array):
@@ -276,7 +335,7 @@ class TrainStep:
                     {"params": tr["backbone"], "frozen": frozen, "batch_stats": stats}, images,
                     rngs={"dropout": dropout_key}, mutable=["batch_stats"])
                 if head is None:
-                    logits = out.astype(jnp.float32)
+                    logits = models.at_least_fp32(out)
                     picked = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
                     loss = jnp.mean(jax.nn.logsumexp(logits, axis=1) - picked)
                 else:
@@ -306,12 +365,14 @@ class TrainStep:
                 grads = jax.tree.map(lambda g: g * (1.0 / scale), grads)
             exposed = dict(grads) if expose else None
 
-            if wl.clip_grad_norm is not None:
+            norm = None
+            if wl.clip_grad_norm is not None or record:
                 norm = _global_norm(grads["backbone"])
+            if wl.clip_grad_norm is not None:
                 coef = jnp.minimum(wl.clip_grad_norm / (norm + CLIP_EPS), 1.0)
                 grads["backbone"] = jax.tree.map(lambda g: g * coef, grads["backbone"])
 
-            lr = _lr_at(wl, step)
+            lr = _lr_at(wl, step, dtype)
             dense_grads = {k: v for k, v in grads.items() if k != "rows"}
             new_params, opt = _sgd(tx, dense_grads, state["opt"], params, lr)
             new_state = dict(state)
@@ -334,7 +395,8 @@ class TrainStep:
             new_state["opt"] = opt
             skipped = jnp.logical_not(finite) if fp16 else jnp.bool_(False)
             loss_out = jax.lax.pcast(loss, AXIS, to="varying") if sharded else loss
-            return new_state, loss_out[None], skipped, exposed
+            recorded = {"lr": lr, "grad_norm": norm} if record else None
+            return new_state, loss_out[None], skipped, exposed, recorded
 
         specs = self.state_specs
         grad_specs = None
@@ -344,9 +406,10 @@ class TrainStep:
                 grad_specs["head"] = P(AXIS) if sharded else P()
             if sparse:
                 grad_specs["rows"] = P(AXIS)
+        record_specs = {"lr": P(), "grad_norm": P()} if record else None
         return jax.shard_map(body, mesh=self.layout.mesh,
                              in_specs=(specs, P(), P(AXIS), P(AXIS)),
-                             out_specs=(specs, P(AXIS), P(), grad_specs))
+                             out_specs=(specs, P(AXIS), P(), grad_specs, record_specs))
 
     # ---------------------------------------------------------------------- running
 
@@ -355,8 +418,23 @@ class TrainStep:
         return None if self.head is None else self.head.update
 
     def compile(self, images: jax.Array, labels: jax.Array) -> None:
-        """Lower and compile the step for these batch shapes (ahead of the first call)."""
-        self._compiled = self._jitted.lower(self.state, self.frozen, images, labels).compile()
+        """Lower and compile the step for these batch shapes (ahead of the first call); a
+        float64 step's program is checked first (:meth:`check_program`)."""
+        lowered = self._jitted.lower(self.state, self.frozen, images, labels)
+        if self.dtype == jnp.float64:
+            self.check_program(lowered.as_text())
+        self._compiled = lowered.compile()
+
+    @staticmethod
+    def check_program(text: str) -> None:
+        """A float64 step's lowered program must compute no narrower float anywhere (a cast
+        to float32 in a layer, a float32 constant that demotes, a kernel that only takes
+        float32): RuntimeError naming what it found."""
+        found = sorted(set(NARROW_FLOATS.findall(text)))
+        if found:
+            lines = [line.strip() for line in text.splitlines() if NARROW_FLOATS.search(line)]
+            raise RuntimeError(f"a float64 step computes in {', '.join(found)}: "
+                               + " | ".join(lines[:3])[:600])
 
     def cost_flops(self) -> float | None:
         """XLA's own count of the compiled step's floating-point operations per device, when
@@ -374,11 +452,13 @@ class TrainStep:
 
     def __call__(self, images: jax.Array, labels: jax.Array) -> jax.Array:
         fn = self._compiled if self._compiled is not None else self._jitted
-        self.state, loss, skipped, grads = fn(self.state, self.frozen, images, labels)
+        self.state, loss, skipped, grads, recorded = fn(self.state, self.frozen, images, labels)
         if self.fp16:
             self.skipped.append(skipped)
         if self.expose_grads:
             self.last_grads = grads
+        if self.record:
+            self.last_record = recorded
         self._last_loss = loss
         return loss
 

@@ -17,6 +17,11 @@ variables (``JAX_COMPILATION_CACHE_DIR``), turns later runs' compilations into c
 a multi-process run only process 0's: JAX 0.10 writes the cache from process 0 alone, and the
 other processes' keys differ); the settings say whether one was configured.
 
+Alignment (``RunSpec.align``): the start file's weights and batches instead of drawn ones; in
+float64, JAX's 64-bit mode is switched on before any array exists (``configure_process``) and
+the whole step runs in float64 (``step.py``); with a dump, ``align_state`` gives each step's
+state in torch's names (``alignment.py``). A throughput run sets none of it.
+
 Timing: ``trainperf.backends.loop`` (JAX dispatches a step and returns before it has run); a
 step's marker is its loss, an output of the same executable as the updated weights (the state
 itself cannot be: it is donated to the next step), waited on with ``jax.block_until_ready``,
@@ -34,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from ...protocol import RunSpec
-from ..workerkit import (FrameworkRun, environment, load_init, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, load_init,
+                         memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
 from .backend import BACKEND
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
@@ -58,6 +63,9 @@ def configure_process(spec: RunSpec) -> None:
         flags = os.environ.get("XLA_FLAGS", "").split()
         if SINGLE_THREAD_FLAG not in flags:
             os.environ["XLA_FLAGS"] = " ".join([*flags, SINGLE_THREAD_FLAG])
+    if align_dtype(spec) == "float64":
+        # Read when JAX starts: without it every float64 array would silently be float32.
+        os.environ["JAX_ENABLE_X64"] = "1"
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -161,11 +169,15 @@ class JaxRun(FrameworkRun):
     def build(self) -> None:
         from .step import TrainStep, init_batch, synthetic_batch
 
-        workload, layout = self.spec.workload, self.layout
-        init = load_init(self.spec)
-        self.train_step = TrainStep(workload, layout, init=init)
+        spec, layout = self.spec, self.layout
+        workload, align, dtype = spec.workload, spec.align, align_dtype(spec)
+        init = load_init(spec)
+        self.train_step = TrainStep(
+            workload, layout, init=init, dtype=dtype, record=bool(align and align.dump),
+            straight_through=bool(align and align.breaks_rule("margin_straight_through")))
         if init is not None:
-            self.images, self.labels = layout.per_rank(lambda r: init_batch(workload, init, r))
+            self.images, self.labels = layout.per_rank(
+                lambda r: init_batch(workload, init, r, dtype))
         else:
             self.images, self.labels = layout.per_rank(lambda r: synthetic_batch(workload, r))
         t0 = time.perf_counter()
@@ -217,6 +229,11 @@ class JaxRun(FrameworkRun):
     def read_losses(self, outputs: list) -> list[float]:
         """This rank's losses (device arrays until now)."""
         return [float(self.layout.local_value(loss)[0]) for loss in outputs]
+
+    def align_state(self) -> StepState:
+        from .alignment import step_state
+
+        return step_state(self.train_step)
 
     def skipped_steps(self) -> list[int]:
         return self.train_step.skipped_steps()

@@ -12,6 +12,14 @@ CUDA_PACKAGES = ("mxnet-cu117==1.9.1", "numpy<1.24")
 PROBE = ("import json, mxnet, numpy; print(json.dumps({'mxnet': mxnet.__version__, "
          "'numpy': numpy.__version__, 'gpus': mxnet.context.num_gpus()}))")
 
+RULE_DIFFERENCES = {
+    "running_var": "MXNet's BatchNorm (its CPU kernel, the one alignment runs on) moves the "
+                   "running variance with the biased batch variance (sum of squares / n); "
+                   "torch with the unbiased one (/ (n - 1))",
+}
+"""Where MXNet's own kernels train by another rule than torch's (``Capabilities.
+rule_differences``); alignment runs follow MXNet's (``alignment.py``)."""
+
 
 def launch(req: LaunchRequest) -> Launch:
     """One rank on several nodes still needs the parameter server (``dist_sync``); the
@@ -42,6 +50,7 @@ BACKEND = Backend(
     capabilities=Capabilities(heads=("dp", "mp"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
                               families=FAMILIES,
+                              rule_differences=RULE_DIFFERENCES,
                               why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
                                                "not benchmarked here"}),
     runs_as="Gluon, hybridized; fp16 through AMP",

@@ -36,6 +36,20 @@ their own (constant labels would be pushed as soon as the step is issued).
 The server only sums (no optimizer runs on it: ``update_on_kvstore`` is off in Trainer terms),
 so the worker decides exactly how gradients are scaled and clipped (``step.py``). The server
 accepts floating-point arrays only: integers (labels) travel as float64, exact up to 2**53.
+
+float64 through the server. MXNet 1.9.1's ``KVStoreDistServer`` never initialises its
+``multi_precision_`` flag (``src/kvstore/kvstore_dist_server.h``: only the optimizer's
+``kSetMultiPrecision`` command sets it). Where the heap leaves it nonzero, the server keeps a
+float32 copy of every key that is not float32 and sums float64 pushes in float32, silently
+(seen here in about one launch in four; which launches depends on the process's heap). float32
+keys never take that path. So in ``dist_sync`` every float64 collective travels as float32: the
+array is split into three float32 pieces whose float64 sum is the array exactly
+(:func:`split_float64`; three times 24 bits hold float64's 53 wherever the pieces stay normal
+float32 numbers, i.e. for magnitudes from about 1e-24 up, and below that the error is under
+1e-38 absolutely), the pieces are all-gathered (adding the other ranks' zeros rounds nothing),
+and every rank puts each rank's array back together in float64 (:func:`join_float64`); a sum
+then adds them on the worker, in rank order, in float64. It costs a gather of three float32
+copies where a sum would push one array: float64 runs are alignment runs, not timed.
 """
 
 from __future__ import annotations
@@ -45,10 +59,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import mxnet as mx
+import numpy as np
 
 from ..workerkit import device_kind_for
 
 KVSTORES = ("local", "device", "dist_sync")
+FLOAT64_PIECES = 3
+"""float32 pieces that carry one float64 value (module doc)."""
 
 
 def resolve_device(kind: str) -> str:
@@ -60,6 +77,35 @@ def resolve_device(kind: str) -> str:
 
 def _context(device_type: str, index: int) -> mx.Context:
     return mx.gpu(index) if device_type == "gpu" else mx.cpu(index)
+
+
+def _is_float64(x: mx.nd.NDArray) -> bool:
+    return x.dtype == np.float64
+
+
+def split_float64(x: mx.nd.NDArray) -> mx.nd.NDArray:
+    """float32 pieces [FLOAT64_PIECES, x.size] of the float64 array ``x``: each the float32
+    nearest to what the ones before leave of ``x`` (each remainder is exact in float64), so
+    that :func:`join_float64` gives ``x`` back (module doc)."""
+    rest = x.reshape((-1,))
+    pieces = []
+    for _ in range(FLOAT64_PIECES):
+        piece = rest.astype("float32")
+        pieces.append(piece)
+        rest = rest - piece.astype("float64")
+    return mx.nd.stack(*pieces)
+
+
+def join_float64(pieces: mx.nd.NDArray) -> mx.nd.NDArray:
+    """The float64 arrays [R, n] that float32 ``pieces`` [R, FLOAT64_PIECES, n] (each row from
+    :func:`split_float64`) carry, added largest piece first, as they were split."""
+    rows, _, n = pieces.shape
+    total = None
+    for i in range(FLOAT64_PIECES):
+        piece = mx.nd.slice_axis(pieces, axis=1, begin=i, end=i + 1).reshape((rows, n))
+        piece = piece.astype("float64")
+        total = piece if total is None else total + piece
+    return total
 
 
 @dataclass
@@ -117,18 +163,27 @@ class Comm:
         the value the kvstore's own rank 0 initialises a key with (which need not be
         :attr:`rank` 0) and every rank pulls it back (as Gluon's Trainer broadcasts
         parameters). Callers pass the same values on every rank (one seed), so which rank's
-        is kept changes nothing. Call at set-up, on every rank, in the same order. Returns
-        the keys, to pass to :meth:`sum_`."""
+        is kept changes nothing; float64 entries take :attr:`rank` 0's, gathered exactly
+        (module doc). Call at set-up, on every rank, in the same order. Returns the keys, to
+        pass to :meth:`sum_`."""
         keys = [self.new_key() for _ in arrays]
         if self.kv is None or not keys:
             return keys
-        self.kv.init(keys, [copies[0] for copies in arrays])
-        if self.mode == "dist_sync":
-            self.kv.pull(keys, out=[list(copies) for copies in arrays])
-        else:  # device: copy context 0's value to the others
+        if self.mode != "dist_sync":  # device: copy context 0's value to the others
+            self.kv.init(keys, [copies[0] for copies in arrays])
             for copies in arrays:
                 for other in copies[1:]:
                     copies[0].copyto(other)
+            return keys
+        through = [(key, copies) for key, copies in zip(keys, arrays)
+                   if not _is_float64(copies[0])]
+        if through:
+            self.kv.init([key for key, _ in through], [copies[0] for _, copies in through])
+            self.kv.pull([key for key, _ in through], out=[list(c) for _, c in through])
+        for key, copies in zip(keys, arrays):
+            if _is_float64(copies[0]):  # rank 0's, gathered exactly (module doc)
+                first = self._gather_float64(f"register/{key}", copies[0])[0]
+                copies[0][:] = first.reshape(copies[0].shape)
         return keys
 
     def sum_(self, keys: Sequence[int], arrays: Sequence[Sequence[mx.nd.NDArray]]) -> None:
@@ -136,8 +191,15 @@ class Comm:
         asynchronous). Nothing to do with one rank in total."""
         if self.kv is None or self.world_size == 1 or not keys:
             return
-        lists = [list(copies) for copies in arrays]
-        self.kv.pushpull(list(keys), lists, out=lists)
+        pairs = list(zip(keys, arrays))
+        if self.distributed:  # float64 exactly (module doc), one array at a time
+            for key, copies in pairs:
+                if _is_float64(copies[0]):
+                    self.allreduce_sum_(f"sum/{key}", copies[0])
+            pairs = [(key, copies) for key, copies in pairs if not _is_float64(copies[0])]
+        if pairs:
+            lists = [list(copies) for _, copies in pairs]
+            self.kv.pushpull([key for key, _ in pairs], lists, out=lists)
 
     # -------------------------------------------------- collectives of the sharded head
 
@@ -154,8 +216,16 @@ class Comm:
 
     def allreduce_sum_(self, name: str, x: mx.nd.NDArray) -> mx.nd.NDArray:
         """Sum ``x`` over ranks, in place; returns ``x``. ``name`` (with the shape and dtype)
-        picks the kvstore key: every rank makes the same calls in the same order."""
+        picks the kvstore key: every rank makes the same calls in the same order. float64 is
+        gathered exactly and added here, in rank order (module doc)."""
         if not self.distributed:
+            return x
+        if _is_float64(x):
+            ranks = self._gather_float64(name, x)
+            total = ranks[0]
+            for r in range(1, self.world_size):
+                total = total + ranks[r]
+            x[:] = total.reshape(x.shape)
             return x
         self.kv.pushpull(self._key(name, x), x, out=x)
         return x
@@ -164,6 +234,18 @@ class Comm:
         """Every rank's ``x`` (same shape on each) concatenated along axis 0 in rank order."""
         if not self.distributed:
             return x
+        if _is_float64(x):
+            return self._gather_float64(name, x).reshape((-1, *x.shape[1:]))
+        return self._gather_rows(name, x)
+
+    def _gather_float64(self, name: str, x: mx.nd.NDArray) -> mx.nd.NDArray:
+        """Every rank's float64 ``x`` flattened, [world_size, x.size] in rank order, carried
+        exactly as float32 pieces (module doc)."""
+        pieces = self._gather_rows(name, split_float64(x).reshape((1, -1)))
+        return join_float64(pieces.reshape((self.world_size, FLOAT64_PIECES, -1)))
+
+    def _gather_rows(self, name: str, x: mx.nd.NDArray) -> mx.nd.NDArray:
+        """``all_gather`` through the server in ``x``'s own dtype."""
         rows = x.shape[0]
         # A fresh zeroed buffer each call: on a CPU context the dist kvstore sends the pushed
         # array itself and receives the sum into it, so last call's buffer holds every row.

@@ -4,7 +4,7 @@
   (``step.py``).
 - ``mp``: rank r holds the balanced shard ``shard_of(C, r, W)`` of the classes (the first
   ``C % W`` ranks one more). Embeddings and labels are gathered from every rank (in one
-  all-gather, the labels as two exact float32 parts beside the embedding), each rank
+  all-gather, the labels as two exact parts beside the embedding), each rank
   computes the logits of its shard for the whole gathered batch, and the softmax runs across
   shards: the row max, the row sum of exponentials and the target logit are combined over ranks.
   The loss is the mean over the gathered batch, the same on every rank.
@@ -23,6 +23,14 @@ The margin is the combined cos(m1 * theta + m2) - m3 of torch's ``margin.py``: t
 clamped to [-1 + 1e-6, 1 - 1e-6] before arccos (the clamp passes no gradient outside, as torch's
 clamp backward), and past theta_max = (pi - m2) / m1 the logit continues as
 cos(theta) - m3 - (1 + cos(theta_max)). CosFace and plain softmax (m1 = 1, m2 = 0) are c - m3.
+An alignment control (``AlignSpec.breaks`` ``margin_straight_through``) keeps that forward but
+gives the margin the derivative 1 (``straight_through``), as insightface's arcface_torch does.
+
+Precision: the head holds its class matrix and computes everything (cosines, margin, softmax,
+loss, both gradients) in ``dtype``: float32, or float64 in a strict alignment run. In fp16 only
+its three class-matrix products run in half precision (``mm_dtype``). Every scalar it uses
+reaches MXNet as a C double (its ``*_scalar`` operators), except ``clip``'s bounds, which MXNet
+holds as C floats: float64 clamps with ``maximum``/``minimum`` instead (:func:`_clamp`).
 
 Memory: two [N, C] arrays at most (the logits and their exponentials; the gradient reuses the
 second), plus one [C, D] temporary for the weight gradient's radial correction, which MXNet has no
@@ -34,6 +42,7 @@ from __future__ import annotations
 import math
 
 import mxnet as mx
+import numpy as np
 
 from ..base import require
 from ..layouts import shard_of
@@ -55,12 +64,25 @@ def check_fc(mode: str) -> None:
     require(BACKEND.head_refusal(mode))
 
 
-def margin_target_logit(c: mx.nd.NDArray, m1: float, m2: float, m3: float
+def _clamp(x: mx.nd.NDArray, low: float, high: float) -> mx.nd.NDArray:
+    """``x`` limited to [low, high]. ``clip`` takes its bounds as C floats, which is exact for
+    float32 data (the kernel rounds them to float32 anyway) but would move float64's bounds by
+    up to 1e-8; ``maximum`` and ``minimum`` take a C double (the same values as ``clip`` in
+    float32, bit for bit: ``tests/test_mxnet_standins.py``)."""
+    if x.dtype == np.float32:
+        return mx.nd.clip(x, low, high)
+    return mx.nd.minimum(mx.nd.maximum(x, low), high)
+
+
+def margin_target_logit(c: mx.nd.NDArray, m1: float, m2: float, m3: float,
+                        straight_through: bool = False
                         ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
-    """Unscaled target logit of float32 target cosines ``c`` and its derivative d/dc."""
+    """Unscaled target logit of target cosines ``c`` (float32 or float64, computed in their
+    dtype) and its derivative d/dc; ``straight_through`` (an alignment control only): the
+    same logit with the derivative 1 everywhere."""
     if m1 == 1.0 and m2 == 0.0:
         return c - m3, mx.nd.ones_like(c)
-    cc = mx.nd.clip(c, -1.0 + COS_EPS, 1.0 - COS_EPS)
+    cc = _clamp(c, -1.0 + COS_EPS, 1.0 - COS_EPS)
     theta = mx.nd.arccos(cc)
     theta_max = (math.pi - m2) / m1
     angle = m1 * theta + m2
@@ -70,8 +92,10 @@ def margin_target_logit(c: mx.nd.NDArray, m1: float, m2: float, m3: float
     d_margin = (m1 * mx.nd.sin(angle) / mx.nd.sqrt(1.0 - cc * cc)) * inside_clamp
     beyond = c - m3 - (1.0 + math.cos(theta_max))
     inside = theta <= theta_max
-    return (mx.nd.where(inside, with_margin, beyond),
-            mx.nd.where(inside, d_margin, mx.nd.ones_like(c)))
+    value = mx.nd.where(inside, with_margin, beyond)
+    if straight_through:
+        return value, mx.nd.ones_like(c)
+    return value, mx.nd.where(inside, d_margin, mx.nd.ones_like(c))
 
 
 def _rowdot(a: mx.nd.NDArray, b: mx.nd.NDArray) -> mx.nd.NDArray:
@@ -83,12 +107,14 @@ def _rowdot(a: mx.nd.NDArray, b: mx.nd.NDArray) -> mx.nd.NDArray:
 
 class MarginSoftmaxHead:
     """The class matrix (this rank's shard of it) on one context, and its hand-written forward
-    and backward. ``weight`` and ``grad`` are plain NDArrays [count, D] the step updates."""
+    and backward. ``weight`` and ``grad`` are plain NDArrays [count, D] in ``dtype`` that the
+    step updates."""
 
     def __init__(self, num_classes: int, embedding_size: int,
                  margins: tuple[float, float, float], scale: float, comm: Comm,
                  ctx: mx.Context, mode: str = "dp", rank: int | None = None,
-                 seed: int = 0, mm_dtype: str = "float32") -> None:
+                 seed: int = 0, mm_dtype: str | None = None, dtype: str = "float32",
+                 straight_through: bool = False) -> None:
         check_fc(mode)
         if mode == "mp" and comm.mode == "device":
             raise ValueError("kvstore device runs data parallel only: --fc dp")
@@ -104,15 +130,19 @@ class MarginSoftmaxHead:
         if self.count > MAX_INDEX:
             raise ValueError(f"a class shard of {self.count} rows is past what MXNet's float32 "
                              f"indices address exactly ({MAX_INDEX}); use more ranks with --fc mp")
-        self.mm_dtype = mm_dtype
+        self.dtype = dtype
+        """What the class matrix, its gradient and all of the head's arithmetic are in."""
+        self.mm_dtype = mm_dtype or dtype
         """``float16`` runs the three class-matrix products in half precision (AMP)."""
+        self.straight_through = straight_through
+        """Give the margin the derivative 1 (an alignment run's negative control only)."""
         # Throughput runs: N(0, 0.01), as torch's head; dp ranks draw the same matrix (torch's
         # DDP broadcasts rank 0's), mp ranks each their own shard. ``set_weight`` overrides it.
         draw_rank = self.rank if self.sharded else 0
         mx.random.seed(seed * 1000 + 7919 * (draw_rank + 1), ctx=ctx)
         self.weight = mx.nd.random.normal(0.0, 0.01, shape=(self.count, embedding_size),
-                                          ctx=ctx, dtype="float32")
-        self.grad = mx.nd.zeros((self.count, embedding_size), ctx=ctx, dtype="float32")
+                                          ctx=ctx, dtype=dtype)
+        self.grad = mx.nd.zeros((self.count, embedding_size), ctx=ctx, dtype=dtype)
         self._rows: dict[int, mx.nd.NDArray] = {}
         self.logits: mx.nd.NDArray | None = None
 
@@ -122,7 +152,7 @@ class MarginSoftmaxHead:
         if tuple(rows.shape) != tuple(self.weight.shape):
             raise ValueError(f"head weight rows {tuple(rows.shape)} do not fit the head's "
                              f"{tuple(self.weight.shape)}")
-        self.weight[:] = mx.nd.array(rows, ctx=self.ctx, dtype="float32")
+        self.weight[:] = mx.nd.array(rows, ctx=self.ctx, dtype=self.dtype)
 
     def _arange(self, n: int) -> mx.nd.NDArray:
         rows = self._rows.get(n)
@@ -131,10 +161,10 @@ class MarginSoftmaxHead:
         return rows
 
     def _mm(self, a: mx.nd.NDArray, b: mx.nd.NDArray, **kwargs) -> mx.nd.NDArray:
-        if self.mm_dtype == "float32":
+        if self.mm_dtype == self.dtype:
             return mx.nd.dot(a, b, **kwargs)
         return mx.nd.dot(a.astype(self.mm_dtype), b.astype(self.mm_dtype),
-                         **kwargs).astype("float32")
+                         **kwargs).astype(self.dtype)
 
     def forward_backward(self, emb: mx.nd.NDArray, labels: mx.nd.NDArray,
                          grad_scale: float = 1.0, keep_logits: bool = False
@@ -143,24 +173,25 @@ class MarginSoftmaxHead:
 
         ``emb`` [n, D] is this rank's embeddings (any float dtype), ``labels`` [n] its global
         class ids as float64. Writes d(loss * grad_scale)/d weight into ``self.grad``.
-        Returns (loss [1] float32, gradient of ``emb`` in ``emb``'s dtype). Nothing is read
-        back to the host; in ``mp`` it talks to the other ranks through ``comm``. With
-        ``keep_logits`` (tests) a copy of this shard's scaled logits [N, C] is kept in
-        ``self.logits``.
+        Returns (loss [1] in the head's dtype, gradient of ``emb`` in ``emb``'s dtype).
+        Nothing is read back to the host; in ``mp`` it talks to the other ranks through
+        ``comm``. With ``keep_logits`` (tests) a copy of this shard's scaled logits [N, C] is
+        kept in ``self.logits``.
         """
         comm = self.comm
         m1, m2, m3 = self.margins
         s = self.scale
-        e = emb.astype("float32", copy=False)
+        e = emb.astype(self.dtype, copy=False)
         local_rows, width = e.shape
         if self.sharded:
             # One gather of embeddings and labels together. The labels alone would not depend
             # on the last update, so their push could reach the server a round early (see
-            # comm.py); float32 carries a label exactly as two parts below 2**24.
+            # comm.py); float32 carries a label exactly as two parts below 2**24 (float64 as
+            # well: one packing for both).
             hi = mx.nd.floor(labels / LABEL_BASE)
             lo = labels - hi * LABEL_BASE
-            packed = mx.nd.concat(e, hi.astype("float32").reshape((-1, 1)),
-                                  lo.astype("float32").reshape((-1, 1)), dim=1)
+            packed = mx.nd.concat(e, hi.astype(self.dtype).reshape((-1, 1)),
+                                  lo.astype(self.dtype).reshape((-1, 1)), dim=1)
             packed = comm.all_gather("head/embeddings_labels", packed)
             e = mx.nd.slice_axis(packed, axis=1, begin=0, end=width)
             parts = mx.nd.slice_axis(packed, axis=1, begin=width, end=width + 2
@@ -172,7 +203,7 @@ class MarginSoftmaxHead:
         # are masked by ``has`` (their column-0 entry is written back unchanged).
         local = labels - self.start
         has64 = (local >= 0) * (local < self.count)
-        has = has64.astype("float32")
+        has = has64.astype(self.dtype)  # MXNet's arithmetic takes no mixed dtypes
         cols = (local * has64).astype("float32")
         index = mx.nd.stack(self._arange(n), cols)
 
@@ -184,7 +215,7 @@ class MarginSoftmaxHead:
         z = self._mm(e_hat, w, transpose_b=True)                      # [n, C]
         z *= inv.reshape((1, -1))                                     # cos
         target = mx.nd.pick(z, cols, axis=1)
-        value, d_value = margin_target_logit(target, m1, m2, m3)
+        value, d_value = margin_target_logit(target, m1, m2, m3, self.straight_through)
         value = mx.nd.where(has, value, target)
         d_value = mx.nd.where(has, d_value, mx.nd.ones_like(d_value))
         z *= s

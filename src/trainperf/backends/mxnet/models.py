@@ -16,7 +16,7 @@ that its torch counterpart has, so a parameter's path in the Gluon tree *is* its
 PReLU ``alpha`` -> ``weight``; ``running_mean``, ``running_var`` and conv / Dense ``weight`` and
 ``bias`` keep their names). :func:`torch_names` walks the tree to give that mapping and
 :func:`load_torch_arrays` uses it to load the ``backbone/<torch name>`` arrays of an alignment
-``.npz`` (``trainperf.protocol.RunSpec.init``). Every layer is built with its input width
+``.npz`` (``trainperf.config.AlignSpec.start``). Every layer is built with its input width
 (``in_channels`` / ``in_units``), so all shapes are known before the first forward.
 
 Initialisation (throughput runs; alignment overwrites it): every parameter carries its own
@@ -35,7 +35,10 @@ forward and backward (which use the batch statistics) are identical; only the ru
 that evaluation mode would use differ slightly. In float32 the two frameworks' results differ by
 rounding, which a PReLU / ReLU / max-pool input lying within rounding of its kink can turn into
 a visible local difference in the gradients; in float64 they agree to ~1e-13 (running
-statistics to ~1e-8: MXNet holds the momentum as a C float, 0.9f = 0.89999998).
+statistics to ~1e-8: MXNet holds the momentum as a C float, 0.9f = 0.89999998). A strict
+alignment run keeps MXNet's rule but moves the running statistics itself, with the momentum as a
+double (``alignment.py``, with :func:`batch_norms`); the backend declares the variance's rule
+(``backend.RULE_DIFFERENCES``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from .backend import BACKEND
 
 __all__ = [
     "backbone_names", "backbone_task", "build_backbone", "torch_names", "load_torch_arrays",
-    "param_count", "BN_EPS", "BN_MOMENTUM", "PRELU_MODES", "PReLU",
+    "param_count", "batch_norms", "BN_EPS", "BN_MOMENTUM", "PRELU_MODES", "PReLU",
 ]
 
 BN_EPS = 1e-5
@@ -415,6 +418,15 @@ def torch_names(net: nn.Block) -> dict[str, Parameter]:
             raise RuntimeError(f"two Gluon parameters map to torch name {name!r}")
         names[name] = param
     return names
+
+
+def batch_norms(net: nn.Block) -> list[tuple[str, nn.BatchNorm]]:
+    """Every BatchNorm of ``net`` with its torch name (``body.0.bn1``), in torch's order."""
+    found: dict[int, tuple[str, nn.BatchNorm]] = {}
+    for name, _, block in _walk(net):
+        if isinstance(block, nn.BatchNorm):
+            found.setdefault(id(block), (name.rsplit(".", 1)[0], block))
+    return list(found.values())
 
 
 def _fixed_gamma(block: nn.Block) -> bool:

@@ -37,6 +37,21 @@ host (the skip is host control flow), so the scale lives on the host and unscali
 into the update's ``rescale_grad``. GPU only: MXNet has no half-precision GEMM on a CPU.
 ``bf16`` is refused everywhere: MXNet 1.9's bfloat16 AMP is a oneDNN CPU feature with no CUDA
 path, and the CPU path has not been made to run the same head (untried).
+
+Strict alignment (``AlignSpec``, ``trainperf align``): the run is held and computed in the
+spec's dtype, float64 included: the network is cast (MXNet's native CPU kernels take float64;
+oneDNN's do not, and are not used for it), the head, the inputs, the gradients and the momentum
+are in that dtype too. Three of MXNet's kernels cannot compute exactly in float64, so a float64
+run replaces them by stand-ins of MXNet's elementwise operations, whose scalars are C doubles,
+that follow the same rule: the fused SGD (``preloaded_multi_sgd_mom_update`` takes its rates
+and decays as float32 arrays, its momentum as a C float, 0.9 -> 0.89999998) by
+:func:`momentum_sgd`; ``multi_sum_sq`` (its output is float32) by a sum of squares per array
+in the arrays' dtype (:func:`global_norm`); BatchNorm's running-statistics update (its
+momentum a C float) by ``alignment.MXNetRunningStatistics`` (and the head's ``clip``, whose
+bounds are C floats, by ``heads._clamp``). ``tests/test_mxnet_standins.py`` shows each stand-in
+computing what its native kernel computes, in float32. The gradient norm
+before clipping and the rate of the last update are kept for the dump (``last_grad_norm``,
+``last_lr``).
 """
 
 from __future__ import annotations
@@ -47,11 +62,12 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd
 
-from ...config import Topology, Tuning, Workload
+from ...config import AlignSpec, Topology, Tuning, Workload
 from ..base import require
 from ..scaling import LossScale
 from ..workerkit import start_batch
 from . import models
+from .alignment import MXNetRunningStatistics
 from .backend import BACKEND, kvstore_rules
 from .comm import Comm
 from .heads import MarginSoftmaxHead
@@ -65,6 +81,35 @@ _AMP_ON = False
 
 def _chunks(n: int) -> list[slice]:
     return [slice(i, min(i + UPDATE_CHUNK, n)) for i in range(0, n, UPDATE_CHUNK)]
+
+
+def global_norm(grads: Sequence[mx.nd.NDArray], rescale: float, fused: bool) -> mx.nd.NDArray:
+    """The global L2 norm of ``grads`` times ``rescale`` ([1], on the device). ``fused``: MXNet's
+    ``multi_sum_sq``, whose output is float32 whatever the input (on a CPU it adds each array's
+    squares one after another in a float32); otherwise (the stand-in of wider dtypes) each
+    array's ``sum`` of squares in its own dtype, exact to rounding. Either way the per-array
+    sums are added and rooted in their dtype."""
+    if fused:
+        sums = [mx.nd.multi_sum_sq(*grads[part], num_arrays=part.stop - part.start)
+                for part in _chunks(len(grads))]
+    else:
+        sums = [mx.nd.sum(mx.nd.square(g)).reshape((1,)) for g in grads]
+    return mx.nd.sqrt(mx.nd.sum(mx.nd.concat(*sums, dim=0))) * rescale
+
+
+def momentum_sgd(weights: Sequence[mx.nd.NDArray], grads: Sequence[mx.nd.NDArray],
+                 moms: Sequence[mx.nd.NDArray], momentum: float, lr: float, wd: float,
+                 rescale: float, coef: mx.nd.NDArray | None = None) -> list[mx.nd.NDArray]:
+    """The fused update's rule (``preloaded_multi_sgd_mom_update``) with elementwise
+    operations, whose scalars MXNet takes as C doubles, in place: ``mom = momentum * mom - lr *
+    (coef * rescale * g + wd * w); w += mom``, ``coef`` a [1] array or None (1). The stand-in
+    of float64 runs (module doc). Returns a view of one updated element (for the step's
+    marker)."""
+    for w, g, mom in zip(weights, grads, moms):
+        d = g * rescale if coef is None else mx.nd.broadcast_mul(g, coef * rescale)
+        mom[:] = mom * momentum - (d + w * wd) * lr
+        w += mom
+    return [weights[-1].reshape((-1,))[0:1]]
 
 
 def check_precision(precision: str, device_type: str) -> None:
@@ -82,6 +127,17 @@ def enable_amp() -> None:
         _AMP_ON = True
 
 
+def check_alignment(workload: Workload, comm: Comm, dtype: str) -> None:
+    """ValueError unless an alignment run in ``dtype`` can run as asked: it computes in one
+    dtype throughout (no AMP) and dumps one rank per process."""
+    if workload.precision != "fp32":
+        raise ValueError(f"an alignment run computes in {dtype} throughout: --precision fp32, "
+                         f"not {workload.precision}")
+    if len(comm.contexts) > 1:
+        raise ValueError("an alignment run dumps one rank per process: kvstore dist_sync, "
+                         "not device")
+
+
 def synthetic_batch(workload: Workload, rank: int, ctx: mx.Context
                     ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
     """One batch per rank, seeded by (seed, rank) so ranks see different samples: normal images
@@ -94,30 +150,41 @@ def synthetic_batch(workload: Workload, rank: int, ctx: mx.Context
     return to_device(workload, images, labels, ctx)
 
 
-def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, ctx: mx.Context
-              ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, ctx: mx.Context,
+              dtype: str = "float32") -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+    """Images in ``dtype`` and labels as the step takes them: float64 class ids for the face
+    head, float32 for classification's ``pick`` (exact class ids; ``pick`` takes float32
+    indices into float64 data too)."""
     label_dtype = "float64" if workload.task == "face" else "float32"
-    return (mx.nd.array(np.asarray(images, dtype=np.float32), ctx=ctx, dtype="float32"),
+    return (mx.nd.array(np.asarray(images, dtype=dtype), ctx=ctx, dtype=dtype),
             mx.nd.array(np.asarray(labels), ctx=ctx, dtype=label_dtype))
 
 
-def init_batch(workload: Workload, arrays: Any, rank: int, ctx: mx.Context
-               ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
-    """Rank ``rank``'s batch from an alignment file (``RunSpec.init``)."""
-    return to_device(workload, *start_batch(workload, arrays, rank), ctx)
+def init_batch(workload: Workload, arrays: Any, rank: int, ctx: mx.Context,
+               dtype: str = "float32") -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+    """Rank ``rank``'s batch from an alignment file (``AlignSpec.start``), images in
+    ``dtype``."""
+    return to_device(workload, *start_batch(workload, arrays, rank, dtype), ctx, dtype)
 
 
 class TrainStep:
     """Call with one (images, labels) pair per context of ``comm``; returns the loss NDArray of
-    the first context (rank 0's loss in ``device`` mode) without waiting for it."""
+    the first context (rank 0's loss in ``device`` mode) without waiting for it.
+
+    ``init``: an alignment start's arrays (``workerkit.load_init``); ``align``: the alignment
+    run's spec (its dtype, whether it dumps, its rule breaks), None in a throughput run."""
 
     def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
-                 init: Any = None) -> None:
+                 init: Any = None, align: AlignSpec | None = None) -> None:
         require(BACKEND.model_refusal(workload))
         if comm.mode == "device":  # the declaration's kvstore rule, on this process's contexts
             require(kvstore_rules(workload, Topology(devices_per_node=len(comm.contexts)),
                                   Tuning(mxnet_kvstore="device")))
         check_precision(workload.precision, comm.device_type)
+        self.dtype = align.dtype if align is not None else "float32"
+        """What the weights, activations, gradients and momentum are held in."""
+        if align is not None:
+            check_alignment(workload, comm, self.dtype)
         rates = [workload.lr * f for f in (1.0, *workload.lr_scales)]
         if workload.momentum and any(r == 0 for r in rates):
             raise ValueError("the mxnet step keeps momentum in MXNet's lr-scaled form and "
@@ -140,17 +207,26 @@ class TrainStep:
         net.initialize(ctx=self.contexts)
         if init is not None:
             models.load_torch_arrays(net, init, ctx=self.contexts)
+        if self.dtype != "float32":
+            net.cast(self.dtype)  # float32 start values widen exactly
+        self.fused = self.dtype == "float32"
+        """Run MXNet's own fused update, norm and BatchNorm statistics, exact in float32 only;
+        wider dtypes take their stand-ins (module doc)."""
+        # Before the first forward: it sets the BatchNorms' momentum for the graph.
+        self.running = None if self.fused else MXNetRunningStatistics(net)
         net.hybridize(static_alloc=True, static_shape=True)
         self.net = net
         self.params = [p for p in net.collect_params().values() if p.grad_req != "null"]
 
         self.heads: list[MarginSoftmaxHead] = []
         if workload.task == "face":
-            mm_dtype = "float16" if self.fp16 else "float32"
+            mm_dtype = "float16" if self.fp16 else None
+            straight = align is not None and align.breaks_rule("margin_straight_through")
             self.heads = [MarginSoftmaxHead(
                 workload.num_classes, workload.embedding_size, workload.resolved_margins,
                 workload.scale, comm, ctx, mode=workload.fc, rank=rank, seed=workload.seed,
-                mm_dtype=mm_dtype) for ctx, rank in zip(self.contexts, comm.ranks)]
+                mm_dtype=mm_dtype, dtype=self.dtype, straight_through=straight)
+                for ctx, rank in zip(self.contexts, comm.ranks)]
             if init is not None:
                 for head in self.heads:
                     head.set_weight(np.asarray(init["head/weight"]))
@@ -168,12 +244,19 @@ class TrainStep:
         n_ctx = len(self.contexts)
         self._bb = [([d[c] for d in bb_data], [g[c] for g in bb_grad]) for c in range(n_ctx)]
         self._head = [(h.weight, h.grad) for h in self.heads]
-        self._bb_mom = [[mx.nd.zeros(w.shape, ctx=w.context, dtype="float32") for w in ws]
+        self._bb_mom = [[mx.nd.zeros(w.shape, ctx=w.context, dtype=self.dtype) for w in ws]
                         for ws, _ in self._bb]
-        self._head_mom = [mx.nd.zeros(w.shape, ctx=w.context, dtype="float32")
+        self._head_mom = [mx.nd.zeros(w.shape, ctx=w.context, dtype=self.dtype)
                           for w, _ in self._head]
         self._mom_lr: float | None = None
         """The rate the MXNet-form momentum is expressed in (mom = -lr * torch's buf)."""
+        self.keep_grad_norm = bool(align is not None and align.dump)
+        """Compute the gradient norm before clipping even where nothing clips (for the dump)."""
+        self.last_grad_norm: mx.nd.NDArray | None = None
+        """The backbone's reduced gradient norm before clipping, of the last update (first
+        context, on the device); None where nothing needed it."""
+        self.last_lr = workload.lr
+        """The rate of the last update (before any: the optimizer's first rate)."""
         world = comm.world_size
         # Average (dp, classification) or sum (mp backbone) of the summed gradients.
         self._bb_rescale = 1.0 if self.sharded else 1.0 / world
@@ -196,7 +279,9 @@ class TrainStep:
     def settings(self) -> dict:
         return {"kvstore": self.comm.mode, "contexts": len(self.contexts),
                 "hybridize": {"static_alloc": True, "static_shape": True},
-                "update": "fused preloaded_multi_sgd_mom_update, update_on_kvstore off",
+                "update": ("fused preloaded_multi_sgd_mom_update" if self.fused else
+                           f"elementwise momentum SGD in {self.dtype}")
+                + ", update_on_kvstore off",
                 "amp": "float16" if self.fp16 else None,
                 "loss_scaling": "dynamic, one overflow decision for all ranks"
                 if self.fp16 else None}
@@ -218,17 +303,21 @@ class TrainStep:
         with autograd.record():
             outs = [self.net(images) for images, _ in batches]
             if not self.heads:
-                losses = [-mx.nd.mean(mx.nd.pick(mx.nd.log_softmax(out.astype("float32"),
+                # The loss in float32 from fp16 logits, in the run's dtype otherwise.
+                losses = [-mx.nd.mean(mx.nd.pick(mx.nd.log_softmax(out.astype(self.dtype),
                                                                    axis=1), labels, axis=1))
                           for out, (_, labels) in zip(outs, batches)]
                 scaled = [loss * grad_scale for loss in losses] if grad_scale != 1.0 else losses
-        if not self.heads:
+        if self.heads:
+            results = [head.forward_backward(out, labels, grad_scale)
+                       for head, out, (_, labels) in zip(self.heads, outs, batches)]
+            autograd.backward(outs, head_grads=[grad for _, grad in results])
+            losses = [loss for loss, _ in results]
+        else:
             autograd.backward(scaled)
-            return losses
-        results = [head.forward_backward(out, labels, grad_scale)
-                   for head, out, (_, labels) in zip(self.heads, outs, batches)]
-        autograd.backward(outs, head_grads=[grad for _, grad in results])
-        return [loss for loss, _ in results]
+        if self.running is not None:
+            self.running.update()  # after the backward pass that left the batch statistics
+        return losses
 
     def _all_finite(self) -> bool:
         """Whether every gradient of every rank is finite: one decision for all ranks, read
@@ -245,11 +334,26 @@ class TrainStep:
         bad = self.comm.allreduce_sum_("loss_scale/overflow", 1.0 - finite)
         return float(bad.asscalar()) == 0.0
 
+    def _sgd_fused(self, c: int, weights: list, grads: list, moms: list, lr: float, wd: float,
+                   rescale: float, coef: mx.nd.NDArray | None = None) -> list[mx.nd.NDArray]:
+        """Fused momentum SGD of context ``c``'s arrays (float32), clipped by ``coef`` (a [1]
+        array) unless it is None: ``lr * (coef * g + wd * w)`` runs as ``(lr * coef) * (g +
+        (wd / coef) * w)``, the rates and decays as device arrays. Returns a view of one
+        updated element per fused call (for the step's marker)."""
+        if coef is None:
+            def lrs_of(n):
+                return self._const(c, n, lr)
 
-    def _sgd(self, weights: list, grads: list, moms: list, lrs_of, wds_of, rescale: float
-             ) -> list[mx.nd.NDArray]:
-        """Fused momentum SGD of one context's arrays; returns a view of one updated element
-        per fused call (for the step's marker)."""
+            def wds_of(n):
+                return self._const(c, n, wd)
+        else:
+            lr_coef, wd_coef = coef * lr, wd / coef
+
+            def lrs_of(n):
+                return mx.nd.broadcast_to(lr_coef, shape=(n,))
+
+            def wds_of(n):
+                return mx.nd.broadcast_to(wd_coef, shape=(n,))
         done = []
         for part in _chunks(len(weights)):
             n = part.stop - part.start
@@ -262,42 +366,40 @@ class TrainStep:
             done.append(weights[part][0].reshape((-1,))[0:1])
         return done
 
+    def _sgd_exact(self, c: int, weights: list, grads: list, moms: list, lr: float, wd: float,
+                   rescale: float, coef: mx.nd.NDArray | None = None) -> list[mx.nd.NDArray]:
+        """:func:`momentum_sgd`, called as ``_sgd_fused`` is (``c`` goes unused)."""
+        return momentum_sgd(weights, grads, moms, self.workload.momentum, lr, wd, rescale, coef)
+
+    def _clip_coef(self, c: int, grads: list, rescale: float) -> mx.nd.NDArray | None:
+        """torch's ``min(1, max_norm / (norm + 1e-6))`` of context ``c``'s backbone gradients
+        ([1], on the device), or None without clipping. The norm is kept for the dump
+        (``last_grad_norm``), and computed for it alone where nothing clips."""
+        max_norm = self.workload.clip_grad_norm
+        if not grads or (max_norm is None and not self.keep_grad_norm):
+            return None
+        norm = global_norm(grads, rescale, self.fused)
+        if c == 0:
+            self.last_grad_norm = norm
+        return None if max_norm is None else mx.nd.minimum(max_norm / (norm + 1e-6), 1.0)
+
     def _update(self, lr: float, grad_scale: float) -> None:
-        wl = self.workload
         if self._mom_lr is not None and lr != self._mom_lr:
             ratio = lr / self._mom_lr
             for mom in [m for ms in self._bb_mom for m in ms] + self._head_mom:
                 mom *= ratio
-        self._mom_lr = lr
-        wd = wl.weight_decay
+        self._mom_lr = self.last_lr = lr
+        wd = self.workload.weight_decay
+        sgd = self._sgd_fused if self.fused else self._sgd_exact
         self.markers = []
         for c, (weights, grads) in enumerate(self._bb):
             rescale = self._bb_rescale / grad_scale
-            if wl.clip_grad_norm is not None and weights:
-                sums = [mx.nd.multi_sum_sq(*grads[part], num_arrays=part.stop - part.start)
-                        for part in _chunks(len(grads))]
-                norm = mx.nd.sqrt(mx.nd.sum(mx.nd.concat(*sums, dim=0))) * rescale
-                coef = mx.nd.minimum(wl.clip_grad_norm / (norm + 1e-6), 1.0)
-                lr_coef, wd_coef = coef * lr, wd / coef
-
-                def lrs_of(n, v=lr_coef):
-                    return mx.nd.broadcast_to(v, shape=(n,))
-
-                def wds_of(n, v=wd_coef):
-                    return mx.nd.broadcast_to(v, shape=(n,))
-            else:
-                def lrs_of(n, c=c):
-                    return self._const(c, n, lr)
-
-                def wds_of(n, c=c):
-                    return self._const(c, n, wd)
-            done = self._sgd(weights, grads, self._bb_mom[c], lrs_of, wds_of, rescale)
+            done = sgd(c, weights, grads, self._bb_mom[c], lr, wd, rescale,
+                       self._clip_coef(c, grads, rescale))
             if self._head:
                 weight, grad = self._head[c]
-                done += self._sgd([weight], [grad], [self._head_mom[c]],
-                                  lambda n, c=c: self._const(c, n, lr),
-                                  lambda n, c=c: self._const(c, n, wd),
-                                  self._head_rescale / grad_scale)
+                done += sgd(c, [weight], [grad], [self._head_mom[c]], lr, wd,
+                            self._head_rescale / grad_scale)
             self.markers.append(mx.nd.add_n(*done) if len(done) > 1 else done[0].copy())
 
     def compute_gradients(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]]

@@ -7,6 +7,9 @@ events are ``workerkit``'s, as for every framework; this module is MXNet's side 
 Timing: ``trainperf.backends.loop`` (MXNet runs every operation asynchronously on its engine);
 a step's markers are small arrays that become ready when the step's last update has run
 (``TrainStep.markers``), waited on with ``wait_to_read``, which releases the GIL.
+
+Strict alignment (``spec.align``): the start file's weights and batches, the run in the spec's
+dtype, and after every step the state ``workerkit`` dumps (``align_state``, ``alignment.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import sys
 import mxnet as mx
 
 from ...config import Tuning
-from ..workerkit import (FrameworkRun, environment, cudnn_version, load_init, memory_fields,
-                         rss_now_bytes, rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, cudnn_version,
+                         load_init, memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
+from .alignment import step_state
 from .backend import BACKEND
 from .comm import Comm, comm_from_env
 from .step import TrainStep, init_batch, synthetic_batch
@@ -117,8 +121,10 @@ class MXNetRun(FrameworkRun):
         spec, comm = self.spec, self.comm
         configure(spec.tuning, spec.threads)
         init = load_init(spec)
-        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init)
-        self.batches = [init_batch(spec.workload, init, rank, ctx) if init is not None
+        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init,
+                                    align=spec.align)
+        dtype = align_dtype(spec)
+        self.batches = [init_batch(spec.workload, init, rank, ctx, dtype) if init is not None
                         else synthetic_batch(spec.workload, rank, ctx)
                         for ctx, rank in zip(comm.contexts, comm.ranks)]
 
@@ -150,6 +156,9 @@ class MXNetRun(FrameworkRun):
     def read_losses(self, outputs: list) -> list[float]:
         host = [loss.reshape((1,)).as_in_context(mx.cpu()) for loss in outputs]
         return [float(v) for v in mx.nd.concat(*host, dim=0).asnumpy()]
+
+    def align_state(self) -> StepState:
+        return step_state(self.train_step)
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.comm)

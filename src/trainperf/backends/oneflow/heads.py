@@ -37,7 +37,12 @@ SBP while writing this).
 The margin is the combined cos(m1 * theta + m2) - m3 of torch's ``margin.py``: the target cosine
 is clamped to [-1 + 1e-6, 1 - 1e-6] before arccos (the clamp passes no gradient outside), and
 past theta_max = (pi - m2) / m1 the logit continues as cos(theta) - m3 - (1 + cos(theta_max)).
-CosFace and plain softmax (m1 = 1, m2 = 0) are c - m3. It runs in fp32 whatever the precision.
+CosFace and plain softmax (m1 = 1, m2 = 0) are c - m3. The head runs in fp32 whatever the
+precision, or in float64 where the embeddings and the class matrix are (an alignment run's).
+
+``straight_through`` (an alignment run's negative control only, ``AlignSpec.breaks``): the
+target logit keeps the margin's value, but its gradient reaches the cosine unchanged
+(derivative 1), as insightface's arcface_torch computes it.
 """
 
 from __future__ import annotations
@@ -65,15 +70,26 @@ def check_fc(mode: str) -> None:
     require(BACKEND.head_refusal(mode))
 
 
-def margin_target_logit(c: flow.Tensor, m1: float, m2: float, m3: float) -> flow.Tensor:
-    """Unscaled target logit of target cosines ``c`` (any shape)."""
+def at_least_fp32(t: flow.Tensor) -> flow.Tensor:
+    """``t`` in fp32, or as it is when it is wider (float64, an alignment run's)."""
+    return t if t.dtype == flow.float64 else t.float()
+
+
+def margin_target_logit(c: flow.Tensor, m1: float, m2: float, m3: float,
+                        straight_through: bool = False) -> flow.Tensor:
+    """Unscaled target logit of target cosines ``c`` (any shape); ``straight_through``: its
+    gradient is passed to ``c`` as it is (a negative control, module docstring)."""
     if m1 == 1.0 and m2 == 0.0:
         return c - m3
     theta = flow.acos(flow.clamp(c, -1.0 + COS_EPS, 1.0 - COS_EPS))
     theta_max = (math.pi - m2) / m1
     with_margin = flow.cos(theta * m1 + m2) - m3
     beyond = c - (m3 + 1.0 + math.cos(theta_max))
-    return flow.where(theta <= theta_max, with_margin, beyond)
+    logit = flow.where(theta <= theta_max, with_margin, beyond)
+    if straight_through:
+        # The value of the margin, the derivative of the identity.
+        return c + (logit - c).detach()
+    return logit
 
 
 class MarginSoftmaxHead(nn.Module):
@@ -82,10 +98,12 @@ class MarginSoftmaxHead(nn.Module):
 
     def __init__(self, num_classes: int, embedding_size: int,
                  margins: tuple[float, float, float], scale: float, dist: Dist,
-                 mode: str = "dp", seed: int = 0) -> None:
+                 mode: str = "dp", seed: int = 0, dtype: flow.dtype = flow.float32,
+                 straight_through: bool = False) -> None:
         super().__init__()
         check_fc(mode)
         self.mode = mode
+        self.straight_through = straight_through
         self.dist = dist
         self.margins = tuple(float(m) for m in margins)
         self.scale = float(scale)
@@ -100,10 +118,11 @@ class MarginSoftmaxHead(nn.Module):
         shape = (num_classes, embedding_size)
         if self.sharded:
             weight = flow.normal(0.0, 0.01, shape, generator=gen, placement=dist.placement,
-                                 sbp=flow.sbp.split(0))
+                                 sbp=flow.sbp.split(0), dtype=dtype)
             classes = flow.arange(num_classes, placement=dist.placement, sbp=flow.sbp.split(0))
         else:
-            weight = flow.normal(0.0, 0.01, shape, generator=gen, device=dist.device)
+            weight = flow.normal(0.0, 0.01, shape, generator=gen, device=dist.device,
+                                 dtype=dtype)
             classes = flow.arange(num_classes, device=dist.device)
         self.weight = nn.Parameter(weight)
         # Each column's class id: the one-hot of the labels is a comparison against it, which
@@ -116,7 +135,7 @@ class MarginSoftmaxHead(nn.Module):
         if tuple(full_matrix.shape) != tuple(self.weight.shape):
             raise ValueError(f"head weight {tuple(full_matrix.shape)} does not fit the head's "
                              f"{tuple(self.weight.shape)}")
-        value = flow.tensor(full_matrix, dtype=flow.float32)
+        value = flow.tensor(full_matrix, dtype=self.weight.dtype)
         if self.sharded:
             value = value.to_global(placement=self.dist.placement, sbp=flow.sbp.broadcast)
             value = value.to_global(sbp=flow.sbp.split(0))
@@ -159,7 +178,7 @@ class MarginSoftmaxHead(nn.Module):
         are kept in ``self.logits``."""
         m1, m2, m3 = self.margins
         s = self.scale
-        e = emb.float()
+        e = at_least_fp32(emb)
         if self.sharded:
             e = self._gather(e)
             labels = self._gather(labels)
@@ -171,7 +190,7 @@ class MarginSoftmaxHead(nn.Module):
         target = (cos * onehot.to(cos.dtype)).sum(dim=1)                  # [N]
         if self.sharded:
             target = self._to_broadcast(target)
-        value = margin_target_logit(target, m1, m2, m3) * s
+        value = margin_target_logit(target, m1, m2, m3, self.straight_through) * s
         # The value expanded to the logits' shape: with an [N, 1] operand OneFlow would gather
         # the split(1) logits whole on every rank to pick them.
         logits = flow.where(onehot, value.unsqueeze(1).expand(*cos.shape), cos * s)

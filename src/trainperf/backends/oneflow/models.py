@@ -5,7 +5,7 @@ OneFlow's ``nn`` mirrors torch's, so each module here is its torch twin written 
 so a OneFlow ``state_dict`` key *is* the torch key and the layouts are the same (OIHW
 convolutions, [out, in] linear weights, BatchNorm ``weight``/``bias``/``running_mean``/
 ``running_var``/``num_batches_tracked``). :func:`load_torch_arrays` therefore loads the
-``backbone/<torch name>`` arrays of an alignment ``.npz`` (``trainperf.protocol.RunSpec.init``)
+``backbone/<torch name>`` arrays of an alignment ``.npz`` (``trainperf.config.AlignSpec.start``)
 without renaming or transposing anything.
 
 The family is InsightFace's IResNet: the unit is BN, 3x3 conv, BN, PReLU, 3x3 conv with the
@@ -16,7 +16,9 @@ at 1 (MXNet's ``fix_gamma``): a parameter that takes no gradient, counted in the
 as torch counts it.
 
 BatchNorm: eps 1e-5 and momentum 0.1 as torch's defaults; training-mode forward and backward use
-the batch statistics. PReLU starts at 0.25 per channel. Initialisation follows OneFlow's
+the batch statistics. A float64 alignment run computes BatchNorm with tensor operations
+(``exact_statistics``: OneFlow's kernel holds its epsilon and momentum as 32-bit floats,
+``exact.py``). PReLU starts at 0.25 per channel. Initialisation follows OneFlow's
 defaults, which copy torch's (``kaiming_uniform_(a=sqrt(5))`` for conv and linear weights);
 alignment overwrites every value.
 
@@ -32,6 +34,7 @@ import oneflow as flow
 import oneflow.nn as nn
 
 from .. import catalog, layouts
+from . import exact
 from .backend import BACKEND
 
 __all__ = ["backbone_names", "build_backbone", "load_torch_arrays", "param_count", "BN_EPS"]
@@ -43,19 +46,27 @@ def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
 
 
+def _batch_norms(exact_statistics: bool) -> tuple[type, type]:
+    """(BatchNorm1d, BatchNorm2d): OneFlow's, or for a float64 alignment run those that
+    compute in float64 throughout, epsilon and momentum included (``exact.py`` says why)."""
+    if exact_statistics:
+        return exact.BatchNorm1d, exact.BatchNorm2d
+    return nn.BatchNorm1d, nn.BatchNorm2d
+
+
 class IBasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, stride: int, bn2d: type = nn.BatchNorm2d) -> None:
         super().__init__()
-        self.bn1 = nn.BatchNorm2d(cin, eps=BN_EPS)
+        self.bn1 = bn2d(cin, eps=BN_EPS)
         self.conv1 = _conv3x3(cin, cout)
-        self.bn2 = nn.BatchNorm2d(cout, eps=BN_EPS)
+        self.bn2 = bn2d(cout, eps=BN_EPS)
         self.prelu = nn.PReLU(cout)
         self.conv2 = _conv3x3(cout, cout, stride)
-        self.bn3 = nn.BatchNorm2d(cout, eps=BN_EPS)
+        self.bn3 = bn2d(cout, eps=BN_EPS)
         self.downsample = None
         if stride != 1 or cin != cout:
             self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(cout, eps=BN_EPS))
+                                            bn2d(cout, eps=BN_EPS))
 
     def forward(self, x: flow.Tensor) -> flow.Tensor:
         out = self.bn3(self.conv2(self.prelu(self.bn2(self.conv1(self.bn1(x))))))
@@ -67,28 +78,30 @@ class IResNet(nn.Module):
     def __init__(self, layers: tuple[int, int, int, int], *,
                  widths: tuple[int, int, int, int] = catalog.IRESNET_WIDTHS,
                  embedding_size: int = 512,
-                 input_size: int = 112, output_block: str = "E", dropout: float = 0.0) -> None:
+                 input_size: int = 112, output_block: str = "E", dropout: float = 0.0,
+                 exact_statistics: bool = False) -> None:
         super().__init__()
+        bn1d, bn2d = _batch_norms(exact_statistics)
         if input_size % 16:
             raise ValueError(f"IResNet needs an input side divisible by 16, got {input_size}")
         if output_block not in ("E", "FC"):
             raise ValueError(f"IResNet output block must be 'E' or 'FC', got {output_block!r}")
         stem = widths[0]
         self.conv1 = _conv3x3(3, stem)
-        self.bn1 = nn.BatchNorm2d(stem, eps=BN_EPS)
+        self.bn1 = bn2d(stem, eps=BN_EPS)
         self.prelu = nn.PReLU(stem)
         blocks = []
         cin = stem
         for width, count in zip(widths, layers):
-            blocks.append(IBasicBlock(cin, width, 2))
-            blocks.extend(IBasicBlock(width, width, 1) for _ in range(count - 1))
+            blocks.append(IBasicBlock(cin, width, 2, bn2d))
+            blocks.extend(IBasicBlock(width, width, 1, bn2d) for _ in range(count - 1))
             cin = width
         self.body = nn.Sequential(*blocks)
-        self.bn2 = nn.BatchNorm2d(cin, eps=BN_EPS)
+        self.bn2 = bn2d(cin, eps=BN_EPS)
         self.dropout = nn.Dropout(dropout if output_block == "E" else 0.0)
         side = input_size // 16
         self.fc = nn.Linear(cin * side * side, embedding_size)
-        self.features = nn.BatchNorm1d(embedding_size, eps=BN_EPS)
+        self.features = bn1d(embedding_size, eps=BN_EPS)
         # InsightFace's fix_gamma: the embedding BN only centres and scales by the batch
         # statistics.
         nn.init.constant_(self.features.weight, 1.0)
@@ -102,9 +115,10 @@ class IResNet(nn.Module):
 
 
 def _iresnet(b: catalog.Backbone, *, embedding_size: int, input_size: int, output_block: str,
-             dropout: float) -> IResNet:
+             dropout: float, exact_statistics: bool) -> IResNet:
     return IResNet(**b.arch, embedding_size=embedding_size, input_size=input_size,
-                   output_block=output_block, dropout=dropout)
+                   output_block=output_block, dropout=dropout,
+                   exact_statistics=exact_statistics)
 
 
 # family -> builder of a catalogue entry; every family the backend declares has one.
@@ -114,13 +128,16 @@ backbone_names = CATALOG.names
 
 
 def build_backbone(name: str, *, embedding_size: int | None = None, input_size: int = 112,
-                   output_block: str = "E", dropout: float = 0.0) -> IResNet:
+                   output_block: str = "E", dropout: float = 0.0,
+                   exact_statistics: bool = False) -> IResNet:
     """The OneFlow twin of torch's ``build_backbone(name, ...)`` for the IResNet family
-    (``embedding_size`` None: the catalogue's default, torch's)."""
+    (``embedding_size`` None: the catalogue's default, torch's). ``exact_statistics``: BatchNorm
+    computed in the network's own dtype, epsilon and momentum included (a float64 alignment
+    run's)."""
     entry = CATALOG.lookup(name)
     return _BUILDERS[entry.family](entry, embedding_size=entry.embedding(embedding_size),
                                    input_size=input_size, output_block=output_block,
-                                   dropout=dropout)
+                                   dropout=dropout, exact_statistics=exact_statistics)
 
 
 def param_count(net: nn.Module) -> int:

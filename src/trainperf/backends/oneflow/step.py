@@ -27,6 +27,13 @@ g + wd * w; w -= lr * buf`` (checked in the tests against ``oracle.sgd_momentum_
 the backbone's arrays are updated by OneFlow's fused multi-tensor kernel. The rate of each step
 is ``Workload.lr_at``.
 
+Alignment (``trainperf.config.AlignSpec``): ``dtype`` float64 holds the weights, BatchNorm
+statistics, activations, the head, the gradients and the momentum in float64, with BatchNorm,
+SGD and the gradient all-reduce written in ``exact.py`` (OneFlow's kernels take their epsilon,
+momentum, rate and weight decay as 32-bit floats, and its DDP takes float32 parameters only);
+``keep_grad_norm`` keeps each step's gradient norm before clipping
+(:attr:`TrainStep.last_grad_norm`), also where the workload does not clip.
+
 Precision: fp32 only; ``fp16`` and ``bf16`` are refused (the backend's declaration,
 :func:`check_workload`). OneFlow's eager mode has autocast but no dynamic loss scaler (its
 ``GradScaler`` serves ``nn.Graph`` only), and a hand-written one could not be run here (no
@@ -43,7 +50,7 @@ import oneflow.nn as nn
 from ...config import Tuning, Workload
 from ..base import require
 from ..workerkit import start_batch
-from . import models
+from . import exact, models
 from .backend import BACKEND
 from .dist import Dist
 from .heads import MarginSoftmaxHead
@@ -71,10 +78,12 @@ def synthetic_batch(workload: Workload, dist: Dist) -> tuple[flow.Tensor, flow.T
     return images, labels
 
 
-def init_batch(workload: Workload, arrays: Any, dist: Dist) -> tuple[flow.Tensor, flow.Tensor]:
-    """This rank's batch from an alignment file (``RunSpec.init``)."""
-    images, labels = start_batch(workload, arrays, dist.rank)
-    return (flow.tensor(images, dtype=flow.float32, device=dist.device),
+def init_batch(workload: Workload, arrays: Any, dist: Dist, dtype: flow.dtype = flow.float32
+               ) -> tuple[flow.Tensor, flow.Tensor]:
+    """This rank's batch from an alignment file (``AlignSpec.start``), its images in
+    ``dtype``."""
+    images, labels = start_batch(workload, arrays, dist.rank, DTYPE_NAMES[dtype])
+    return (flow.tensor(images, dtype=dtype, device=dist.device),
             flow.tensor(labels, dtype=flow.int64, device=dist.device))
 
 
@@ -90,50 +99,79 @@ class FaceModel(nn.Module):
         return self.head(self.backbone(images), labels)
 
 
+DTYPE_NAMES = {flow.float32: "float32", flow.float64: "float64"}
+"""OneFlow's dtypes by ``AlignSpec.dtype``'s names."""
+
+
 class TrainStep:
     """Call with (images, labels); returns this step's loss as a local device scalar (rank's own
-    batch in dp, the global batch in mp), without waiting for it."""
+    batch in dp, the global batch in mp), without waiting for it.
+
+    ``dtype``: what the weights, activations, gradients and optimizer state are held in
+    (float64 for a strict alignment run); ``keep_grad_norm``: keep every step's gradient norm
+    before clipping (``last_grad_norm``) even where no clipping needs it; ``straight_through``:
+    the margin's gradient passed through unchanged (an alignment run's negative control)."""
 
     def __init__(self, workload: Workload, dist: Dist, tuning: Tuning | None = None,
-                 init: Any = None) -> None:
+                 init: Any = None, dtype: flow.dtype = flow.float32,
+                 keep_grad_norm: bool = False, straight_through: bool = False) -> None:
         check_workload(workload, dist.device_type)
         self.workload = workload
         self.dist = dist
         self.tuning = tuning or Tuning()
         self.step_index = 0
         self.sharded = workload.fc == "mp"
+        self.exact_float64 = exact_float64 = dtype == flow.float64
+        self.data_parallel: exact.DataParallel | None = None
+        """A float64 run's data-parallel wrapper on several ranks (OneFlow's DDP takes float32
+        only), whose gradients the step averages itself."""
         # Same seed on every rank: identical initial backbones (DDP broadcasts rank 0's too).
         flow.manual_seed(workload.seed)
         backbone = models.build_backbone(
             workload.backbone, embedding_size=workload.embedding_size,
             input_size=workload.input_size, output_block=workload.output_block,
-            dropout=workload.dropout).to(dist.device)
+            dropout=workload.dropout, exact_statistics=exact_float64
+        ).to(device=dist.device, dtype=dtype)
         if init is not None:
             models.load_torch_arrays(backbone, init)
         head = MarginSoftmaxHead(workload.num_classes, workload.embedding_size,
                                  workload.resolved_margins, workload.scale, dist,
-                                 mode=workload.fc, seed=workload.seed)
+                                 mode=workload.fc, seed=workload.seed, dtype=dtype,
+                                 straight_through=straight_through)
         if init is not None:
             head.set_weight(init["head/weight"])
         self.backbone, self.head = backbone, head
         self.model, self.embedding_model = self._wrap(backbone, head)
 
         self.clip_params = [p for p in backbone.parameters() if p.requires_grad]
-        fused = dist.device_type == "cuda"
         main = list(self.clip_params) + ([] if self.sharded else [head.weight])
-        self.optimizers = [flow.optim.SGD(main, lr=workload.lr, momentum=workload.momentum,
-                                          weight_decay=workload.weight_decay, fused=fused)]
+        self.optimizers = [self._sgd(main, fused=dist.device_type == "cuda",
+                                     exact_float64=exact_float64)]
         if self.sharded:
             # A global parameter: its own optimizer (the fused kernel takes local arrays).
-            self.optimizers.append(flow.optim.SGD(
-                [head.weight], lr=workload.lr, momentum=workload.momentum,
-                weight_decay=workload.weight_decay))
+            self.optimizers.append(self._sgd([head.weight], False, exact_float64))
         self._last_backbone = self.clip_params[-1]
         self.skipped_steps: list[int] = []
         """fp16 loss scaling would list skipped steps here; fp32 skips none."""
         self.loss_scale: float | None = None
+        self.keep_grad_norm = keep_grad_norm
+        self.last_grad_norm: flow.Tensor | None = None
+        """The backbone's gradient norm before clipping, of the last step (on the device)."""
+
+    def _sgd(self, params: list, fused: bool, exact_float64: bool) -> flow.optim.Optimizer:
+        """OneFlow's SGD, or in a float64 run the one that applies the rate, the weight decay and
+        the momentum in float64 (``exact.SGD``)."""
+        w = self.workload
+        if exact_float64:
+            return exact.SGD(params, lr=w.lr, momentum=w.momentum, weight_decay=w.weight_decay)
+        return flow.optim.SGD(params, lr=w.lr, momentum=w.momentum,
+                              weight_decay=w.weight_decay, fused=fused)
 
     def _ddp(self, module: nn.Module) -> nn.Module:
+        if self.exact_float64:
+            self.data_parallel = exact.DataParallel(module, self.dist,
+                                                    self.tuning.ddp_broadcast_buffers)
+            return self.data_parallel
         return nn.parallel.DistributedDataParallel(
             module, broadcast_buffers=self.tuning.ddp_broadcast_buffers,
             bucket_size=DDP_BUCKET_PARAMS)
@@ -151,9 +189,11 @@ class TrainStep:
     def settings(self) -> dict:
         ddp = None
         if self.dist.distributed:
-            ddp = {"module": "oneflow.nn.parallel.DistributedDataParallel",
+            exact_dp = self.data_parallel is not None
+            ddp = {"module": "trainperf.backends.oneflow.exact.DataParallel" if exact_dp
+                   else "oneflow.nn.parallel.DistributedDataParallel",
                    "wraps": "backbone" if self.sharded else "backbone and head",
-                   "bucket_params": DDP_BUCKET_PARAMS,
+                   "bucket_params": None if exact_dp else DDP_BUCKET_PARAMS,
                    "broadcast_buffers": self.tuning.ddp_broadcast_buffers,
                    "backbone_gradient": "sum (embedding gradient times world size)"
                    if self.sharded else "mean"}
@@ -185,11 +225,17 @@ class TrainStep:
                 group["lr"] = lr
         loss = self.forward_loss(images, labels)
         loss.backward()
+        if self.data_parallel is not None:
+            self.data_parallel.average_gradients()
         return loss
 
     def apply(self) -> None:
         if self.workload.clip_grad_norm is not None:
-            nn.utils.clip_grad_norm_(self.clip_params, self.workload.clip_grad_norm)
+            self.last_grad_norm = nn.utils.clip_grad_norm_(self.clip_params,
+                                                           self.workload.clip_grad_norm)
+        elif self.keep_grad_norm:
+            # The same norm with nothing clipped: an infinite bound scales every gradient by 1.
+            self.last_grad_norm = nn.utils.clip_grad_norm_(self.clip_params, float("inf"))
         for opt in self.optimizers:
             opt.step()
         self.step_index += 1
@@ -198,6 +244,11 @@ class TrainStep:
         loss = self.compute_gradients(images, labels)
         self.apply()
         return (loss.to_local() if loss.is_global else loss).detach()
+
+    @property
+    def lr(self) -> float:
+        """The rate the last step's optimizer ran at."""
+        return float(self.optimizers[0].param_groups[0]["lr"])
 
     @property
     def markers(self) -> list[flow.Tensor]:

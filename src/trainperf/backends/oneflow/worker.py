@@ -25,9 +25,10 @@ wait_for_rank0()
 
 import oneflow as flow  # noqa: E402
 
-from ..workerkit import (FrameworkRun, environment, cudnn_version, load_init, memory_fields,
-                         rss_now_bytes, rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, cudnn_version,
+                         load_init, memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
+from .alignment import step_state
 from .backend import BACKEND
 from .dist import Dist, dist_from_env
 from .step import TrainStep, init_batch, synthetic_batch
@@ -109,9 +110,14 @@ class OneFlowRun(FrameworkRun):
     def build(self) -> None:
         spec, dist = self.spec, self.dist
         init = load_init(spec)
-        self.train_step = TrainStep(spec.workload, dist, spec.tuning, init=init)
-        self.images, self.labels = (init_batch(spec.workload, init, dist) if init is not None
-                                    else synthetic_batch(spec.workload, dist))
+        align = spec.align
+        dtype = getattr(flow, align_dtype(spec))
+        self.train_step = TrainStep(
+            spec.workload, dist, spec.tuning, init=init, dtype=dtype,
+            keep_grad_norm=bool(align and align.dump),
+            straight_through=bool(align and align.breaks_rule("margin_straight_through")))
+        self.images, self.labels = (init_batch(spec.workload, init, dist, dtype)
+                                    if init is not None else synthetic_batch(spec.workload, dist))
 
     def start_fields(self, baseline: int) -> dict:
         step = self.train_step
@@ -134,6 +140,9 @@ class OneFlowRun(FrameworkRun):
 
     def read_losses(self, outputs: list) -> list[float]:
         return [float(v) for v in flow.stack([loss.reshape(()) for loss in outputs]).numpy()]
+
+    def align_state(self) -> StepState:
+        return step_state(self.train_step)
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.dist)

@@ -39,11 +39,20 @@ def launch(req: LaunchRequest) -> Launch:
                         {CUDNN_SEARCH_FLAG: "1" if req.tuning.cudnn_benchmark else "0"})
 
 
+RULE_DIFFERENCES = {
+    "running_var": "Paddle's batch_norm moves the running variance with the biased batch "
+                   "variance (the squared deviations' sum over n); torch's with the unbiased one "
+                   "(over n - 1)."}
+"""Where Paddle's kernels train by another rule than torch's (``Capabilities.rule_differences``):
+every run, an alignment run's too, keeps Paddle's rule (``alignment``)."""
+
+
 BACKEND = Backend(
     name="paddle", framework="paddle", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(heads=("dp", "mp", "pfc"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")},
                               families=FAMILIES,
+                              rule_differences=RULE_DIFFERENCES,
                               why_not={p: "Paddle's CPU build has no half-precision matrix "
                                           "products" for p in ("fp16", "bf16")}),
     runs_as="dynamic graph, AMP O1; pfc by PLSC's rule, sparse or dense update",

@@ -27,11 +27,17 @@ row, so a rank's embedding gradient is the sum over ranks of the gathered gradie
 rows (an all-reduce of the [N, D] gradient, then this rank's slice: gloo has no
 reduce-scatter), while the shard's class-matrix gradient stays local.
 
+The head computes in its ``dtype``: float32 (throughput runs, with the class-matrix products
+in half precision under AMP) or an alignment run's float64, where everything from the gathered
+embeddings to the loss stays float64.
+
 The margin is the combined cos(m1 * theta + m2) - m3 of torch's ``margin.py``: the cosine is
-clamped to [-1 + 1e-6, 1 - 1e-6] (as float32 numbers) before arccos, the clamp passing no
-gradient outside, bounds included (torch's clamp backward); past theta_max = (pi - m2) / m1 the
-logit continues as cos(theta) - m3 - (1 + cos(theta_max)). CosFace and plain softmax (m1 = 1,
-m2 = 0) are c - m3.
+clamped to [-1 + 1e-6, 1 - 1e-6] (as numbers of the head's dtype) before arccos, the clamp
+passing no gradient outside, bounds included (torch's clamp backward); past theta_max = (pi -
+m2) / m1 the logit continues as cos(theta) - m3 - (1 + cos(theta_max)). CosFace and plain
+softmax (m1 = 1, m2 = 0) are c - m3. An alignment run's negative control may ask for the
+margin's gradient to pass straight through (``straight_through``: derivative 1, the forward
+unchanged).
 
 Sampling reads one number back to the host when the gathered batch has more samples than a
 shard samples columns: the count of positives, which may then exceed the sample (torch's head
@@ -67,7 +73,8 @@ def check_fc(mode: str) -> None:
 
 def margin_target_logit(c: paddle.Tensor, m1: float, m2: float, m3: float
                         ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """Unscaled target logit of float32 target cosines ``c`` and its derivative d/dc."""
+    """Unscaled target logit of target cosines ``c`` and its derivative d/dc (in ``c``'s
+    dtype)."""
     if m1 == 1.0 and m2 == 0.0:
         return c - m3, paddle.ones_like(c)
     cc = paddle.clip(c, -1.0 + COS_EPS, 1.0 - COS_EPS)
@@ -126,7 +133,7 @@ class MarginSoftmaxHead:
     def __init__(self, num_classes: int, embedding_size: int,
                  margins: tuple[float, float, float], scale: float, comm: Comm,
                  mode: str = "dp", sample_ratio: float = 1.0, update: str = "sparse",
-                 seed: int = 0, mm_dtype: str = "float32") -> None:
+                 seed: int = 0, mm_dtype: str | None = None, dtype: str = "float32") -> None:
         check_fc(mode)
         if update not in PFC_UPDATES:
             raise ValueError(f"pfc update must be one of {PFC_UPDATES}, got {update!r}")
@@ -143,16 +150,23 @@ class MarginSoftmaxHead:
         self.sampling = mode == "pfc" and sample_ratio < 1.0
         self.num_sample = max(1, int(sample_ratio * self.count))
         self.sparse = self.sampling and update == "sparse"
-        self.mm_dtype = mm_dtype
+        self.dtype = dtype
+        """What the class matrix, its momentum and the head's arithmetic are held in: float32,
+        or an alignment run's float64."""
+        self.mm_dtype = mm_dtype or dtype
         """``float16``/``bfloat16`` runs the three class-matrix products in half precision
-        (AMP on a GPU); the margin and the softmax stay float32."""
+        (AMP on a GPU); the margin and the softmax stay in ``dtype``. ``dtype`` itself: no
+        cast (the default)."""
+        self.straight_through = False
+        """A negative control of alignment (``AlignSpec.breaks``): the margin's gradient
+        passes to the cosine with derivative 1."""
         # Throughput runs: N(0, 0.01), as torch's head; dp ranks draw the same matrix (torch's
         # DDP broadcasts rank 0's), sharded ranks each their own shard. The draw must not move
         # the global generator the backbone and dropout use, so it gets its own seed and the
         # caller reseeds. ``set_weight`` overrides it.
         draw_rank = comm.rank if self.sharded else 0
         paddle.seed(seed * 1000 + 7919 * (draw_rank + 1))
-        self.weight = paddle.normal(0.0, 0.01, [self.count, embedding_size]).astype("float32")
+        self.weight = paddle.normal(0.0, 0.01, [self.count, embedding_size]).astype(dtype)
         self.weight.stop_gradient = True
         self.grad: paddle.Tensor | None = None
         self.momentum: paddle.Tensor | None = None
@@ -176,13 +190,13 @@ class MarginSoftmaxHead:
         if tuple(rows.shape) != tuple(self.weight.shape):
             raise ValueError(f"head weight rows {tuple(rows.shape)} do not fit the head's "
                              f"{tuple(self.weight.shape)}")
-        self.weight.set_value(np.ascontiguousarray(rows, dtype=np.float32))
+        self.weight.set_value(np.ascontiguousarray(rows, dtype=self.dtype))
 
     def _mm(self, a: paddle.Tensor, b: paddle.Tensor, **kwargs: bool) -> paddle.Tensor:
-        if self.mm_dtype == "float32":
+        if self.mm_dtype == self.dtype:
             return paddle.matmul(a, b, **kwargs)
         return paddle.matmul(a.astype(self.mm_dtype), b.astype(self.mm_dtype),
-                             **kwargs).astype("float32")
+                             **kwargs).astype(self.dtype)
 
     @paddle.no_grad()
     def forward_backward(self, emb: paddle.Tensor, labels: paddle.Tensor,
@@ -193,15 +207,15 @@ class MarginSoftmaxHead:
 
         ``emb`` [n, D] is this rank's embeddings (any float dtype), ``labels`` [n] its global
         class ids (int64). Writes d(loss * grad_scale)/d weight into ``self.grad``. Returns
-        (loss, a float32 scalar tensor; gradient of ``emb`` in ``emb``'s dtype). In ``mp`` and
-        ``pfc`` it talks to the other ranks through ``comm``. ``keep_logits`` (tests) keeps a
-        copy of this shard's scaled logits [N, C] in ``self.logits``; ``scores`` (tests) ranks
-        the negatives of a sampling ``pfc`` instead of a uniform draw.
+        (loss, a scalar tensor in the head's ``dtype``; gradient of ``emb`` in ``emb``'s dtype).
+        In ``mp`` and ``pfc`` it talks to the other ranks through ``comm``. ``keep_logits``
+        (tests) keeps a copy of this shard's scaled logits [N, C] in ``self.logits``; ``scores``
+        (tests) ranks the negatives of a sampling ``pfc`` instead of a uniform draw.
         """
         comm = self.comm
         m1, m2, m3 = self.margins
         s = self.scale
-        e = emb.detach().astype("float32")
+        e = emb.detach().astype(self.dtype)
         local_rows = int(e.shape[0])
         labels = labels.astype("int64")
         if self.sharded:
@@ -218,7 +232,7 @@ class MarginSoftmaxHead:
             w = paddle.index_select(self.weight, self.index)
             if self.sparse:
                 self.rows = w
-        has = (local >= 0).astype("float32")
+        has = (local >= 0).astype(self.dtype)
         # Each sample's column; samples of other shards point at column 0 and are masked by
         # ``has`` (their column-0 entry is written back unchanged).
         cols = paddle.clip(local, min=0).unsqueeze(1)
@@ -231,6 +245,8 @@ class MarginSoftmaxHead:
         z.multiply_(inv.unsqueeze(0))                                  # cos
         target = paddle.take_along_axis(z, cols, axis=1).squeeze(1)
         value, d_value = margin_target_logit(target, m1, m2, m3)
+        if self.straight_through:
+            d_value = paddle.ones_like(d_value)
         value = paddle.where(has > 0, value, target)
         d_value = paddle.where(has > 0, d_value, paddle.ones_like(d_value))
         z.scale_(s)
@@ -264,7 +280,7 @@ class MarginSoftmaxHead:
         m.subtract_(w * coef.unsqueeze(1))
         self.grad = m
 
-        radial = paddle.sum(grad_e_hat * e_hat, axis=1) * (norm > NORM_EPS).astype("float32")
+        radial = paddle.sum(grad_e_hat * e_hat, axis=1) * (norm > NORM_EPS).astype(self.dtype)
         grad_e = (grad_e_hat - e_hat * radial.unsqueeze(1)) \
             / paddle.clip(norm, min=NORM_EPS).unsqueeze(1)
         if self.sharded:

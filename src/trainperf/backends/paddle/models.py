@@ -16,7 +16,7 @@ PReLU ``_weight`` -> ``weight``. :func:`torch_names` gives that mapping.
 Layouts, the one place they differ: convolution weights are OIHW in both frameworks, but a Paddle
 ``Linear`` keeps its weight as [in, out] where torch keeps [out, in]. :func:`load_torch_arrays`
 transposes those (and only those) when it loads the ``backbone/<torch name>`` arrays of an
-alignment ``.npz`` (``trainperf.protocol.RunSpec.init``); :func:`torch_state` transposes back.
+alignment ``.npz`` (``trainperf.config.AlignSpec.start``); :func:`torch_state` transposes back.
 
 IResNet's embedding BatchNorm has its gamma fixed at 1, as torch's (a parameter that takes no
 gradient): here a real ``weight`` parameter that SGD never updates (:func:`trainable_parameters`
@@ -33,8 +33,12 @@ random numbers do not.
 
 Known difference from torch: Paddle updates a BatchNorm's running variance with the *biased*
 batch variance, torch with the unbiased one. Training-mode forward and backward use the batch
-statistics and are identical; only the running statistics (which evaluation would use) differ
-by a factor (n - 1) / n in the update term.
+statistics and are identical; only the running statistics (which evaluation would use) differ,
+by a factor (n - 1) / n in the variance's update term. Every run keeps Paddle's rule, and the
+backend declares the difference (``Capabilities.rule_differences``), which alignment measures
+without counting it. Paddle's kernel also takes the momentum (and epsilon) as float32
+attributes (0.9 arrives as 0.8999999762); a float64 alignment run holds them exactly
+(``alignment.ExactBatchNorm``).
 """
 
 from __future__ import annotations

@@ -26,10 +26,20 @@ Clipping: the backbone's reduced gradient is scaled by ``min(1, max_norm / (norm
 ``ClipGradByGlobalNorm`` has no 1e-6 and would also clip the head). The coefficient stays on
 the device and shares one multiply per gradient with the dp mean and the fp16 unscaling.
 
-SGD: ``paddle.optimizer.Momentum`` (multi-tensor) on the backbone with L2 weight decay inside
-the op computes ``buf = m * buf + (g + wd * w); w -= lr * buf``, torch's SGD exactly (the
-rate is set before every step from ``lr_steps``/``lr_scales``). The class matrix is updated by
-the head itself (``MarginSoftmaxHead.sgd_step``: the same formula, or per sampled row).
+SGD: ``paddle.optimizer.Momentum`` (multi-tensor, :func:`native_optimizer`) on the backbone
+with L2 weight decay inside the op computes ``buf = m * buf + (g + wd * w); w -= lr * buf``,
+torch's SGD exactly (the rate is set before every step from ``lr_steps``/``lr_scales``). The
+class matrix is updated by the head itself (``MarginSoftmaxHead.sgd_step``: the same formula,
+or per sampled row).
+
+Alignment runs (``trainperf.config.AlignSpec``, ``TrainStep(align=...)``) hold and compute
+everything in the asked dtype: the backbone is built with that default dtype (parameters and
+BatchNorm statistics), the batch, the head and its momentum are made in it. Where Paddle's own
+kernels hold a number of their rule as a float32 attribute (BatchNorm, the global pool's
+backward, the momentum op), a float64 run computes the same rule with the number held exactly
+(``alignment``); Paddle's rule stays, BatchNorm's biased running variance included. With a
+dump, the gradient norm before clipping is kept every step, also where the workload does not
+clip (``last_grad_norm``). A throughput run does none of this.
 
 Precision: ``fp32`` everywhere; ``fp16`` and ``bf16`` on a GPU only, through ``paddle.amp``
 (``auto_cast`` level O1: convolutions and matrix products in half precision, float32 weights,
@@ -48,17 +58,18 @@ off.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from ...config import Tuning, Workload
+from ...config import AlignSpec, Tuning, Workload
 from ..base import require
 from ..scaling import LossScale
 from ..workerkit import start_batch
 from . import models
+from .alignment import ExactMomentum, use_exact_kernels
 from .backend import BACKEND
 from .comm import Comm
 from .heads import MarginSoftmaxHead
@@ -82,11 +93,32 @@ def synthetic_batch(workload: Workload, rank: int) -> tuple[paddle.Tensor, paddl
     return images, labels
 
 
-def init_batch(workload: Workload, arrays: Any, rank: int
+def init_batch(workload: Workload, arrays: Any, rank: int, dtype: str = "float32"
                ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """Rank ``rank``'s batch from an alignment file (``RunSpec.init``)."""
-    images, labels = start_batch(workload, arrays, rank)
+    """Rank ``rank``'s batch from an alignment file (``AlignSpec.start``), images in
+    ``dtype``."""
+    images, labels = start_batch(workload, arrays, rank, dtype)
     return paddle.to_tensor(images), paddle.to_tensor(labels)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: str) -> Iterator[None]:
+    """Paddle's default dtype set to ``dtype`` for what is built inside (a layer's parameters
+    and BatchNorm statistics take it when they are created), the old one back after."""
+    old = paddle.get_default_dtype()
+    paddle.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        paddle.set_default_dtype(old)
+
+
+def native_optimizer(params: list[paddle.Tensor], lr: float, momentum: float,
+                     weight_decay: float) -> paddle.optimizer.Momentum:
+    """The backbone's optimizer as a throughput run times it (module doc): Paddle's momentum
+    op, multi-tensor, the L2 decay inside the op."""
+    return paddle.optimizer.Momentum(learning_rate=lr, momentum=momentum, parameters=params,
+                                     weight_decay=weight_decay or None, use_multi_tensor=True)
 
 
 def _buckets(params: list[paddle.Tensor], bucket_bytes: float) -> list[list[int]]:
@@ -104,11 +136,20 @@ def _buckets(params: list[paddle.Tensor], bucket_bytes: float) -> list[list[int]
     return buckets
 
 
+def _global_norm(grads: list[paddle.Tensor]) -> paddle.Tensor:
+    """The L2 norm of all of ``grads`` as one vector (a scalar on the device)."""
+    return paddle.sqrt(paddle.add_n([paddle.sum(g * g) for g in grads]))
+
+
 class TrainStep:
-    """Call with (images, labels); returns the step's loss as a device tensor, not waited on."""
+    """Call with (images, labels); returns the step's loss as a device tensor, not waited on.
+
+    ``align``: an alignment run's spec (module doc): its dtype (float64: Paddle's rule with
+    exact constants where a kernel holds float32 ones), the gradient norm kept every step where
+    it dumps, and its rule breaks."""
 
     def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
-                 init: Any = None) -> None:
+                 init: Any = None, align: AlignSpec | None = None) -> None:
         require(BACKEND.model_refusal(workload))
         check_precision(workload.precision, comm.device_type)
         self.workload = workload
@@ -117,15 +158,24 @@ class TrainStep:
         self.step_index = 0
         self.amp_dtype = AMP_DTYPES.get(workload.precision)
         self.fp16 = workload.precision == "fp16"
+        self.dtype = align.dtype if align is not None else "float32"
+        """What the weights, activations, gradients and optimizer state are held in."""
+        self.keep_grad_norm = bool(align is not None and align.dump)
+        self.last_grad_norm: paddle.Tensor | None = None
+        """The backbone's reduced gradient norm before clipping, of the last step (on the
+        device); kept where the step clips, or where ``keep_grad_norm`` asks for it."""
 
         # Same seed on every rank; rank 0's weights are broadcast below anyway.
         paddle.seed(workload.seed)
-        net = models.build_backbone(
-            workload.backbone, embedding_size=workload.embedding_size,
-            num_classes=workload.num_classes, input_size=workload.input_size,
-            output_block=workload.output_block, dropout=workload.dropout)
+        with default_dtype(self.dtype):
+            net = models.build_backbone(
+                workload.backbone, embedding_size=workload.embedding_size,
+                num_classes=workload.num_classes, input_size=workload.input_size,
+                output_block=workload.output_block, dropout=workload.dropout)
         if init is not None:
             models.load_torch_arrays(net, init)
+        if self.dtype == "float64":
+            use_exact_kernels(net)
         net.train()
         self.net = net
         self.params = models.trainable_parameters(net)
@@ -139,7 +189,9 @@ class TrainStep:
                 workload.num_classes, workload.embedding_size, workload.resolved_margins,
                 workload.scale, comm, mode=workload.fc, sample_ratio=workload.sample_ratio,
                 update=workload.pfc_update, seed=workload.seed,
-                mm_dtype=self.amp_dtype or "float32")
+                mm_dtype=self.amp_dtype or self.dtype, dtype=self.dtype)
+            self.head.straight_through = bool(
+                align is not None and align.breaks_rule("margin_straight_through"))
             if init is not None:
                 self.head.set_weight(np.asarray(init["head/weight"]))
         # The head drew its matrix from its own seed; dropout masks and pfc samples differ by
@@ -147,9 +199,9 @@ class TrainStep:
         paddle.seed(workload.seed * 1000 + 104729 * (comm.rank + 1))
         self.sharded = self.head is not None and self.head.sharded
 
-        self.opt = paddle.optimizer.Momentum(
-            learning_rate=workload.lr, momentum=workload.momentum, parameters=self.params,
-            weight_decay=workload.weight_decay or None, use_multi_tensor=True)
+        make_optimizer = ExactMomentum if self.dtype == "float64" else native_optimizer
+        self.opt: Any = make_optimizer(self.params, workload.lr, workload.momentum,
+                                       workload.weight_decay)
         self._buckets = _buckets(self.params, self.tuning.ddp_bucket_mb * 2**20)
         # Average (dp, classification) or sum (sharded heads' backbone) of the summed gradients.
         self._mean = 1.0 if self.sharded else 1.0 / comm.world_size
@@ -166,12 +218,19 @@ class TrainStep:
         return self.scaler.scale if self.scaler is not None else None
 
     @property
+    def lr(self) -> float:
+        """The rate the optimizer ran the last step at (the workload's base rate before the
+        first), read from the optimizer (a read from the device for Paddle's)."""
+        return float(self.opt.get_lr())
+
+    @property
     def settings(self) -> dict:
         return {"graph": "dynamic (eager)",
                 "gradient_allreduce": None if not self.comm.distributed else
                 {"after_backward": True, "bucket_mb": self.tuning.ddp_bucket_mb,
                  "buckets": len(self._buckets), "backend": self.comm.backend},
-                "optimizer": "paddle.optimizer.Momentum(use_multi_tensor=True), L2 decay in op",
+                "optimizer": "alignment.ExactMomentum" if isinstance(self.opt, ExactMomentum)
+                else "paddle.optimizer.Momentum(use_multi_tensor=True), L2 decay in op",
                 "amp": None if self.amp_dtype is None else f"paddle.amp O1 {self.amp_dtype}",
                 "loss_scaling": "dynamic, one overflow decision for all ranks"
                 if self.fp16 else None}
@@ -194,11 +253,13 @@ class TrainStep:
         with self._autocast():
             out = self.net(images)
         if self.head is None:
-            loss = F.cross_entropy(out.astype("float32"), labels)
+            # Half-precision logits go to float32; float64 ones (alignment) stay.
+            loss = F.cross_entropy(out if out.dtype == paddle.float64 else out.astype("float32"),
+                                   labels)
             (loss * grad_scale if grad_scale != 1.0 else loss).backward()
-            return loss
-        loss, grad = self.head.forward_backward(out, labels, grad_scale)
-        paddle.autograd.backward([out], [grad])
+        else:
+            loss, grad = self.head.forward_backward(out, labels, grad_scale)
+            paddle.autograd.backward([out], [grad])
         return loss
 
     @paddle.no_grad()
@@ -228,19 +289,22 @@ class TrainStep:
     @paddle.no_grad()
     def _scale_and_clip(self, factor: float) -> None:
         """Backbone gradients times ``factor`` (the dp mean, the fp16 unscaling) and the clip
-        coefficient of the scaled gradient's global norm; the coefficient stays on the device."""
+        coefficient of the scaled gradient's global norm; the coefficient stays on the device.
+        The norm is kept in ``last_grad_norm``; without clipping it is computed only where
+        ``keep_grad_norm`` asks for it."""
         grads = [p.grad for p in self.params]
         clip = self.workload.clip_grad_norm
         if clip is None or not grads:
+            if self.keep_grad_norm and grads:
+                self.last_grad_norm = _global_norm(grads) * factor
             if factor != 1.0:
                 for g in grads:
                     g.scale_(factor)
             return
-        norm = paddle.sqrt(paddle.add_n([paddle.sum(g * g) for g in grads])) * factor
+        norm = self.last_grad_norm = _global_norm(grads) * factor
         coef = paddle.clip(clip / (norm + 1e-6), max=1.0) * factor
         for g in grads:
             g.multiply_(coef)
-
 
     def compute_gradients(self, images: paddle.Tensor, labels: paddle.Tensor
                           ) -> paddle.Tensor:

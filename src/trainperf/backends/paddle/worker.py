@@ -25,9 +25,10 @@ import time
 import numpy as np
 import paddle
 
-from ..workerkit import (FrameworkRun, environment, leave, load_init, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, leave, load_init,
+                         memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
+from .alignment import step_state
 from .backend import BACKEND, CUDNN_SEARCH_FLAG
 from .comm import Comm, comm_from_env
 from .step import TrainStep, init_batch, synthetic_batch
@@ -101,9 +102,10 @@ class PaddleRun(FrameworkRun):
         spec, comm = self.spec, self.comm
         configure(spec.threads)
         init = load_init(spec)
-        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init)
-        self.images, self.labels = (init_batch(spec.workload, init, comm.rank) if init is not None
-                                    else synthetic_batch(spec.workload, comm.rank))
+        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init, align=spec.align)
+        self.images, self.labels = (
+            init_batch(spec.workload, init, comm.rank, align_dtype(spec)) if init is not None
+            else synthetic_batch(spec.workload, comm.rank))
 
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
@@ -138,7 +140,11 @@ class PaddleRun(FrameworkRun):
         self.comm.barrier()
 
     def read_losses(self, outputs: list) -> list[float]:
-        return [float(v) for v in paddle.stack(outputs).astype("float32").numpy()]
+        # float64 holds a float32 loss exactly and an alignment run's float64 one as it is.
+        return [float(v) for v in paddle.stack(outputs).astype("float64").numpy()]
+
+    def align_state(self) -> StepState:
+        return step_state(self.train_step)
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.comm)

@@ -33,7 +33,9 @@ def launch(req: LaunchRequest) -> Launch:
 
 
 # Data parallel only: the sharded heads (mp, pfc) are not written for TensorFlow. Its
-# convolutions are NHWC, so --channels-last is what it runs anyway.
+# convolutions are NHWC, so --channels-last is what it runs anyway. No ``rule_differences``:
+# the fused BatchNorm kernel moves its running variance with the unbiased batch variance and
+# momentum 0.1, torch's rule (tests/test_tf_models_heads.py measures it on the CPU kernel).
 BACKEND = Backend(
     name="tf", framework="tensorflow", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(heads=("dp",),

@@ -11,7 +11,8 @@ layers, because:
   ``exponential_avg_factor`` is torch's momentum (0.1) and whose running variance is updated
   with the unbiased batch variance, exactly torch's rule (Keras 3's BatchNormalization
   composes unfused ops, keeps ``momentum`` as the weight of the old value, 0.9 for torch's 0.1,
-  and updates with the biased variance);
+  and updates with the biased variance). The fused kernel has no float64 version, so a float64
+  network (a strict alignment run) composes the same rule from ``tf.nn`` ops instead;
 - padding is torch's explicit symmetric padding (``padding=[[0, 0], [p, p], [p, p], [0, 0]]``;
   TensorFlow's "SAME" pads a strided layer asymmetrically and would shift every window).
 
@@ -22,6 +23,9 @@ used both by the initialisation (drawn in torch's layout, so the distributions a
 by :func:`load_torch_arrays`. One dense layer needs more than a transpose: IResNet's ``fc`` reads a
 flattened feature map, which torch flattens in (C, H, W) order and NHWC in (H, W, C) order, so its
 rows are permuted once at load instead of transposing the activation at every step.
+
+Dtype: the variables are float32 (fp16 runs cast them in the layers), or float64 for a strict
+alignment run (``build_backbone(dtype=...)``); every layer computes in its input's dtype.
 
 Initialisation (throughput runs; alignment overwrites it): convolution and dense weights and dense
 biases from U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the distribution of torch's default
@@ -52,7 +56,8 @@ from .backend import BACKEND
 
 __all__ = [
     "Backbone", "backbone_names", "backbone_task", "build_backbone", "load_torch_arrays",
-    "param_count", "to_tf_layout", "to_torch_layout", "torch_shapes", "BN_EPS", "BN_MOMENTUM",
+    "param_count", "to_tf_layout", "to_torch_layout", "torch_arrays", "torch_shapes", "BN_EPS",
+    "BN_MOMENTUM",
 ]
 
 BN_EPS = 1e-5
@@ -65,13 +70,13 @@ _RUNNING = ("running_mean", "running_var")
 
 # ------------------------------------------------------------------------------- layouts
 
-def to_tf_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None
-                 ) -> np.ndarray:
-    """torch's array -> TensorFlow's, as float32. ``layout`` (``trainperf.backends.layouts``):
+def to_tf_layout(value: np.ndarray, layout: str, chw: tuple[int, int, int] | None = None,
+                 dtype: Any = np.float32) -> np.ndarray:
+    """torch's array -> TensorFlow's, as ``dtype``. ``layout`` (``trainperf.backends.layouts``):
     ``conv`` (OIHW -> HWIO), ``linear`` ([out, in] -> [in, out]), ``linear_chw`` (a linear
     layer after a flatten of a (C, H, W) map: [out, C*H*W] -> [H*W*C, out], rows in NHWC
     flatten order; ``chw`` gives (C, H, W)) or ``vector`` (unchanged)."""
-    return layouts.from_torch(np.asarray(value, dtype=np.float32), layout, chw)
+    return layouts.from_torch(np.asarray(value, dtype=dtype), layout, chw)
 
 
 to_torch_layout = layouts.to_torch
@@ -89,17 +94,19 @@ class Param:
 
 
 class Params:
-    """A network's variables under their torch ``state_dict`` names, in torch's order."""
+    """A network's variables under their torch ``state_dict`` names, in torch's order, all in
+    ``dtype`` (numpy's name)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, dtype: str = "float32") -> None:
         self.rng = np.random.RandomState(seed)
+        self.dtype = np.dtype(dtype)
         self.entries: dict[str, Param] = {}
 
     def add(self, name: str, torch_value: np.ndarray, layout: str, trainable: bool = True,
             chw: tuple[int, int, int] | None = None) -> tf.Variable:
         if name in self.entries:
             raise RuntimeError(f"two variables named {name!r}")
-        var = tf.Variable(to_tf_layout(torch_value, layout, chw), trainable=trainable,
+        var = tf.Variable(to_tf_layout(torch_value, layout, chw, self.dtype), trainable=trainable,
                           name=name)
         self.entries[name] = Param(var, tuple(np.shape(torch_value)), layout, chw,
                                    running=name.endswith(_RUNNING))
@@ -133,7 +140,13 @@ class Conv:
 class BatchNorm:
     """torch's BatchNorm2d / BatchNorm1d (eps 1e-5, momentum 0.1) on the last axis, as the fused
     kernel (a [N, C] input runs as [N, 1, 1, C]). In training it normalises with the batch
-    statistics and moves the running ones (unbiased variance, as torch)."""
+    statistics and moves the running ones (unbiased variance, as torch).
+
+    The fused kernel takes float32 variables only ("Value for attr U of double is not in the
+    list of allowed values"): float64 variables run the fused kernel's rule in ``tf.nn`` ops
+    (:meth:`_composed`), which float32 runs never trace. That stand-in is held, in float32, to
+    compute what the fused kernel computes (output, gradients, running statistics, inference)
+    by ``tests/test_tf_models_heads.py``; ``fused`` is what chooses the path."""
 
     def __init__(self, params: Params, name: str, channels: int, gamma: float = 1.0,
                  fixed_gamma: bool = False) -> None:
@@ -144,8 +157,11 @@ class BatchNorm:
                                        trainable=False)
         self.running_var = params.add(f"{name}.running_var", np.ones(channels), "vector",
                                       trainable=False)
+        self.fused = self.weight.dtype == tf.float32
 
     def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        if not self.fused:
+            return self._composed(x, training)
         flat = x.shape.rank == 2
         if flat:
             x = x[:, None, None, :]
@@ -160,6 +176,21 @@ class BatchNorm:
                 x, self.weight, self.bias, mean=self.running_mean, variance=self.running_var,
                 epsilon=BN_EPS, is_training=False)
         return y[:, 0, 0, :] if flat else y
+
+    def _composed(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        """The fused kernel's arithmetic in separate ops, for any dtype: normalise with the
+        batch's mean and biased variance, and move the running statistics by the fused
+        kernel's rule (which is torch's), ``r = (1 - m) * r + m * s`` with the unbiased
+        variance (n / (n - 1) times the biased one, n the values per channel)."""
+        if not training:
+            return tf.nn.batch_normalization(x, self.running_mean, self.running_var, self.bias,
+                                             self.weight, BN_EPS)
+        mean, var = tf.nn.moments(x, axes=list(range(x.shape.rank - 1)))
+        n = tf.cast(tf.size(x) // tf.shape(x)[-1], var.dtype)
+        unbiased = var * (n / (n - 1.0))
+        self.running_mean.assign((1.0 - BN_MOMENTUM) * self.running_mean + BN_MOMENTUM * mean)
+        self.running_var.assign((1.0 - BN_MOMENTUM) * self.running_var + BN_MOMENTUM * unbiased)
+        return tf.nn.batch_normalization(x, mean, var, self.bias, self.weight, BN_EPS)
 
 
 class PReLU:
@@ -341,13 +372,14 @@ backbone_task = CATALOG.task
 
 def build_backbone(name: str, *, embedding_size: int | None = None,
                    num_classes: int | None = None, input_size: int = 112,
-                   output_block: str = "E", dropout: float = 0.0, seed: int = 0) -> Backbone:
+                   output_block: str = "E", dropout: float = 0.0, seed: int = 0,
+                   dtype: str = "float32") -> Backbone:
     """The TensorFlow twin of torch's ``build_backbone(name, ...)``, its variables created on
-    the current device and initialised from ``seed``. Arguments a family does not use are
-    ignored, as in torch; ``None`` takes the catalogue's default (``backends.catalog``: torch's
-    defaults)."""
+    the current device in ``dtype`` and initialised from ``seed``. Arguments a family does not
+    use are ignored, as in torch; ``None`` takes the catalogue's default (``backends.catalog``:
+    torch's defaults)."""
     entry = CATALOG.lookup(name)
-    params = Params(seed)
+    params = Params(seed, dtype)
     net = _BUILDERS[entry.family](
         params, entry, embedding_size=entry.embedding(embedding_size),
         num_classes=entry.classes(num_classes), input_size=input_size,
@@ -366,7 +398,16 @@ def load_torch_arrays(net: Backbone, arrays: Any, prefix: str = "backbone/") -> 
         fixed_gamma={name for name, e in entries.items()
                      if not e.variable.trainable and not e.running})
     for name, e in entries.items():
-        e.variable.assign(to_tf_layout(values[name], e.layout, e.chw))
+        # In the network's dtype: float32 arrays held as float64 stay exact.
+        e.variable.assign(to_tf_layout(values[name], e.layout, e.chw, net.params.dtype))
+
+
+def torch_arrays(net: Backbone, prefix: str = "backbone/") -> dict[str, np.ndarray]:
+    """The inverse of :func:`load_torch_arrays`: every variable (the running statistics and a
+    fixed gamma included) read back as ``prefix + torch_name`` in torch's layout and in the
+    network's dtype, as torch's ``state_dict`` lists them (but ``num_batches_tracked``)."""
+    return {prefix + name: to_torch_layout(e.variable.numpy(), e.layout, e.chw)
+            for name, e in net.params.entries.items()}
 
 
 def param_count(net: Backbone) -> int:

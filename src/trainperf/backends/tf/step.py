@@ -29,6 +29,12 @@ sit in the layers), the margin and softmax in float32, and dynamic loss scaling 
 the overflow flag is taken after the all-reduce, so every rank sees the same gradients and makes
 the same decision, and ``tf.cond`` skips the update without a host read-back. ``fp16`` on a CPU
 and ``bf16`` anywhere are refused (``check_precision``).
+
+Strict alignment (``AlignSpec``): ``dtype="float64"`` holds every variable, BatchNorm statistic,
+momentum buffer, rate and input in float64 and computes the whole step in it (BatchNorm composed
+of ``tf.nn`` ops, the fused kernel having no float64 version); ``keep_state`` also keeps, on the
+device, each step's gradient norm before clipping (computed even where the workload does not
+clip) and the rate the update ran at, for ``StepState``. Neither adds an op to other runs.
 """
 
 from __future__ import annotations
@@ -67,38 +73,50 @@ def synthetic_batch(workload: Workload, rank: int, device: str) -> tuple[tf.Tens
     return to_device(workload, images, labels, device)
 
 
-def init_batch(workload: Workload, arrays: Any, rank: int, device: str
+def init_batch(workload: Workload, arrays: Any, rank: int, device: str, dtype: str = "float32"
                ) -> tuple[tf.Tensor, tf.Tensor]:
-    """Rank ``rank``'s batch from an alignment file (``RunSpec.init``: NCHW images)."""
-    images, labels = start_batch(workload, arrays, rank)
-    return to_device(workload, images.transpose(0, 2, 3, 1), labels, device)
+    """Rank ``rank``'s batch from an alignment file (``AlignSpec.start``: NCHW images), its
+    images in ``dtype`` (the run's)."""
+    images, labels = start_batch(workload, arrays, rank, dtype)
+    return to_device(workload, images.transpose(0, 2, 3, 1), labels, device, dtype)
 
 
-def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, device: str
-              ) -> tuple[tf.Tensor, tf.Tensor]:
-    dtype = tf.float16 if workload.precision == "fp16" else tf.float32
+def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, device: str,
+              dtype: str = "float32") -> tuple[tf.Tensor, tf.Tensor]:
+    """Images in the step's input dtype (float16 under mixed precision, else ``dtype``, the
+    variables') and int32 labels, on ``device``."""
+    tf_dtype = tf.float16 if workload.precision == "fp16" else tf.as_dtype(dtype)
     with tf.device(device):
-        return (tf.constant(np.ascontiguousarray(images, dtype=np.float32), dtype=dtype),
+        return (tf.constant(np.ascontiguousarray(images, dtype=dtype), dtype=tf_dtype),
                 tf.constant(np.asarray(labels), dtype=tf.int32))
 
 
 class TrainStep:
     """Call with (images, labels); returns (this rank's loss, marker) as device tensors. The
-    marker is the step counter read after every update of the step has run."""
+    marker is the step counter read after every update of the step has run.
 
-    def __init__(self, workload: Workload, comm: Comm, init: Any = None) -> None:
+    ``dtype``: what the variables, buffers and the step's arithmetic are in (float64 for a
+    strict alignment run); ``keep_state``: keep each step's gradient norm and rate
+    (``grad_norm``, ``rate``); ``straight_through``: the head's negative control."""
+
+    def __init__(self, workload: Workload, comm: Comm, init: Any = None,
+                 dtype: str = "float32", keep_state: bool = False,
+                 straight_through: bool = False) -> None:
         require(BACKEND.model_refusal(workload))
         check_precision(workload.precision, comm.device_type)
         self.workload = workload
         self.comm = comm
         self.fp16 = workload.precision == "fp16"
-        compute = tf.float16 if self.fp16 else tf.float32
+        self.dtype = tf.as_dtype(dtype)
+        if self.fp16 and self.dtype != tf.float32:
+            raise ValueError("mixed float16 keeps float32 variables; not " + dtype)
+        compute = tf.float16 if self.fp16 else self.dtype
         with tf.device(comm.tf_device):
             self.backbone = models.build_backbone(
                 workload.backbone, embedding_size=workload.embedding_size,
                 num_classes=workload.num_classes, input_size=workload.input_size,
                 output_block=workload.output_block, dropout=workload.dropout,
-                seed=workload.seed)
+                seed=workload.seed, dtype=dtype)
             if init is not None:
                 models.load_torch_arrays(self.backbone, init)
             self.head: MarginSoftmaxHead | None = None
@@ -106,14 +124,21 @@ class TrainStep:
                 self.head = MarginSoftmaxHead(
                     workload.num_classes, workload.embedding_size, workload.resolved_margins,
                     workload.scale, mode=workload.fc, seed=workload.seed,
-                    compute_dtype=compute)
+                    compute_dtype=compute, dtype=self.dtype, straight_through=straight_through)
                 if init is not None:
                     self.head.set_weight(np.asarray(init["head/weight"]))
             self.backbone_vars = self.backbone.trainable_variables
             self.variables = self.backbone_vars + ([self.head.weight] if self.head else [])
-            self.buffers = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False)
+            self.buffers = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                             for v in self.variables]
             self.step_count = tf.Variable(0, dtype=tf.int64, trainable=False)
+            # Alignment runs only: what the last step's update saw (before the first step, no
+            # norm, NaN, and the schedule's first rate).
+            self.grad_norm: tf.Variable | None = None
+            self.rate: tf.Variable | None = None
+            if keep_state:
+                self.grad_norm = tf.Variable(float("nan"), dtype=self.dtype, trainable=False)
+                self.rate = tf.Variable(self._rate(), trainable=False)
             self.loss_scale = tf.Variable(LOSS_SCALE_INIT if self.fp16 else 1.0,
                                           dtype=tf.float32, trainable=False)
             self.clean_steps = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -134,10 +159,12 @@ class TrainStep:
     # ------------------------------------------------------------------------------ graph
 
     def _rate(self) -> tf.Tensor:
+        """The rate of the step the counter is at: ``lr``, times each scale from its boundary
+        on (``Workload.lr_at``'s rule), in the variables' dtype."""
         wl = self.workload
-        rate = tf.constant(wl.lr, tf.float32)
+        rate = tf.constant(wl.lr, self.dtype)
         for boundary, factor in zip(wl.lr_steps, wl.lr_scales):
-            rate = tf.where(self.step_count >= boundary, tf.constant(wl.lr * factor, tf.float32),
+            rate = tf.where(self.step_count >= boundary, tf.constant(wl.lr * factor, self.dtype),
                             rate)
         return rate
 
@@ -145,25 +172,32 @@ class TrainStep:
         out = self.backbone(images, training=True)
         if self.head is not None:
             return self.head(out, labels)
+        # float32 at least: float16 logits are widened, float64 ones kept.
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels, tf.cast(out, tf.float32)))
+            labels, tf.cast(out, self.dtype)))
 
     def _update(self, grads: list[tf.Tensor]) -> list[tf.Operation]:
-        """Clip the backbone's part and apply SGD to every variable."""
+        """Clip the backbone's part and apply SGD to every variable (and, in an alignment run,
+        keep the norm before clipping and the rate)."""
         wl = self.workload
         grads = list(grads)
         nb = len(self.backbone_vars)
-        if wl.clip_grad_norm is not None and nb:
-            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads[:nb]]))
-            coef = tf.minimum(wl.clip_grad_norm / (norm + CLIP_EPS), 1.0)
-            grads[:nb] = [g * coef for g in grads[:nb]]
-        rate = self._rate()
         ops = []
+        if (wl.clip_grad_norm is not None or self.grad_norm is not None) and nb:
+            norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads[:nb]]))
+            if self.grad_norm is not None:
+                ops.append(self.grad_norm.assign(norm))
+            if wl.clip_grad_norm is not None:
+                coef = tf.minimum(wl.clip_grad_norm / (norm + CLIP_EPS), 1.0)
+                grads[:nb] = [g * coef for g in grads[:nb]]
+        rate = self._rate()
+        if self.rate is not None:
+            ops.append(self.rate.assign(rate))
+        momentum = tf.constant(wl.momentum, self.dtype)
         for var, buf, grad in zip(self.variables, self.buffers, grads):
             ops.append(tf.raw_ops.ResourceApplyMomentum(
                 var=var.handle, accum=buf.handle, lr=rate, grad=grad + wl.weight_decay * var,
-                momentum=tf.constant(wl.momentum, tf.float32), use_locking=False,
-                use_nesterov=False))
+                momentum=momentum, use_locking=False, use_nesterov=False))
         return ops
 
     def _replica(self, images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor,
@@ -172,7 +206,9 @@ class TrainStep:
             loss = self._loss(images, labels)
             scaled = loss * self.loss_scale if self.fp16 else loss
         grads = tape.gradient(scaled, self.variables)
-        grads = self.comm.all_reduce_mean([tf.cast(g, tf.float32) for g in grads])
+        # Each gradient in its variable's dtype (float32, float64 in an alignment run).
+        grads = self.comm.all_reduce_mean([tf.cast(g, v.dtype)
+                                           for g, v in zip(grads, self.variables)])
         if not self.fp16:
             with tf.control_dependencies(self._update(grads)):
                 marker = self.step_count.assign_add(1)

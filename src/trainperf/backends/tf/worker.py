@@ -18,6 +18,10 @@ Compilation: the first call traces the Python step into a graph and optimises it
 inside the warm-up. Its host seconds go into ``Start.settings["compile_s"]``, so ``start`` is
 written when step 0 is done, just before step 0's own event (or, if the run fails before, with
 ``compile_s`` None).
+
+Strict alignment (``AlignSpec``): the step is built in the asked dtype from the start file, and
+``align_state`` reads its variables back in torch's names and layouts after each step, with the
+gradient norm and rate the step kept on the device (``TrainStep(keep_state=True)``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from ..workerkit import (FrameworkRun, environment, leave, load_init, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, leave, load_init,
+                         memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
 from .backend import BACKEND
 from .comm import Comm
@@ -117,11 +121,14 @@ class TFRun(FrameworkRun):
         return current_memory(self.comm)
 
     def build(self) -> None:
-        spec, comm = self.spec, self.comm
+        spec, comm, align = self.spec, self.comm, self.spec.align
         init = load_init(spec)
-        self.train_step = TrainStep(spec.workload, comm, init=init)
+        dtype = align_dtype(spec)
+        self.train_step = TrainStep(
+            spec.workload, comm, init=init, dtype=dtype, keep_state=bool(align and align.dump),
+            straight_through=bool(align and align.breaks_rule("margin_straight_through")))
         self.images, self.labels = (
-            init_batch(spec.workload, init, comm.rank, comm.tf_device) if init is not None
+            init_batch(spec.workload, init, comm.rank, comm.tf_device, dtype) if init is not None
             else synthetic_batch(spec.workload, comm.rank, comm.tf_device))
 
     def start_fields(self, baseline: int) -> dict:
@@ -165,6 +172,14 @@ class TFRun(FrameworkRun):
 
     def read_losses(self, outputs: list) -> list[float]:
         return [float(v) for v in tf.stack([o[0] for o in outputs]).numpy()]
+
+    def align_state(self) -> StepState:
+        step = self.train_step
+        arrays = models.torch_arrays(step.backbone)
+        if step.head is not None:
+            arrays["head/weight"] = step.head.weight.numpy()  # dp: every rank holds it all
+        norm = float(step.grad_norm.numpy())  # NaN before the first step
+        return StepState(arrays, None if norm != norm else norm, float(step.rate.numpy()))
 
     def skipped_steps(self) -> list[int]:
         return [i for i, o in enumerate(self.outputs) if bool(o[2].numpy())]

@@ -1,6 +1,7 @@
-"""The torch side of strict alignment: write the shared starting point, and load it in a run.
+"""The torch side of strict alignment: write the shared starting point, load it in a run, and
+give each step's state for the dump.
 
-The file (layout in ``trainperf.protocol.RunSpec.init``) holds torch's initial backbone, one
+The file (layout in ``trainperf.config.AlignSpec.start``) holds torch's initial backbone, one
 class matrix drawn with numpy, and one batch per rank drawn with numpy, so nothing in it depends
 on which framework reads it.
 """
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from ...config import Workload
+from ..workerkit import StepState
 from .backbones import workload_backbone
 from .dist import DistContext
 from .step import TrainStep
@@ -57,8 +59,21 @@ def load_start(step: TrainStep, path: str, ctx: DistContext
         rows = arrays["head/weight"][head.class_start:head.class_start + head.num_local]
         with torch.no_grad():
             head.weight.copy_(torch.from_numpy(rows))
-    images = torch.from_numpy(arrays[f"images/{ctx.rank}"]).to(ctx.device)
+    dtype = next(step.backbone.parameters()).dtype
+    images = torch.from_numpy(arrays[f"images/{ctx.rank}"]).to(ctx.device, dtype)
     labels = torch.from_numpy(arrays[f"labels/{ctx.rank}"]).to(ctx.device)
     if step.workload.channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     return images, labels
+
+
+def step_state(step: TrainStep) -> StepState:
+    """The step's weights and BatchNorm statistics after its last update, by torch name (the
+    start file's names), with its gradient norm before clipping and its rate."""
+    arrays = {f"backbone/{k}": v.detach().cpu().numpy().copy()
+              for k, v in step.backbone.state_dict().items()
+              if not k.endswith("num_batches_tracked")}
+    if step.head is not None:
+        arrays["head/weight"] = step.head.weight.detach().cpu().numpy().copy()
+    norm = step.last_grad_norm
+    return StepState(arrays, None if norm is None else float(norm), float(step.lr))

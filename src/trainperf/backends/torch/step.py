@@ -20,6 +20,7 @@ from ...config import Tuning, Workload
 from .backbones import get_spec, workload_backbone
 from .dist import DistContext
 from .heads import MarginSoftmaxHead, SampledRowsSGD
+from .heads.margin import at_least_fp32
 from .loss_scale import DynamicLossScaler
 
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,9 +60,14 @@ def build_head(workload: Workload, ctx: DistContext) -> MarginSoftmaxHead:
 
 
 class TrainStep:
-    """Call with (images, labels); returns the detached loss tensor of that step."""
+    """Call with (images, labels); returns the detached loss tensor of that step.
 
-    def __init__(self, workload: Workload, ctx: DistContext, tuning: Tuning | None = None) -> None:
+    ``dtype``: what the weights, activations, gradients and optimizer state are held in
+    (float64 for a strict alignment run); ``keep_grad_norm``: keep every step's gradient norm
+    before clipping (``last_grad_norm``) even where no clipping needs it."""
+
+    def __init__(self, workload: Workload, ctx: DistContext, tuning: Tuning | None = None,
+                 dtype: torch.dtype = torch.float32, keep_grad_norm: bool = False) -> None:
         spec = get_spec(workload.backbone)
         if spec.task != workload.task:
             raise ValueError(f"backbone {workload.backbone!r} is a {spec.task} backbone, "
@@ -73,13 +79,13 @@ class TrainStep:
         device = ctx.device
         # Same seed on every rank: identical initial backbones (DDP would broadcast anyway).
         torch.manual_seed(workload.seed)
-        backbone = workload_backbone(workload).to(device)
+        backbone = workload_backbone(workload).to(device=device, dtype=dtype)
         if workload.channels_last:
             backbone = backbone.to(memory_format=torch.channels_last)
         self.backbone = backbone
         self.head: MarginSoftmaxHead | None = None
         if workload.task == "face":
-            self.head = build_head(workload, ctx).to(device)
+            self.head = build_head(workload, ctx).to(device=device, dtype=dtype)
         self.model = self._wrap(backbone)
 
         main_params = [p for p in backbone.parameters() if p.requires_grad]
@@ -98,6 +104,9 @@ class TrainStep:
         self.scaler = DynamicLossScaler(ctx) if workload.precision == "fp16" else None
         self.skipped_steps: list[int] = []
         """0-based indices of the steps that fp16 loss scaling skipped on every rank."""
+        self.keep_grad_norm = keep_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None
+        """The backbone's gradient norm before clipping, of the last step (on the device)."""
 
     @property
     def ddp_settings(self) -> dict | None:
@@ -140,7 +149,7 @@ class TrainStep:
     def forward_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             if self.head is None:
-                return F.cross_entropy(self.model(images).float(), labels)
+                return F.cross_entropy(at_least_fp32(self.model(images)), labels)
             return self.model(images, labels)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -157,7 +166,10 @@ class TrainStep:
             scaler.unscale_and_check_(self.optimizers)
         if self.workload.clip_grad_norm is not None:
             # foreach norm and clamp stay on the device: no sync.
-            nn.utils.clip_grad_norm_(self.clip_params, self.workload.clip_grad_norm)
+            self.last_grad_norm = nn.utils.clip_grad_norm_(self.clip_params,
+                                                           self.workload.clip_grad_norm)
+        elif self.keep_grad_norm:
+            self.last_grad_norm = nn.utils.clip_grad_norm_(self.clip_params, float("inf"))
         if scaler is None or scaler.should_step():
             for opt in self.optimizers:
                 opt.step()
@@ -167,6 +179,11 @@ class TrainStep:
             scaler.update()
         self.step_index += 1
         return loss.detach()
+
+    @property
+    def lr(self) -> float:
+        """The rate the last step's optimizer ran at."""
+        return self.optimizers[0].param_groups[0]["lr"]
 
     @property
     def loss_scale(self) -> float | None:

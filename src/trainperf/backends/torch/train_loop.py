@@ -149,7 +149,7 @@ def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
         progress["step"] = s
         reached = False
         if due_eval:
-            values = torch.stack(losses).float().tolist()
+            values = torch.stack(losses).double().tolist()
             losses.clear()
             nonfinite += sum(not math.isfinite(v) for v in values)
             if progress["loss_first"] is None:

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..workerkit import FrameworkRun, StepTimes, leave, measured_run, worker_entry
-from .alignment import load_start
+from ..workerkit import FrameworkRun, StepState, StepTimes, leave, measured_run, worker_entry
+from .alignment import load_start, step_state
 from .backend import BACKEND
 from .data import real_feed, synthetic_batch
 from .dist import init_from_env
@@ -62,13 +62,18 @@ class TorchRun(FrameworkRun):
     def build(self) -> None:
         spec, ctx = self.spec, self.ctx
         configure_backend(spec.tuning, ctx.device)
-        self.train_step = TrainStep(spec.workload, ctx, spec.tuning)
+        align = spec.align
+        self.train_step = TrainStep(spec.workload, ctx, spec.tuning,
+                                    getattr(torch, align.dtype) if align else torch.float32,
+                                    keep_grad_norm=bool(align and align.dump))
+        if align and align.breaks_rule("margin_straight_through") and self.train_step.head:
+            self.train_step.head.straight_through = True
         self.feed, self.input_info = None, None
         self.waits: list[float] = []
         if spec.data:
             self.feed, self.input_info = real_feed(spec.data, spec.workload, ctx)
-        elif spec.init:
-            self.images, self.labels = load_start(self.train_step, spec.init, ctx)
+        elif align:
+            self.images, self.labels = load_start(self.train_step, align.start, ctx)
         else:
             self.images, self.labels = synthetic_batch(spec.workload, ctx)
 
@@ -102,7 +107,10 @@ class TorchRun(FrameworkRun):
         return self.waits[index] if self.feed is not None else None
 
     def read_losses(self, outputs: list) -> list[float]:
-        return torch.stack(outputs).float().tolist()
+        return torch.stack(outputs).double().tolist()
+
+    def align_state(self) -> StepState:
+        return step_state(self.train_step)
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(peak_memory(self.ctx.device), self.ctx)

@@ -80,6 +80,8 @@ class MarginSoftmaxHead(nn.Module):
             self.weight = nn.Parameter(weight)
         self.index: torch.Tensor | None = None
         """Shard columns sampled by the last forward (pfc below ratio 1 only)."""
+        self.straight_through = False
+        """Pass the margin's gradient straight through (an alignment control only)."""
 
     @property
     def update(self) -> str:
@@ -112,7 +114,8 @@ class MarginSoftmaxHead(nn.Module):
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         embeddings, local_labels, weight = self._select(embeddings, labels)
         cos = normalized_linear(F.normalize(embeddings), weight)
-        logits = apply_margin_(cos, local_labels, *self.margins, self.scale)
+        logits = apply_margin_(cos, local_labels, *self.margins, self.scale,
+                               self.straight_through)
         return sharded_cross_entropy(logits, local_labels, self.ctx if self.sharded else
                                      DistContext(device=self.ctx.device))
 
