@@ -69,10 +69,11 @@ class Tolerance:
 
 FLOAT64 = Tolerance(
     "float64", update=1e-8, scalar=1e-8,
-    why="float64 rounding is 1.1e-16 per operation; on a well-conditioned step it stays "
-        "under 1e-9 after a few steps, and where the dynamics amplify it (BatchNorm over two "
-        "samples) the witness raises the tolerance to what rounding does there; the controls' "
-        "rule differences move an update by 1e-1")
+    why="float64 rounding is 1.1e-16 per operation; five frameworks' updates of the tiny "
+        "recipe agree with torch's within 7e-10 over 3 steps on 1 and 2 ranks, and where the "
+        "dynamics amplify rounding (BatchNorm over two samples, hard clipping) the witness "
+        "raises the tolerance to what rounding does there; each control's broken rule moves "
+        "an update by 9e-2 or more")
 
 
 def dump_path(folder: Path, step: int, rank: int) -> Path:
