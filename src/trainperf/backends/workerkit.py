@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Sequence
 
-from ..config import Measure, Workload
+from ..config import AlignSpec, Measure, Workload
 from ..faults import inject, parse_faults
 from ..protocol import End, Error, EventWriter, RunSpec, Start, Step
 from .base import Backend, require
@@ -238,7 +238,23 @@ def load_init(spec: RunSpec) -> dict[str, Any] | None:
 
 def align_dtype(spec: RunSpec) -> str:
     """What the run computes in: an alignment run's ``AlignSpec.dtype``, else float32."""
-    return spec.align.dtype if spec.align is not None else "float32"
+    return computes_in(spec.align)
+
+
+def computes_in(align: AlignSpec | None) -> str:
+    """``align_dtype`` for the code that holds only the run's ``AlignSpec``."""
+    return align.dtype if align is not None else "float32"
+
+
+def dumps_state(align: AlignSpec | None) -> bool:
+    """Whether every step's state is written (``AlignSpec.dump``): the step then keeps what a
+    throughput run need not, such as the gradient norm where nothing clips."""
+    return align is not None and bool(align.dump)
+
+
+def breaks_margin(align: AlignSpec | None) -> bool:
+    """The straight-through margin control: the margin's gradient passed through unchanged."""
+    return align is not None and align.breaks_rule("margin_straight_through")
 
 
 def start_batch(workload: Workload, arrays: dict[str, Any], rank: int, dtype: str = "float32"

@@ -39,8 +39,9 @@ from typing import Any
 import numpy as np
 
 from ...protocol import RunSpec
-from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, load_init,
-                         memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, breaks_margin, dumps_state,
+                         environment, load_init, memory_fields, rss_now_bytes, rss_peak_bytes,
+                         worker_entry)
 from .backend import BACKEND
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
@@ -173,8 +174,8 @@ class JaxRun(FrameworkRun):
         workload, align, dtype = spec.workload, spec.align, align_dtype(spec)
         init = load_init(spec)
         self.train_step = TrainStep(
-            workload, layout, init=init, dtype=dtype, record=bool(align and align.dump),
-            straight_through=bool(align and align.breaks_rule("margin_straight_through")))
+            workload, layout, init=init, dtype=dtype, record=dumps_state(align),
+            straight_through=breaks_margin(align))
         if init is not None:
             self.images, self.labels = layout.per_rank(
                 lambda r: init_batch(workload, init, r, dtype))

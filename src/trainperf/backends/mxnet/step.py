@@ -65,7 +65,7 @@ from mxnet import autograd
 from ...config import AlignSpec, Topology, Tuning, Workload
 from ..base import require
 from ..scaling import LossScale
-from ..workerkit import start_batch
+from ..workerkit import breaks_margin, computes_in, dumps_state, start_batch
 from . import models
 from .alignment import MXNetRunningStatistics
 from .backend import BACKEND, kvstore_rules
@@ -181,7 +181,7 @@ class TrainStep:
             require(kvstore_rules(workload, Topology(devices_per_node=len(comm.contexts)),
                                   Tuning(mxnet_kvstore="device")))
         check_precision(workload.precision, comm.device_type)
-        self.dtype = align.dtype if align is not None else "float32"
+        self.dtype = computes_in(align)
         """What the weights, activations, gradients and momentum are held in."""
         if align is not None:
             check_alignment(workload, comm, self.dtype)
@@ -221,7 +221,7 @@ class TrainStep:
         self.heads: list[MarginSoftmaxHead] = []
         if workload.task == "face":
             mm_dtype = "float16" if self.fp16 else None
-            straight = align is not None and align.breaks_rule("margin_straight_through")
+            straight = breaks_margin(align)
             self.heads = [MarginSoftmaxHead(
                 workload.num_classes, workload.embedding_size, workload.resolved_margins,
                 workload.scale, comm, ctx, mode=workload.fc, rank=rank, seed=workload.seed,
@@ -250,7 +250,7 @@ class TrainStep:
                           for w, _ in self._head]
         self._mom_lr: float | None = None
         """The rate the MXNet-form momentum is expressed in (mom = -lr * torch's buf)."""
-        self.keep_grad_norm = bool(align is not None and align.dump)
+        self.keep_grad_norm = dumps_state(align)
         """Compute the gradient norm before clipping even where nothing clips (for the dump)."""
         self.last_grad_norm: mx.nd.NDArray | None = None
         """The backbone's reduced gradient norm before clipping, of the last update (first

@@ -25,8 +25,9 @@ wait_for_rank0()
 
 import oneflow as flow  # noqa: E402
 
-from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, cudnn_version,
-                         load_init, memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, breaks_margin, cudnn_version,
+                         dumps_state, environment, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
 from . import models
 from .alignment import step_state
 from .backend import BACKEND
@@ -114,8 +115,8 @@ class OneFlowRun(FrameworkRun):
         dtype = getattr(flow, align_dtype(spec))
         self.train_step = TrainStep(
             spec.workload, dist, spec.tuning, init=init, dtype=dtype,
-            keep_grad_norm=bool(align and align.dump),
-            straight_through=bool(align and align.breaks_rule("margin_straight_through")))
+            keep_grad_norm=dumps_state(align),
+            straight_through=breaks_margin(align))
         self.images, self.labels = (init_batch(spec.workload, init, dist, dtype)
                                     if init is not None else synthetic_batch(spec.workload, dist))
 

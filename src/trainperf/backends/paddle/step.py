@@ -67,7 +67,7 @@ import paddle.nn.functional as F
 from ...config import AlignSpec, Tuning, Workload
 from ..base import require
 from ..scaling import LossScale
-from ..workerkit import start_batch
+from ..workerkit import breaks_margin, computes_in, dumps_state, start_batch
 from . import models
 from .alignment import ExactMomentum, use_exact_kernels
 from .backend import BACKEND
@@ -158,9 +158,9 @@ class TrainStep:
         self.step_index = 0
         self.amp_dtype = AMP_DTYPES.get(workload.precision)
         self.fp16 = workload.precision == "fp16"
-        self.dtype = align.dtype if align is not None else "float32"
+        self.dtype = computes_in(align)
         """What the weights, activations, gradients and optimizer state are held in."""
-        self.keep_grad_norm = bool(align is not None and align.dump)
+        self.keep_grad_norm = dumps_state(align)
         self.last_grad_norm: paddle.Tensor | None = None
         """The backbone's reduced gradient norm before clipping, of the last step (on the
         device); kept where the step clips, or where ``keep_grad_norm`` asks for it."""
@@ -190,8 +190,7 @@ class TrainStep:
                 workload.scale, comm, mode=workload.fc, sample_ratio=workload.sample_ratio,
                 update=workload.pfc_update, seed=workload.seed,
                 mm_dtype=self.amp_dtype or self.dtype, dtype=self.dtype)
-            self.head.straight_through = bool(
-                align is not None and align.breaks_rule("margin_straight_through"))
+            self.head.straight_through = breaks_margin(align)
             if init is not None:
                 self.head.set_weight(np.asarray(init["head/weight"]))
         # The head drew its matrix from its own seed; dropout masks and pfc samples differ by

@@ -32,8 +32,9 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, leave, load_init,
-                         memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, StepState, align_dtype, breaks_margin, dumps_state,
+                         environment, leave, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
 from . import models
 from .backend import BACKEND
 from .comm import Comm
@@ -125,8 +126,8 @@ class TFRun(FrameworkRun):
         init = load_init(spec)
         dtype = align_dtype(spec)
         self.train_step = TrainStep(
-            spec.workload, comm, init=init, dtype=dtype, keep_state=bool(align and align.dump),
-            straight_through=bool(align and align.breaks_rule("margin_straight_through")))
+            spec.workload, comm, init=init, dtype=dtype, keep_state=dumps_state(align),
+            straight_through=breaks_margin(align))
         self.images, self.labels = (
             init_batch(spec.workload, init, comm.rank, comm.tf_device, dtype) if init is not None
             else synthetic_batch(spec.workload, comm.rank, comm.tf_device))

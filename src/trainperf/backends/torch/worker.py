@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..workerkit import FrameworkRun, StepState, StepTimes, leave, measured_run, worker_entry
+from ..workerkit import (FrameworkRun, StepState, StepTimes, align_dtype, breaks_margin,
+                         dumps_state, leave, measured_run, worker_entry)
 from .alignment import load_start, step_state
 from .backend import BACKEND
 from .data import real_feed, synthetic_batch
@@ -64,9 +65,9 @@ class TorchRun(FrameworkRun):
         configure_backend(spec.tuning, ctx.device)
         align = spec.align
         self.train_step = TrainStep(spec.workload, ctx, spec.tuning,
-                                    getattr(torch, align.dtype) if align else torch.float32,
-                                    keep_grad_norm=bool(align and align.dump))
-        if align and align.breaks_rule("margin_straight_through") and self.train_step.head:
+                                    getattr(torch, align_dtype(spec)),
+                                    keep_grad_norm=dumps_state(align))
+        if breaks_margin(align) and self.train_step.head:
             self.train_step.head.straight_through = True
         self.feed, self.input_info = None, None
         self.waits: list[float] = []
