@@ -67,3 +67,33 @@ def head_inputs(seed: int, n: int, d: int, c: int) -> dict[str, np.ndarray]:
     weight[labels[0]] = emb[0] * 0.03
     weight[labels[1]] = -emb[1] * 0.04
     return {"emb": emb, "weight": weight, "labels": labels.astype(np.int64)}
+
+
+def sample_cases(label_dtype=np.int64) -> dict[str, np.ndarray]:
+    """Partial FC sampling cases for a backend's ``sample_classes`` (to save with ``np.savez``):
+    shards whose positives are fewer than, more than, and as many as the sample; samples of other
+    shards (-1) and repeated positives. ``size`` is what the head samples: the oracle's count,
+    ``max(num_sample, positives)``; ``uniform`` ranks the negatives instead of a random draw."""
+    rng = np.random.RandomState(3)
+    cases = [(np.array([4, -1, 9, 4, -1, 0]), 12, 5),
+             (np.array([1, 7, 3, 11, 5, -1, 9, 2]), 12, 3),     # 7 positives > 3 sampled
+             (np.array([-1, -1, -1]), 6, 2),                     # no positive here
+             (np.array([2, 0, 1, 2]), 4, 3)]                     # positives fill the sample
+    out: dict[str, np.ndarray] = {"cases": np.array(len(cases))}
+    for i, (labels, num_local, num_sample) in enumerate(cases):
+        positives = len(np.unique(labels[labels >= 0]))
+        out.update({f"{i}/labels": labels.astype(label_dtype),
+                    f"{i}/num_local": np.array(num_local),
+                    f"{i}/num_sample": np.array(num_sample),
+                    f"{i}/size": np.array(max(num_sample, positives)),
+                    f"{i}/uniform": rng.permutation(num_local).astype(np.float32) / num_local})
+    return out
+
+
+def sampled_oracle(emb, weight, labels, ids, margins=(1.0, 0.5, 0.0), scale: float = 64.0):
+    """The oracle's head over the classes ``ids`` only (global ids, ascending within each shard,
+    shards in rank order): what a sampling pfc head computes, with a float32 backend's clamp."""
+    position = {int(c): i for i, c in enumerate(ids)}
+    remapped = np.array([position[int(y)] for y in labels])
+    return oracle.head_forward_backward(emb, weight[ids], remapped, margins, scale,
+                                        cos_eps=oracle.FP32_COS_EPS)

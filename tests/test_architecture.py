@@ -43,9 +43,12 @@ WORKER_SHARED = {"trainperf.protocol", "trainperf.config", "trainperf.faults",
                  "trainperf.backends.workerkit", "trainperf.backends.loop",
                  "trainperf.backends.base", "trainperf.backends.catalog",
                  "trainperf.backends.scaling", "trainperf.backends.layouts",
-                 "trainperf.backends.spawn"}
+                 "trainperf.backends.spawn", "trainperf.data.feed", "trainperf.data.loading",
+                 "trainperf.data.shared_batches", "trainperf.data.layout",
+                 "trainperf.data.recordio"}
 """What any framework's folder may import of trainperf besides itself (``spawn``: its
-launchers, which start the ranks)."""
+launchers, which start the ranks; ``data.feed`` and what it reads with: the real-data feed,
+whose decoding runs in loader processes of trainperf's own interpreter)."""
 
 
 def module_name(path: Path) -> tuple[str, bool]:
@@ -175,10 +178,11 @@ def _stdlib(name: str) -> bool:
 def test_shared_worker_modules_import_only_the_standard_library():
     for name in WORKER_SHARED:
         assert INSIDE[name] <= WORKER_SHARED, name
-        # workerkit reads an alignment start with numpy, which every worker has, and layouts
-        # converts torch's arrays with it
+        # workerkit reads an alignment start with numpy, which every worker has, layouts
+        # converts torch's arrays with it, and the real-data feed hands over numpy batches
         allowed = ({"numpy"} if name in ("trainperf.backends.workerkit",
-                                          "trainperf.backends.layouts") else set())
+                                          "trainperf.backends.layouts", "trainperf.data.feed",
+                                          "trainperf.data.shared_batches") else set())
         assert {m for m in OUTSIDE[name] if not _stdlib(m)} <= allowed, name
 
 

@@ -20,8 +20,6 @@ END = "<!-- /frameworks -->"
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--framework", "tf", "--fc", "mp"], "the tf backend runs --fc dp; not mp"),
-    (["--framework", "mxnet", "--fc", "pfc"], "the mxnet backend runs --fc dp, mp; not pfc"),
     (["--framework", "mxnet", "--precision", "fp16"],
      "the mxnet backend runs --precision fp32 on a CPU; fp16 needs a GPU"),
     (["--framework", "mxnet", "--precision", "bf16"],

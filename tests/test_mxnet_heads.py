@@ -8,6 +8,10 @@ The loss agrees to a relative 1e-5; the logits (scaled by s = 64) to 1e-4 absolu
 to 1e-5 of the largest entry of the same gradient (measured: 1e-6 and below). The clamp of the
 margin is compared with ``oracle.FP32_COS_EPS``, the bound a float32 backend really applies.
 The head in float64 (an alignment run's) is the oracle's arithmetic to rounding: 1e-12.
+
+Partial FC (``pfc``) is checked as the oracle's head restricted to the classes sampled, the
+sample the oracle's rule (``oracle.pfc_sample``) with the negatives ranked by scores the test
+gives in place of the head's uniform draw.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import numpy as np
 import pytest
 
 import oracle
-from framework_checks import check_recorded_sgd_steps, close_to_max, head_inputs
+from framework_checks import (check_recorded_sgd_steps, close_to_max, head_inputs,
+                              sample_cases, sampled_oracle)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +39,8 @@ def mx_env(*extra: Path) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
     env.pop("TRAINPERF_FAULT", None)
     return env
+
+
 
 
 def run_mx(mxnet_python: str, argv: list[str], env: dict[str, str], timeout: float = 120
@@ -53,6 +60,7 @@ from trainperf.backends.mxnet.comm import Comm
 from trainperf.backends.mxnet.heads import MarginSoftmaxHead
 
 folder = sys.argv[1]
+ARCFACE = (1.0, 0.5, 0.0)
 for name in sys.argv[2:]:
     x = np.load(f"{folder}/{name}_in.npz")
     c, d = x["weight"].shape
@@ -67,6 +75,34 @@ for name in sys.argv[2:]:
                  grad_emb=grad.asnumpy(), grad_weight=head.grad.asnumpy(),
                  logits=head.logits.asnumpy(), dtypes=[np.dtype(a.dtype).name for a in
                                                        (loss, grad, head.grad, head.logits)])
+
+# pfc: the sampling rule on its own, then one-rank pfc heads on 20 classes with given negative
+# scores: ratio 1.0 (no sampling), 0.4 with either update, 0.2 (more positives than the sample).
+from trainperf.backends.mxnet.heads import sample_classes
+s = np.load(f"{folder}/sample_in.npz")
+out = {}
+for i in range(int(s["cases"])):
+    local = s[f"{i}/labels"]
+    index, cols = sample_classes(mx.nd.array(np.maximum(local, 0)),
+                                 mx.nd.array(local >= 0, dtype="float64"),
+                                 int(s[f"{i}/num_local"]), int(s[f"{i}/num_sample"]),
+                                 mx.nd.array(s[f"{i}/uniform"]))
+    out[f"{i}/index"], out[f"{i}/cols"] = index.asnumpy(), cols.asnumpy()
+np.savez(f"{folder}/sample_out.npz", **out)
+x = np.load(f"{folder}/pfc_in.npz")
+c, d = x["weight"].shape
+for tag, ratio, update in (("r1", 1.0, "sparse"), ("sparse", 0.4, "sparse"),
+                           ("dense", 0.4, "dense"), ("crowded", 0.2, "sparse")):
+    head = MarginSoftmaxHead(c, d, ARCFACE, 64.0, Comm(), mx.cpu(), mode="pfc",
+                             sample_ratio=ratio, update=update)
+    head.set_weight(x["weight"])
+    loss, grad = head.forward_backward(mx.nd.array(x["emb"]),
+                                       mx.nd.array(x["labels"], dtype="float64"),
+                                       keep_logits=True, scores=mx.nd.array(x["scores"]))
+    np.savez(f"{folder}/pfc_{tag}_out.npz", loss=loss.asnumpy(), grad_emb=grad.asnumpy(),
+             grad_weight=head.grad.asnumpy(), logits=head.logits.asnumpy(),
+             index=np.arange(c) if head.index is None else head.index.asnumpy(),
+             num_sample=head.num_sample, update=head.update)
 """
 
 
@@ -76,8 +112,14 @@ def dp_heads(tmp_path_factory, mxnet_python):
     for i, (name, margins) in enumerate(MARGINS.items()):
         np.savez(folder / f"{name}_in.npz", **head_inputs(i, 12, 8, 37), margins=margins,
                  scale=SCALE)
+    np.savez(folder / "sample_in.npz", **sample_cases())
+    rng = np.random.RandomState(5)
+    np.savez(folder / "pfc_in.npz", **head_inputs(11, 6, 8, 20),
+             scores=(rng.permutation(20) / 20).astype(np.float32))
     run_mx(mxnet_python, ["-c", DP_SIDE, str(folder), *MARGINS], mx_env())
     return folder
+
+
 
 
 @pytest.mark.parametrize("loss", list(MARGINS))
@@ -106,12 +148,59 @@ def test_dp_head_in_float64_is_the_oracles_arithmetic(dp_heads, loss):
     close_to_max(got["grad_weight"], ref["grad_weight"], rtol=1e-12)
 
 
+def test_sampling_follows_the_oracles_rule(dp_heads):
+    """Every positive kept, negatives by score, sorted; each label's column in the sample
+    (samples of other shards point at column 0, masked by the head)."""
+    x = np.load(dp_heads / "sample_in.npz")
+    got = np.load(dp_heads / "sample_out.npz")
+    for i in range(int(x["cases"])):
+        index, remapped = oracle.pfc_sample(x[f"{i}/labels"], x[f"{i}/num_local"],
+                                            x[f"{i}/num_sample"], x[f"{i}/uniform"])
+        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
+        np.testing.assert_array_equal(got[f"{i}/cols"], np.maximum(remapped, 0),
+                                      err_msg=f"case {i}")
+    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+
+
+@pytest.mark.parametrize("tag,ratio,count,update", [
+    ("r1", 1.0, 20, "full"), ("sparse", 0.4, 8, "sparse"), ("dense", 0.4, 8, "dense"),
+    ("crowded", 0.2, 5, "sparse"),
+])
+def test_pfc_head_is_the_softmax_over_its_sample(dp_heads, tag, ratio, count, update):
+    """One rank, 20 classes. At ratio 1.0 nothing is sampled: the oracle's full softmax. Below
+    it, the oracle's sample (5 positives outnumber ratio 0.2's 4 columns: all 5 kept) and the
+    oracle's head over the sampled classes; the sparse gradient is the sampled rows', the dense
+    one the whole matrix's, zero off the sample."""
+    x = np.load(dp_heads / "pfc_in.npz")
+    got = np.load(dp_heads / f"pfc_{tag}_out.npz")
+    assert str(got["update"]) == update
+    if ratio == 1.0:
+        index = np.arange(20)
+    else:
+        index, _ = oracle.pfc_sample(x["labels"], 20, int(got["num_sample"]), x["scores"])
+    assert len(index) == count
+    np.testing.assert_array_equal(got["index"], index)
+    ref = sampled_oracle(x["emb"], x["weight"], x["labels"], index)
+    assert float(got["loss"][0]) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    close_to_max(got["grad_emb"], ref["grad_emb"])
+    if tag == "dense":
+        full = np.zeros((20, 8))
+        full[index] = ref["grad_weight"]
+        close_to_max(got["grad_weight"], full)
+        assert not np.delete(got["grad_weight"], index, axis=0).any()
+    else:
+        close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
 # ---------------------------------------------------------------- mp, 2 ranks in dist_sync
 
 # Each rank of a dist_sync launch: (1) the sharded head on the oracle's inputs, twice (the
-# second call must repeat the first: buffers of the collectives must not carry over), and
-# (2) a TrainStep with fc mp on a BN backbone, its reduced gradients before the update and its
-# weights after it.
+# second call must repeat the first: buffers of the collectives must not carry over), then
+# pfc heads on them, at ratio 1.0 and at 0.5 with given negative scores; (2) a TrainStep with fc
+# mp on a BN backbone, its reduced gradients before the update and its weights after it;
+# (3) a sparse pfc TrainStep whose shards sample fewer columns than the gathered batch has
+# samples (each rank counts its positives), three steps back to back.
 MP_RANK = r"""
 import sys
 import mxnet as mx
@@ -138,6 +227,19 @@ for call in (1, 2):
         keep_logits=True)
     out.update({f"loss{call}": loss.asnumpy(), f"grad_emb{call}": grad.asnumpy(),
                 f"grad_weight{call}": head.grad.asnumpy(), f"logits{call}": head.logits.asnumpy()})
+for tag, ratio in (("pfc1", 1.0), ("pfc", 0.5)):
+    head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), comm, ctx,
+                             mode="pfc", sample_ratio=ratio)
+    head.set_weight(x["weight"])
+    loss, grad = head.forward_backward(
+        mx.nd.array(x["emb"][r * rows:(r + 1) * rows], ctx=ctx),
+        mx.nd.array(x["labels"][r * rows:(r + 1) * rows], ctx=ctx, dtype="float64"),
+        keep_logits=True, scores=mx.nd.array(x[f"scores{r}"][:head.count], ctx=ctx))
+    out.update({f"{tag}/loss": loss.asnumpy(), f"{tag}/grad_emb": grad.asnumpy(),
+                f"{tag}/grad_weight": head.grad.asnumpy(), f"{tag}/logits": head.logits.asnumpy(),
+                f"{tag}/num_sample": head.num_sample})
+    if head.index is not None:
+        out[f"{tag}/index"] = head.index.asnumpy()
 np.savez(f"{folder}/head_rank{r}.npz", **out)
 
 wl = Workload(**eval(open(f"{folder}/workload.txt").read()))
@@ -159,6 +261,13 @@ later = [step(batch) for _ in range(3)]
 np.savez(f"{folder}/step_rank{r}.npz", loss=losses[0].asnumpy(), head_grad=head_grad,
          start=step.heads[0].start, later=np.concatenate([l.asnumpy() for l in later]),
          **grads, **after)
+
+pfc = TrainStep(wl.replace(fc="pfc", sample_ratio=0.2), comm)
+pfc_losses = [pfc(batch) for _ in range(3)]
+np.savez(f"{folder}/pfc_step_rank{r}.npz", update=pfc.pfc_update,
+         num_sample=pfc.heads[0].num_sample, sampled=len(pfc.heads[0].index),
+         labels=batch[0][1].asnumpy(),
+         losses=np.concatenate([l.asnumpy() for l in pfc_losses]))
 mx.nd.waitall()
 comm.barrier()
 """
@@ -211,8 +320,10 @@ np.savez(f"{folder}/reference.npz", loss=first, head_grad=head_grad, later=np.ar
 @pytest.fixture(scope="module")
 def mp_two_ranks(tmp_path_factory, mxnet_python):
     folder = tmp_path_factory.mktemp("mx_mp")
+    rng = np.random.RandomState(9)
     np.savez(folder / "head_in.npz", **head_inputs(7, 12, 8, 37), margins=MARGINS["arcface"],
-             scale=SCALE)
+             scale=SCALE, scores0=(rng.permutation(19) / 19).astype(np.float32),
+             scores1=(rng.permutation(19) / 19).astype(np.float32))
     workload = dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
                     input_size=16, dropout=0.0, fc="mp", clip_grad_norm=None,
                     lr_steps=(1,), lr_scales=(0.01,))
@@ -246,6 +357,51 @@ def test_mp_head_shards_equal_the_oracle(mp_two_ranks):
             close_to_max(got[f"grad_emb{call}"], ref["grad_emb"][rank * rows:(rank + 1) * rows])
     shards = [np.load(mp_two_ranks / f"head_rank{r}.npz") for r in range(2)]
     assert (shards[0]["count"], shards[1]["count"]) == (19, 18)  # 37 classes: uneven shards
+    for got in shards:  # pfc at ratio 1.0 samples nothing: mp, bit for bit
+        for key in ("loss", "grad_emb", "grad_weight", "logits"):
+            np.testing.assert_array_equal(got[f"pfc1/{key}"], got[f"{key}1"], err_msg=key)
+
+
+def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(mp_two_ranks):
+    """Each rank samples its shard by the oracle's rule; the loss (the same on both ranks) and
+    the gradients are the oracle's over the union of both ranks' samples."""
+    x = np.load(mp_two_ranks / "head_in.npz")
+    ranks = [np.load(mp_two_ranks / f"head_rank{r}.npz") for r in range(2)]
+    ids = []
+    for r, got in enumerate(ranks):
+        start, count = oracle.shard_of(37, r, 2)
+        local = oracle.local_labels_of(x["labels"], start, count)
+        index, _ = oracle.pfc_sample(local, count, int(got["pfc/num_sample"]),
+                                     x[f"scores{r}"][:count])
+        np.testing.assert_array_equal(got["pfc/index"], index)
+        ids.append(start + index)
+    assert [len(i) for i in ids] == [9, 9]
+    ref = sampled_oracle(x["emb"], x["weight"], x["labels"], np.concatenate(ids))
+    rows, offset = x["emb"].shape[0] // 2, 0
+    for r, got in enumerate(ranks):
+        assert float(got["pfc/loss"][0]) == pytest.approx(ref["loss"], rel=1e-5)
+        np.testing.assert_allclose(got["pfc/logits"], ref["logits"][:, offset:offset + 9],
+                                   rtol=0, atol=1e-4)
+        close_to_max(got["pfc/grad_emb"], ref["grad_emb"][r * rows:(r + 1) * rows])
+        close_to_max(got["pfc/grad_weight"], ref["grad_weight"][offset:offset + 9])
+        offset += 9
+
+
+def test_pfc_step_on_two_ranks_counts_positives_past_the_sample(mp_two_ranks):
+    """Ratio 0.2 of shards of 19 and 18 keeps 3 columns, fewer than the 8 gathered samples:
+    each rank counts its positives (a read-back of its own) and keeps them all where they are
+    more; three sparse steps issued back to back give both ranks the one global loss each
+    step."""
+    ranks = [np.load(mp_two_ranks / f"pfc_step_rank{r}.npz") for r in range(2)]
+    labels = np.concatenate([got["labels"] for got in ranks]).astype(np.int64)
+    for r, got in enumerate(ranks):
+        assert str(got["update"]) == "sparse" and int(got["num_sample"]) == 3
+        assert np.isfinite(got["losses"]).all() and len(got["losses"]) == 3
+        start, count = oracle.shard_of(37, r, 2)
+        positives = len(np.unique(labels[(labels >= start) & (labels < start + count)]))
+        assert int(got["sampled"]) == max(3, positives)
+    assert max(int(got["sampled"]) for got in ranks) > 3  # the count was needed
+    np.testing.assert_array_equal(ranks[0]["losses"], ranks[1]["losses"])
 
 
 def test_mp_step_sums_backbone_gradients_over_ranks(mp_two_ranks):
@@ -308,6 +464,11 @@ cases = {
     "classification": Workload(backbone="resnet_v1b_tiny", task="classification",
                                num_classes=10, batch_size=4, input_size=16, lr=0.05,
                                clip_grad_norm=None, lr_steps=(2,), lr_scales=(0.2,)),
+    # arcface_torch's dense update of a sampled head: the whole matrix, a gradient zero off it.
+    "pfc_dense": Workload(backbone="iresnet_tiny", num_classes=20, batch_size=4,
+                          embedding_size=8, input_size=16, dropout=0.0, fc="pfc",
+                          sample_ratio=0.4, pfc_update="dense", clip_grad_norm=0.05,
+                          lr_steps=(1,), lr_scales=(0.1,)),
 }
 for name, wl in cases.items():
     step = TrainStep(wl, Comm())
@@ -329,11 +490,28 @@ for name, wl in cases.items():
     out["arrays"] = len(before)
     np.savez(f"{folder}/{name}.npz", **out)
 
+# A sparse pfc step: the shard's weight before and after each of three steps (the rate drops
+# after the first), the sampled rows' gradient and their index.
+wl = cases["pfc_dense"].replace(pfc_update="sparse", clip_grad_norm=None)
+step = TrainStep(wl, Comm())
+head = step.heads[0]
+batch = [synthetic_batch(wl, 0, mx.cpu())]
+out = {"update": step.pfc_update}
+for i in range(3):
+    out[f"{i}/before"] = head.weight.asnumpy()
+    losses = step.compute_gradients(batch)
+    out[f"{i}/grad"], out[f"{i}/index"] = head.grad.asnumpy(), head.index.asnumpy()
+    step.apply(losses)
+    out[f"{i}/after"] = head.weight.asnumpy()
+np.savez(f"{folder}/pfc_sparse.npz", **out)
+
 refused = []
 base = dict(backbone="iresnet_tiny", num_classes=10, batch_size=4, embedding_size=8, input_size=16)
-for change in ({"fc": "pfc"}, {"precision": "fp16"}, {"precision": "bf16"}):
+two_contexts = Comm("device", 0, 2, 0, "cpu", [mx.cpu(0), mx.cpu(1)])
+for change, comm in (({"fc": "pfc"}, two_contexts), ({"precision": "fp16"}, Comm()),
+                     ({"precision": "bf16"}, Comm())):
     try:
-        TrainStep(Workload(**base, **change), Comm())
+        TrainStep(Workload(**base, **change), comm)
         refused.append("accepted")
     except ValueError as exc:
         refused.append(str(exc))
@@ -375,18 +553,56 @@ def updates(tmp_path_factory, mxnet_python):
 @pytest.mark.parametrize("case,clip,rates", [
     ("face", 0.05, (0.1, 0.01, 0.01)),
     ("classification", None, (0.05, 0.05, 0.01)),
+    ("pfc_dense", 0.05, (0.1, 0.01, 0.01)),
 ])
 def test_update_is_torch_sgd_with_clipping_and_rate_changes(updates, case, clip, rates):
     """Three steps of the fused MXNet update equal torch's SGD (oracle.sgd_momentum_step) on
     the step's own gradients, with the backbone's global-norm clipping and a change of rate
-    (which MXNet's momentum form needs rescaled to stay equal)."""
+    (which MXNet's momentum form needs rescaled to stay equal). A dense pfc head's gradient is
+    the whole matrix's, zero off the 8 sampled rows."""
     got = np.load(updates / f"{case}.npz")
-    check_recorded_sgd_steps(got, int(got["arrays"]), int(got["backbone_count"]), rates, clip)
+    count = int(got["arrays"])
+    check_recorded_sgd_steps(got, count, int(got["backbone_count"]), rates, clip)
+    if case == "pfc_dense":
+        for i in range(3):
+            head_grad = got[f"{i}/{count - 1}/grad"]
+            assert head_grad.shape == (20, 8)
+            assert np.count_nonzero(np.abs(head_grad).sum(axis=1)) == 8
+
+
+def test_sparse_pfc_update_moves_only_sampled_rows_with_momentum_per_row(updates):
+    """Three sparse steps (ratio 0.4 of 20 classes, the rate 0.1 then 0.01): the sampled rows
+    take torch's SGD step on their gradient with momentum kept per row (a row's buffer starts
+    at its first sample and waits, untouched, while it is not sampled), weight decay on them
+    only; every other row stays bit for bit as it was."""
+    got = np.load(updates / "pfc_sparse.npz")
+    assert str(got["update"]) == "sparse"
+    buf = np.zeros((20, 8))
+    sampled = np.zeros(20, bool)
+    for i, lr in enumerate((0.1, 0.01, 0.01)):
+        before, index = got[f"{i}/before"], got[f"{i}/index"].astype(np.int64)
+        assert len(index) == 8 and np.all(np.diff(index) > 0)
+        want = before.astype(np.float64)
+        want[index], buf[index] = oracle.sgd_momentum_step(before[index], got[f"{i}/grad"],
+                                                           buf[index], lr, 0.9, 5e-4)
+        np.testing.assert_allclose(got[f"{i}/after"], want, rtol=1e-5, atol=1e-7,
+                                   err_msg=f"step {i}")
+        others = np.setdiff1d(np.arange(20), index)
+        np.testing.assert_array_equal(got[f"{i}/after"][others], before[others])
+        sampled[index] = True
+    # Rows sampled at the first step, left out at the second (where the rate changed) and
+    # sampled again at the third carry their first step's momentum over the gap; rows never
+    # sampled never moved.
+    first, second, third = (set(got[f"{i}/index"].astype(int)) for i in range(3))
+    assert (first - second) & third
+    assert not sampled.all()
+    np.testing.assert_array_equal(got["2/after"][~sampled], got["0/before"][~sampled])
 
 
 def test_unsupported_settings_are_refused_up_front(updates):
     pfc, fp16, bf16 = (updates / "refused.txt").read_text().splitlines()
-    assert pfc == "the mxnet backend runs --fc dp, mp; not pfc"
+    assert pfc == ("kvstore device runs data parallel only (--fc dp); use dist_sync for "
+                   "--fc pfc")
     assert fp16 == "the mxnet backend runs --precision fp32 on a CPU; fp16 needs a GPU"
     assert bf16.startswith("the mxnet backend runs --precision fp32 on a CPU (MXNet 1.9's")
 

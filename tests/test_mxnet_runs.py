@@ -102,6 +102,9 @@ def test_a_hung_rank_times_out_and_leaves_nothing(tmp_path, monkeypatch, mxnet_p
 
 
 def test_mxnet_refuses_what_it_does_not_run(tmp_path, capsys):
-    assert main(["run", "tiny-arcface", "--framework", "mxnet", "--fc", "pfc",
-                 "--out", str(tmp_path / "r")]) == 2
-    assert "the mxnet backend runs --fc dp, mp" in capsys.readouterr().err
+    """Partial FC, like mp, needs a rank per process: kvstore device is data parallel only."""
+    assert main(["run", "tiny-arcface", "--framework", "mxnet", "--devices", "2", "--fc", "pfc",
+                 "--mxnet-kvstore", "device", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "kvstore device runs data parallel only (--fc dp); use dist_sync for --fc pfc" in err
+    assert not (tmp_path / "r").exists()

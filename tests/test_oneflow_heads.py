@@ -2,8 +2,11 @@
 
 OneFlow runs in its own opt-in environment (``oneflow_python``, skipped where it is not built):
 scripts run there and write ``.npz`` files, and the comparisons happen here against
-``tests/oracle.py``. The sharded (mp) head runs on 2 ranks started by the backend's own launcher
-(``trainperf.backends.spawn``), with a class count that does not divide evenly (37 over 2).
+``tests/oracle.py``. The sharded heads (mp, pfc) run on 2 ranks started by the backend's own
+launcher (``trainperf.backends.spawn``), with a class count that does not divide evenly (37 over
+2). pfc's negatives are ranked by scores the tests give (the oracle's ``pfc_sample`` rule), not
+drawn, so its sample is checked column for column; its update against ``sgd_momentum_step``
+row by row (sparse: the sampled rows and their own momentum; dense: the whole shard).
 
 Tolerances: OneFlow computes in float32 from the float32 inputs the oracle casts to float64. The
 loss agrees to a relative 1e-5, the logits (scaled by s = 64) to 1e-4 absolute, gradients to
@@ -30,7 +33,7 @@ import numpy as np
 import pytest
 
 import oracle
-from framework_checks import close_to_max, head_inputs
+from framework_checks import close_to_max, head_inputs, sample_cases, sampled_oracle
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +76,7 @@ import oneflow as flow
 from trainperf.config import Workload
 from trainperf.backends.oneflow import exact
 from trainperf.backends.oneflow.dist import Dist
-from trainperf.backends.oneflow.heads import MarginSoftmaxHead
+from trainperf.backends.oneflow.heads import MarginSoftmaxHead, sample_classes
 from trainperf.backends.oneflow.step import check_workload
 
 folder = sys.argv[1]
@@ -197,9 +200,57 @@ for device in ["cpu"] + (["cuda"] if flow.cuda.is_available() else []):
             bridges[f"{device}/sgd/{kind}/{k}"] = v
 np.savez(f"{folder}/bridges.npz", **bridges)
 
+# pfc: the sampling rule on given scores; at ratio 1.0 on the arcface inputs; at ratio 0.4,
+# two steps with given negative scores, sparse (the head's own update) and dense (OneFlow's SGD
+# on the whole shard, as step.py runs it).
+s = np.load(f"{folder}/sample_in.npz")
+out = {}
+for i in range(int(s["cases"])):
+    out[f"{i}/index"] = sample_classes(flow.tensor(s[f"{i}/labels"]), int(s[f"{i}/num_local"]),
+                                       int(s[f"{i}/size"]), flow.tensor(s[f"{i}/uniform"])).numpy()
+np.savez(f"{folder}/sample_out.npz", **out)
+
+x = np.load(f"{folder}/arcface_in.npz")
+c, d = x["weight"].shape
+head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), Dist(), mode="pfc")
+head.set_weight(x["weight"])
+emb = flow.tensor(x["emb"], requires_grad=True)
+loss = head(emb, flow.tensor(x["labels"]), keep_logits=True)
+loss.backward()
+np.savez(f"{folder}/pfc1_out.npz", loss=loss.to_local().numpy(), grad_emb=emb.grad.numpy(),
+         grad_weight=head.weight.grad.to_local().numpy(), logits=head.logits.numpy(),
+         update=head.update)
+
+x = np.load(f"{folder}/pfc_in.npz")
+c, d = x["weight"].shape
+for update in ("sparse", "dense"):
+    head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, Dist(), mode="pfc", sample_ratio=0.4,
+                             update=update)
+    head.set_weight(x["weight"])
+    opt = flow.optim.SGD([head.weight], lr=0.1, momentum=0.9, weight_decay=5e-4)
+    out = {"update": head.update}
+    for k in range(2):
+        opt.zero_grad()
+        emb = flow.tensor(x["emb"], requires_grad=True)
+        loss = head(emb, flow.tensor(x[f"labels{k}"]), scores=flow.tensor(x[f"scores{k}"]))
+        loss.backward()
+        index = head.index.numpy()
+        grad = (head.rows.grad[:len(index)] if update == "sparse"
+                else head.weight.grad.to_local()[flow.tensor(index)])
+        out.update({f"{k}/loss": loss.to_local().numpy(), f"{k}/grad_emb": emb.grad.numpy(),
+                    f"{k}/grad": grad.numpy(), f"{k}/index": index})
+        if update == "sparse":
+            head.sparse_step(0.1, 0.9, 5e-4)
+            out[f"{k}/momentum"] = head.momentum.numpy().copy()
+        else:
+            out[f"{k}/grad_whole"] = head.weight.grad.to_local().numpy().copy()
+            opt.step()
+        out[f"{k}/after"] = head.local_weight().detach().numpy().copy()
+    np.savez(f"{folder}/pfc_{update}_out.npz", **out)
+
 base = Workload(backbone="iresnet_tiny", num_classes=10, batch_size=2)
 refused = []
-for change in ({"fc": "pfc"}, {"precision": "fp16"}, {"precision": "bf16"},
+for change in ({"precision": "fp16"}, {"precision": "bf16"},
                {"backbone": "mobilefacenet_y1"},
                {"task": "classification", "backbone": "resnet50_v1b"},
                {"channels_last": True}):
@@ -210,6 +261,10 @@ for change in ({"fc": "pfc"}, {"precision": "fp16"}, {"precision": "bf16"},
         refused.append(str(e))
 open(f"{folder}/refused.txt", "w").write("\n".join(refused))
 """
+
+
+
+
 
 
 def bridge_inputs(rng: np.random.RandomState) -> dict[str, np.ndarray]:
@@ -250,6 +305,13 @@ def one_process(tmp_path_factory, oneflow_python):
              grads=rng.randn(4, 4, 3).astype(np.float32), lrs=np.array([0.1, 0.1, 0.01, 0.01]))
     np.savez(folder / "bn_in.npz", x=rng.randn(2, 6, 5, 3, 3) * 2 + 3, r=rng.randn(6, 5, 3, 3))
     np.savez(folder / "bridge_in.npz", **bridge_inputs(np.random.RandomState(11)))
+    np.savez(folder / "sample_in.npz", **sample_cases())
+    x = head_inputs(11, 6, 8, 20)
+    rng = np.random.RandomState(5)
+    np.savez(folder / "pfc_in.npz", emb=x["emb"], weight=x["weight"], labels0=x["labels"],
+             labels1=rng.choice(20, size=6, replace=False).astype(np.int64),
+             scores0=(rng.permutation(20) / 20).astype(np.float32),
+             scores1=(rng.permutation(20) / 20).astype(np.float32))
     run_of([oneflow_python, "-c", ONE_PROCESS, str(folder), *MARGINS], of_env(oneflow_python))
     return folder
 
@@ -427,8 +489,7 @@ def test_sgd_is_torchs_update_through_a_rate_change(one_process):
 
 
 def test_unsupported_settings_are_refused_with_a_reason(one_process):
-    pfc, fp16, bf16, y1, rn50, nhwc = (one_process / "refused.txt").read_text().splitlines()
-    assert pfc == "the oneflow backend runs --fc dp, mp; not pfc"
+    fp16, bf16, y1, rn50, nhwc = (one_process / "refused.txt").read_text().splitlines()
     assert fp16 == ("the oneflow backend runs --precision fp32 on a CPU (OneFlow 0.9's eager "
                     "mode has no dynamic loss scaler)")
     assert bf16 == "the oneflow backend runs --precision fp32 on a CPU"
@@ -436,6 +497,75 @@ def test_unsupported_settings_are_refused_with_a_reason(one_process):
     assert rn50.startswith("the oneflow backend has no backbone 'resnet50_v1b'")
     assert nhwc == ("the oneflow backend runs its backbones channels-first only: drop "
                     "--channels-last")
+
+
+# ------------------------------------------------------------------------- pfc, one rank
+
+def test_sampling_follows_the_oracles_rule(one_process):
+    """Every positive kept, the negatives of the highest scores, sorted ascending."""
+    x = np.load(one_process / "sample_in.npz")
+    got = np.load(one_process / "sample_out.npz")
+    for i in range(int(x["cases"])):
+        index, _ = oracle.pfc_sample(x[f"{i}/labels"], x[f"{i}/num_local"],
+                                     x[f"{i}/num_sample"], x[f"{i}/uniform"])
+        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
+    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+
+
+def test_pfc_at_ratio_one_is_the_full_softmax(one_process):
+    x = np.load(one_process / "arcface_in.npz")
+    got = np.load(one_process / "pfc1_out.npz")
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS["arcface"],
+                                       SCALE, cos_eps=oracle.FP32_COS_EPS)
+    assert str(got["update"]) == "full"
+    assert float(got["loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    close_to_max(got["grad_emb"], ref["grad_emb"])
+    close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
+@pytest.mark.parametrize("update", ["sparse", "dense"])
+def test_sampling_head_and_its_update(one_process, update):
+    """A pfc head at ratio 0.4 of 20 classes, two steps: the sample is the oracle's, the loss
+    and gradients the oracle's over the sampled classes, and the update torch's SGD, on the
+    sampled rows only with momentum kept per row (sparse: the rows never sampled and their
+    momentum stay as they were, bit for bit), or on the whole matrix with a gradient that is
+    zero off the sample (dense, arcface_torch's)."""
+    x = np.load(one_process / "pfc_in.npz")
+    got = np.load(one_process / f"pfc_{update}_out.npz")
+    assert str(got["update"]) == update
+    weight = x["weight"].astype(np.float64)
+    buf = np.zeros_like(weight)
+    touched = np.zeros(len(weight), bool)
+    for k in range(2):
+        index, _ = oracle.pfc_sample(x[f"labels{k}"], 20, 8, x[f"scores{k}"])
+        np.testing.assert_array_equal(got[f"{k}/index"], index)
+        # The oracle on float32 weights, as the head holds them.
+        ref = sampled_oracle(x["emb"], weight.astype(np.float32), x[f"labels{k}"], index)
+        assert float(got[f"{k}/loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+        close_to_max(got[f"{k}/grad_emb"], ref["grad_emb"])
+        close_to_max(got[f"{k}/grad"], ref["grad_weight"])
+        grad = got[f"{k}/grad"].astype(np.float64)
+        if update == "sparse":
+            weight, buf = weight.copy(), buf.copy()
+            weight[index], buf[index] = oracle.sgd_momentum_step(weight[index], grad,
+                                                                 buf[index], 0.1, 0.9, 5e-4)
+            touched[index] = True
+            close_to_max(got[f"{k}/momentum"], buf)
+            assert not got[f"{k}/momentum"][~touched].any()
+        else:
+            off = np.setdiff1d(np.arange(20), index)
+            assert not got[f"{k}/grad_whole"][off].any()
+            full = np.zeros_like(weight)
+            full[index] = grad
+            weight, buf = oracle.sgd_momentum_step(weight, full, buf, 0.1, 0.9, 5e-4)
+        np.testing.assert_allclose(got[f"{k}/after"], weight, rtol=1e-5, atol=1e-7)
+        weight = got[f"{k}/after"].astype(np.float64)
+    if update == "sparse":
+        assert 0 < touched.sum() < 20
+        np.testing.assert_array_equal(got["1/after"][~touched], x["weight"][~touched])
+    else:  # the weight decay reaches every row
+        assert (got["1/after"] != x["weight"]).all(axis=1).all()
 
 
 # ------------------------------------------------------------------------ mp, on 2 ranks
@@ -477,6 +607,31 @@ for call in (1, 2):
                 f"logits{call}": head.logits.numpy()})
 np.savez(f"{folder}/head_rank{r}.npz", **out)
 
+# pfc heads on the same halves: at ratio 1.0 (mp itself), and sampling with given negative
+# scores at 0.5 (9 columns a shard) and 0.3 (5 a shard: shard 0's 6 positives exceed it, so
+# rank 1's piece is padded to 6), each then taking its sparse update.
+labels = flow.tensor(x["labels"][r * rows:(r + 1) * rows])
+out = {}
+for tag, ratio in (("pfc1", 1.0), ("pfc05", 0.5), ("pfc03", 0.3)):
+    head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), dist, mode="pfc",
+                             sample_ratio=ratio)
+    head.set_weight(x["weight"])
+    emb = flow.tensor(x["emb"][r * rows:(r + 1) * rows], requires_grad=True)
+    scores = None if ratio == 1.0 else flow.tensor(x[f"scores{r}"][:head.count])
+    loss = head(emb, labels, keep_logits=True, scores=scores)
+    loss.backward()
+    out.update({f"{tag}/loss": loss.to_local().numpy(), f"{tag}/grad_emb": emb.grad.numpy(),
+                f"{tag}/logits": head.logits.numpy(), f"{tag}/update": head.update})
+    if ratio == 1.0:
+        out[f"{tag}/grad"] = head.weight.grad.to_local().numpy()
+        continue
+    index = head.index.numpy()
+    out.update({f"{tag}/index": index, f"{tag}/num_sample": head.num_sample,
+                f"{tag}/grad": head.rows.grad[:len(index)].numpy()})
+    head.sparse_step(0.1, 0.9, 5e-4)
+    out[f"{tag}/after"] = head.local_weight().detach().numpy().copy()
+np.savez(f"{folder}/pfc_rank{r}.npz", **out)
+
 # Whole steps without clipping (which would hide a wrong gradient scale): dp and mp from the
 # same start on the same per-rank batches, gradients read after the reduction.
 wl = Workload(backbone="iresnet_tiny", num_classes=c, batch_size=4, embedding_size=d,
@@ -498,6 +653,20 @@ for name, step in (("dp", dp), ("mp", mp)):
             out[f"{name}/grad/{k}"] = p.grad.numpy()
     step.apply()
 np.savez(f"{folder}/step_rank{r}.npz", start=mp.head.start, **out)
+
+# Whole pfc steps at ratio 0.5, sparse and dense: what the worker reports, and which rows of
+# the shard the update moved.
+out = {}
+for update in ("sparse", "dense"):
+    step = TrainStep(wl.replace(fc="pfc", sample_ratio=0.5, pfc_update=update), dist, init=init)
+    before = step.head.local_weight().detach().numpy().copy()
+    loss = step(images, labels)
+    out.update({f"{update}/loss": loss.numpy(), f"{update}/ran": step.pfc_update,
+                f"{update}/head": step.settings["head"], f"{update}/before": before,
+                f"{update}/after": step.head.local_weight().detach().numpy().copy(),
+                f"{update}/index": step.head.index.numpy(),
+                f"{update}/optimizers": len(step.optimizers)})
+np.savez(f"{folder}/pfc_step_rank{r}.npz", **out)
 
 # The float32 bridge of exact.DataParallel to OneFlow's DDP: the dp model (backbone and head)
 # on ranks that start apart, two forwards and backwards on each rank's own batches, with and
@@ -551,8 +720,10 @@ dist.barrier()
 @pytest.fixture(scope="module")
 def mp_two_ranks(tmp_path_factory, oneflow_python):
     folder = tmp_path_factory.mktemp("of_mp_head")
+    rng = np.random.RandomState(9)
     np.savez(folder / "head_in.npz", **head_inputs(7, 12, 8, 37), margins=MARGINS["arcface"],
-             scale=SCALE)
+             scale=SCALE, scores0=(rng.permutation(19) / 19).astype(np.float32),
+             scores1=(rng.permutation(19) / 19).astype(np.float32))
     (folder / "of_mp_rank.py").write_text(MP_RANK)
     run_of([oneflow_python, "-m", "trainperf.backends.spawn", "--backend", "oneflow",
             "--nproc", "2", "--module", "of_mp_rank", "--", str(folder)],
@@ -623,3 +794,71 @@ def test_float32_data_parallel_equals_oneflows_ddp(mp_two_ranks):
     buffer = "1/buffer/backbone.bn1.running_mean"
     apart = ranks[1][f"ddp/1/{buffer}"] - ranks[1][f"ddp/0/{buffer}"]
     assert np.abs(apart).max() > 100 * FP32_BRIDGE * np.abs(ranks[1][f"ddp/1/{buffer}"]).max()
+
+
+# ------------------------------------------------------------------------ pfc, on 2 ranks
+
+def test_pfc_at_ratio_one_on_two_ranks_is_mp(mp_two_ranks):
+    for r in range(2):
+        mp = np.load(mp_two_ranks / f"head_rank{r}.npz")
+        got = np.load(mp_two_ranks / f"pfc_rank{r}.npz")
+        assert str(got["pfc1/update"]) == "full"
+        for key, mp_key in (("loss", "loss1"), ("grad_emb", "grad_emb1"), ("grad", "grad_weight1"),
+                            ("logits", "logits1")):
+            np.testing.assert_array_equal(got[f"pfc1/{key}"], mp[mp_key], err_msg=key)
+
+
+@pytest.mark.parametrize("tag,sizes", [("pfc05", (9, 9)), ("pfc03", (6, 5))])
+def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(mp_two_ranks, tag, sizes):
+    """Each shard's sample is the oracle's (its positives all kept, at 0.3 beyond the sample);
+    the loss, the embedding gradients, the logits and the sampled rows' gradients are the
+    oracle's over the sampled classes of both shards; the sparse update moves the sampled rows
+    by torch's first SGD step and no other row."""
+    x = np.load(mp_two_ranks / "head_in.npz")
+    ranks = [np.load(mp_two_ranks / f"pfc_rank{r}.npz") for r in range(2)]
+    ids = []
+    for r, got in enumerate(ranks):
+        start, count = oracle.shard_of(37, r, 2)
+        local = oracle.local_labels_of(x["labels"], start, count)
+        index, _ = oracle.pfc_sample(local, count, int(got[f"{tag}/num_sample"]),
+                                     x[f"scores{r}"][:count])
+        np.testing.assert_array_equal(got[f"{tag}/index"], index)
+        ids.append(start + index)
+    assert tuple(len(i) for i in ids) == sizes
+    ref = sampled_oracle(x["emb"], x["weight"], x["labels"], np.concatenate(ids))
+    offset = 0
+    for r, got in enumerate(ranks):
+        n = len(ids[r])
+        assert float(got[f"{tag}/loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+        close_to_max(got[f"{tag}/grad_emb"], ref["grad_emb"][r * 6:(r + 1) * 6])
+        np.testing.assert_allclose(got[f"{tag}/logits"], ref["logits"][:, offset:offset + n],
+                                   rtol=0, atol=1e-4)
+        close_to_max(got[f"{tag}/grad"], ref["grad_weight"][offset:offset + n])
+        start, count = oracle.shard_of(37, r, 2)
+        want = x["weight"][start:start + count].astype(np.float64)
+        index = got[f"{tag}/index"]
+        want[index], _ = oracle.sgd_momentum_step(want[index], got[f"{tag}/grad"], None, 0.1,
+                                                  0.9, 5e-4)
+        np.testing.assert_allclose(got[f"{tag}/after"], want, rtol=1e-6, atol=1e-8)
+        off = np.setdiff1d(np.arange(count), index)
+        np.testing.assert_array_equal(got[f"{tag}/after"][off], x["weight"][start + off])
+        offset += n
+
+
+def test_pfc_steps_on_two_ranks_say_which_update_ran(mp_two_ranks):
+    """A whole step at ratio 0.5: sparse moves only the sampled rows of each shard, by the
+    head's own update (no optimizer holds the class matrix); dense moves every row (the weight
+    decay), through OneFlow's SGD. ``pfc_update`` (the worker's Start field) says which."""
+    for r in range(2):
+        got = np.load(mp_two_ranks / f"pfc_step_rank{r}.npz")
+        for update, optimizers in (("sparse", 1), ("dense", 2)):
+            assert str(got[f"{update}/ran"]) == update
+            assert str(got[f"{update}/head"]).endswith(f"pfc samples 0.5 of each shard, "
+                                                      f"{update} update")
+            assert int(got[f"{update}/optimizers"]) == optimizers
+            assert np.isfinite(got[f"{update}/loss"]).all()
+            moved = (got[f"{update}/after"] != got[f"{update}/before"]).any(axis=1)
+            if update == "sparse":
+                np.testing.assert_array_equal(np.flatnonzero(moved), got["sparse/index"])
+            else:
+                assert moved.all()

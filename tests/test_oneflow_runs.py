@@ -92,12 +92,6 @@ def test_a_failing_rank_is_a_result_and_leaves_nothing(tmp_path, monkeypatch, on
     assert left_behind(tmp_path) == []
 
 
-def test_pfc_is_refused_before_anything_starts(tmp_path, capsys):
-    assert main(["run", "tiny-arcface", "--framework", "oneflow", "--fc", "pfc",
-                 "--out", str(tmp_path / "r")]) == 2
-    assert "the oneflow backend runs --fc dp, mp" in capsys.readouterr().err
-
-
 def test_other_ranks_wait_for_rank0_before_joining():
     """OneFlow's join backs off for seconds when rank 0 is not yet listening; the worker's
     ranks other than 0 first wait for its port (stdlib only, no OneFlow needed here)."""

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import oracle
-from framework_checks import check_recorded_sgd_steps, close_to_max, head_inputs
+from framework_checks import (check_recorded_sgd_steps, close_to_max, head_inputs,
+                              sample_cases, sampled_oracle)
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
@@ -44,13 +45,6 @@ def run_pd(python: str, argv: list[str], env: dict[str, str], timeout: float = 1
                                  f"{proc.stderr[-5000:]}"
 
 
-def sampled_oracle(emb, weight, labels, ids, margins):
-    """The oracle's head restricted to the classes ``ids`` (global, ascending within each
-    shard, shards in rank order): what a sampling pfc head computes."""
-    position = {int(c): i for i, c in enumerate(ids)}
-    remapped = np.array([position[int(y)] for y in labels])
-    return oracle.head_forward_backward(emb, weight[ids], remapped, margins, SCALE,
-                                        cos_eps=oracle.FP32_COS_EPS)
 
 
 # --------------------------------------------------------------------------- one process
@@ -192,23 +186,6 @@ np.savez(f"{folder}/loss_scaling.npz", **scaled)
 """
 
 
-def sample_cases() -> dict[str, np.ndarray]:
-    """Shards with positives fewer than, more than, and exactly the sample; labels of other
-    shards (-1) and repeated positives."""
-    rng = np.random.RandomState(3)
-    cases = [
-        (np.array([4, -1, 9, 4, -1, 0]), 12, 5),
-        (np.array([1, 7, 3, 11, 5, -1, 9, 2]), 12, 3),      # 7 positives > 3 sampled
-        (np.array([-1, -1, -1]), 6, 2),                      # no positive here
-        (np.array([2, 0, 1, 2]), 4, 3),                      # positives fill the sample
-    ]
-    out: dict[str, np.ndarray] = {"cases": np.array(len(cases))}
-    for i, (labels, num_local, num_sample) in enumerate(cases):
-        out[f"{i}/labels"] = labels.astype(np.int64)
-        out[f"{i}/num_local"] = np.array(num_local)
-        out[f"{i}/num_sample"] = np.array(num_sample)
-        out[f"{i}/uniform"] = rng.permutation(num_local).astype(np.float32) / num_local
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,18 @@ float64 oracle.
 
 TensorFlow runs in its own environment (``tf_python``, no torch there): ONE script run there
 (TensorFlow takes seconds to start) builds the backbones, runs the forward and backward of two
-tiny ones on torch's weights, the dp head on the oracle's inputs, three training steps and the
-BatchNorm bridge (below), and writes ``.npz`` / JSON files; the comparisons happen here, against torch and ``tests/oracle.py``.
+tiny ones on torch's weights, the dp head on the oracle's inputs, three training steps, the
+Partial FC sample and update and the BatchNorm bridge (below), and writes ``.npz`` / JSON files;
+ONE launch of two ranks (``trainperf.backends.spawn``, a ``MultiWorkerMirroredStrategy`` on
+RING, as a run starts them) runs the sharded heads and steps. The comparisons happen here,
+against torch and ``tests/oracle.py``.
 
 Tolerances (float32 against torch's float32 or the oracle's float64): outputs element by element
 to 1e-4 of the largest entry; gradients by relative L2 error below 5e-3 (an activation within
 rounding of a ReLU / PReLU / max-pool kink may take the other branch in one framework, which
 changes a gradient locally); the head's loss to 1e-5 relative, its logits (scaled by s = 64) to
-1e-4 absolute and its gradients to 1e-5 of the largest entry, as the MXNet head's. The same
+1e-4 absolute and its gradients to 1e-5 of the largest entry, as the MXNet head's (the sharded
+heads' too: every rank computes from the same float32 inputs). The same
 two networks in float64 (strict alignment's, BatchNorm composed of tf.nn ops) are held to torch's
 float64: outputs to 1e-12 of the largest entry, gradients to 1e-10 relative L2, statistics 1e-12.
 
@@ -40,7 +44,7 @@ import torch
 
 import oracle
 from framework_checks import (check_recorded_sgd_steps, close_to_max, head_inputs,
-                              randomise_norm_layers)
+                              randomise_norm_layers, sample_cases)
 from trainperf.backends.torch.backbones import build_backbone
 
 pytestmark = pytest.mark.slow
@@ -187,10 +191,11 @@ for name in spec["heads"]:
     emb, labels = tf.constant(x["emb"]), tf.constant(x["labels"])
     with tf.GradientTape() as tape:
         tape.watch(emb)
-        loss = head(emb, labels)
+        selection = head.select(labels)
+        logits, loss = head.logits_and_loss(emb, selection, head.rows(selection))
     grad_emb, grad_weight = tape.gradient(loss, [emb, head.weight])
     np.savez(f"{work}/{name}_out.npz", loss=loss.numpy(), grad_emb=grad_emb.numpy(),
-             grad_weight=grad_weight.numpy(), logits=head.logits(emb, labels).numpy())
+             grad_weight=grad_weight.numpy(), logits=logits.numpy())
 
 comm = Comm(0, 1, tf.distribute.get_strategy(), "cpu", None)
 for case, (fields, _, _) in spec["updates"].items():
@@ -199,10 +204,8 @@ for case, (fields, _, _) in spec["updates"].items():
     images, labels = synthetic_batch(wl, 0, comm.tf_device)
     out = {"arrays": len(step.variables), "backbone": len(step.backbone_vars)}
     for i in range(3):
-        # Dropout is off, so this tape sees the gradients the step is about to take.
-        with tf.GradientTape() as tape:
-            loss = step._loss(images, labels)
-        grads = tape.gradient(loss, step.variables)
+        # Dropout is off, so these are the gradients the step is about to take.
+        _, grads, _ = step.gradients(images, labels)
         before = [v.numpy() for v in step.variables]
         step(images, labels)
         for j, v in enumerate(step.variables):
@@ -212,10 +215,19 @@ for case, (fields, _, _) in spec["updates"].items():
 
 base = dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
             input_size=16)
-for key, changes in {"fp16": {"precision": "fp16"}, "bf16": {"precision": "bf16"},
-                     "mp": {"fc": "mp"}}.items():
+for key, changes in {"fp16": {"precision": "fp16"}, "bf16": {"precision": "bf16"}}.items():
     try:
         TrainStep(Workload(**base, **changes), comm)
+        report["errors"][key] = None
+    except ValueError as e:
+        report["errors"][key] = str(e)
+for key, make in {"update": lambda: MarginSoftmaxHead(37, 8, (1, 0.5, 0), 64.0, update="full"),
+                  "ratio": lambda: MarginSoftmaxHead(37, 8, (1, 0.5, 0), 64.0, mode="pfc",
+                                                     sample_ratio=0.0),
+                  "weight": lambda: MarginSoftmaxHead(37, 8, (1, 0.5, 0), 64.0).set_weight(
+                      np.zeros((36, 8)))}.items():
+    try:
+        make()
         report["errors"][key] = None
     except ValueError as e:
         report["errors"][key] = str(e)
@@ -239,19 +251,26 @@ except ValueError as e:
 # at 16 (2**16 overflows this tiny net's float16 gradients at once, as it would torch's) and
 # growth after 2 clean steps instead of 2000.
 from trainperf.backends.tf import step as step_module
+check_precision = step_module.check_precision
 step_module.check_precision = lambda precision, device_type: None
 step_module.LOSS_SCALE_INTERVAL = 2
 scaling = {}
-for precision in ("fp32", "fp16"):
-    wl = Workload(**base, precision=precision, dropout=0.0)
+for key, changes in {"fp32": {}, "fp16": {"precision": "fp16"},
+                     "fp16_pfc": {"precision": "fp16", "fc": "pfc", "sample_ratio": 0.3}}.items():
+    wl = Workload(**base, dropout=0.0, **changes)
     step = TrainStep(wl, comm)
     images, labels = synthetic_batch(wl, 0, comm.tf_device)
-    step.loss_scale.assign(16.0 if precision == "fp16" else 1.0)
-    outs = [step(images * float("inf") if precision == "fp16" and i == 2 else images, labels)
-            for i in range(5)]
-    scaling[precision] = [float(o[0].numpy()) for o in outs]
-    scaling[precision + "_skipped"] = [i for i, o in enumerate(outs) if bool(o[2].numpy())]
-    scaling[precision + "_scale"] = float(step.loss_scale.numpy())
+    step.loss_scale.assign(16.0 if step.fp16 else 1.0)
+    outs = []
+    for i in range(5):
+        if step.fp16 and i == 2:
+            head_before = step.head.weight.numpy()
+        outs.append(step(images * float("inf") if step.fp16 and i == 2 else images, labels))
+        if step.fp16 and i == 2:
+            scaling[key + "_head_kept"] = bool((step.head.weight.numpy() == head_before).all())
+    scaling[key] = [float(o[0].numpy()) for o in outs]
+    scaling[key + "_skipped"] = [i for i, o in enumerate(outs) if bool(o[2].numpy())]
+    scaling[key + "_scale"] = float(step.loss_scale.numpy())
 # float16 without the inf batch, its scale put where the skip leaves it (16, no clean step)
 # before its third step: the state the skipped step should leave behind.
 wl = Workload(**base, precision="fp16", dropout=0.0)
@@ -263,8 +282,41 @@ step.loss_scale.assign(16.0)
 clean += [step(images, labels) for _ in range(2)]
 scaling["fp16_clean"] = [float(o[0].numpy()) for o in clean]
 report["scaling"] = scaling
+step_module.check_precision = check_precision
+
+# The Partial FC sample on given scores.
+from trainperf.backends.tf.heads import sample_classes
+s = np.load(f"{work}/sample_in.npz")
+out = {}
+for i in range(int(s["cases"])):
+    index, remapped = sample_classes(tf.constant(s[f"{i}/labels"], tf.int32),
+                                     int(s[f"{i}/num_local"]), int(s[f"{i}/num_sample"]),
+                                     tf.constant(s[f"{i}/uniform"]))
+    out[f"{i}/index"], out[f"{i}/remapped"] = index.numpy(), remapped.numpy()
+np.savez(f"{work}/sample_out.npz", **out)
+
+# Three steps of a sampling pfc (one process), each with the gradient the step itself takes:
+# the generator is put back after a first draw, so the step draws the same sample again.
+for update in ("sparse", "dense"):
+    wl = Workload(**base, fc="pfc", sample_ratio=0.3, pfc_update=update, dropout=0.0,
+                  clip_grad_norm=None)
+    step = TrainStep(wl, comm)
+    images, labels = synthetic_batch(wl, 0, comm.tf_device)
+    out = {"update": step.pfc_update, "labels": labels.numpy()}
+    for i in range(3):
+        state = step.head.generator.state.numpy()
+        _, grads, sample = step.gradients(images, labels)
+        step.head.generator.state.assign(state)
+        out[f"{i}/before"] = step.head.weight.numpy()
+        step(images, labels)
+        out[f"{i}/after"], out[f"{i}/grad"] = step.head.weight.numpy(), grads[-1].numpy()
+        if sample is not None:
+            out[f"{i}/index"] = sample[0].numpy()
+    np.savez(f"{work}/pfc_{update}.npz", **out)
 json.dump(report, open(f"{work}/report.json", "w"))
 """
+
+
 
 
 def _torch_forward(case: str, name: str, kwargs: dict, side: int, batch: int, work: Path
@@ -327,6 +379,7 @@ def tf_side(tmp_path_factory, tf_python):
                  scale=SCALE)
     for case, shape in BRIDGE.items():
         _bridge_inputs(case, shape, work)
+    np.savez(work / "sample_in.npz", **sample_cases(np.int32))
     spec = {"builds": BUILDS, "forward": FORWARD, "heads": list(MARGINS),
             "bridge": list(BRIDGE),
             "updates": {k: (dict(v[0], lr_steps=list(v[0]["lr_steps"]),
@@ -494,7 +547,9 @@ def test_refusals_and_load_errors(tf_side):
     assert errors["fp16"] == ("the tf backend runs --precision fp32 on a CPU; fp16 needs a GPU "
                               "(TensorFlow's mixed float16 is not run on a CPU)")
     assert errors["bf16"] == "the tf backend runs --precision fp32 on a CPU"
-    assert errors["mp"] == "the tf backend runs --fc dp; not mp"
+    assert errors["update"] == "pfc update must be one of sparse, dense, got 'full'"
+    assert errors["ratio"] == "sample_ratio must be in (0, 1], got 0.0"
+    assert errors["weight"] == "head weight (36, 8) does not fit the head's class matrix (37, 8)"
     assert "the tf backend has no backbone 'mobilefacenet_y1'" in errors["unknown"]
     load = errors["load"]
     assert "missing: fc.bias" in load and "unexpected: extra.weight" in load
@@ -505,7 +560,8 @@ def test_refusals_and_load_errors(tf_side):
 def test_fp16_loss_scaling_grows_checks_and_skips(tf_side):
     """Run on a CPU with the GPU-only check bypassed. An overflow (an inf batch at step 2)
     skips that update and halves the scale; 2 clean steps double it (16 -> 32 -> 16 -> 32);
-    float32 never scales nor skips.
+    float32 never scales nor skips. A sampling pfc in float16 (its sparse update of the
+    sampled rows included) skips the same step and leaves its class matrix alone there.
 
     The skip leaves no trace: the two steps after it give the same losses as float16 without
     the inf batch, at the same scale. That is compared float16 against float16, because beyond
@@ -523,8 +579,268 @@ def test_fp16_loss_scaling_grows_checks_and_skips(tf_side):
     fp32, fp16, clean = got["fp32"], got["fp16"], got["fp16_clean"]
     assert got["fp32_skipped"] == [] and got["fp32_scale"] == 1.0
     assert got["fp16_skipped"] == [2] and got["fp16_scale"] == 32.0
+    assert got["fp16_head_kept"]
+    # A sampling pfc: the decision takes in its shard's gradient too (not all-reduced), and
+    # the skip leaves the sampled rows and their momentum as they were.
+    assert got["fp16_pfc_skipped"] == [2] and got["fp16_pfc_scale"] == 32.0
+    assert got["fp16_pfc_head_kept"]
+    pfc = got["fp16_pfc"]
+    assert pfc[2] != pfc[2] and all(v == v for v in pfc[:2] + pfc[3:])
     assert fp16[0] == pytest.approx(fp32[0], rel=1e-3)
     assert fp16[1] == pytest.approx(fp32[1], rel=3e-2)
     assert fp16[2] != fp16[2]  # the inf batch's loss
     assert fp16[:2] == clean[:2]
     assert fp16[3:5] == pytest.approx(clean[2:4], rel=1e-6)
+
+
+def test_sampling_follows_the_oracles_rule(tf_side):
+    """Every positive kept, negatives by score, sorted; labels remapped into the sample; the
+    sample grows to hold every positive (its size computed on the device)."""
+    work, _, _ = tf_side
+    x, got = np.load(work / "sample_in.npz"), np.load(work / "sample_out.npz")
+    for i in range(int(x["cases"])):
+        index, remapped = oracle.pfc_sample(x[f"{i}/labels"], x[f"{i}/num_local"],
+                                            x[f"{i}/num_sample"], x[f"{i}/uniform"])
+        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
+        np.testing.assert_array_equal(got[f"{i}/remapped"], remapped, err_msg=f"case {i}")
+    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+
+
+@pytest.mark.parametrize("update", ["sparse", "dense"])
+def test_sampling_step_updates_the_class_matrix_as_torch(tf_side, update):
+    """Three steps of a pfc TrainStep at ratio 0.3 of 37 classes (11 rows sampled a step), on
+    the step's own gradients: sparse, torch's SGD on the sampled rows only, each with its own
+    momentum carried from the steps that sampled it, and every row never sampled bit for bit
+    its initial value; dense, arcface_torch's SGD on the whole matrix with a gradient that is
+    zero off the sample (every row decays and carries momentum)."""
+    work, _, _ = tf_side
+    got = np.load(work / f"pfc_{update}.npz")
+    assert str(got["update"]) == update
+    weight = got["0/before"].astype(np.float64)
+    buf = np.zeros_like(weight)
+    touched = np.zeros(len(weight), bool)
+    samples = []
+    for k in range(3):
+        np.testing.assert_array_equal(got[f"{k}/before"], weight.astype(np.float32))
+        grad = got[f"{k}/grad"].astype(np.float64)
+        if update == "sparse":
+            index = got[f"{k}/index"]
+            assert len(index) == 11 and set(got["labels"]) <= set(index)
+            assert grad.shape == (11, weight.shape[1])
+            rows, buf[index] = oracle.sgd_momentum_step(weight[index], grad, buf[index], 0.1,
+                                                        0.9, 5e-4)
+            want = weight.copy()
+            want[index] = rows
+            touched[index] = True
+            samples.append(set(index))
+        else:
+            sampled = np.flatnonzero(np.abs(grad).sum(axis=1))
+            assert grad.shape == weight.shape and 0 < len(sampled) <= 11
+            assert set(got["labels"]) <= set(sampled)
+            want, buf = oracle.sgd_momentum_step(weight, grad, buf, 0.1, 0.9, 5e-4)
+        # The class rows' gradients are large (s = 64 over rows of norm 0.03): float32
+        # rounding of the largest entries, as check_recorded_sgd_steps allows.
+        np.testing.assert_allclose(got[f"{k}/after"], want, rtol=1e-5,
+                                   atol=1e-6 * np.abs(want).max())
+        weight = got[f"{k}/after"].astype(np.float64)
+    start = got["0/before"]
+    if update == "sparse":
+        assert len(set.union(*samples)) > 11  # the draws differ from step to step
+        np.testing.assert_array_equal(got["2/after"][~touched], start[~touched])
+    else:
+        assert (got["2/after"] != start).all(axis=1).all()
+
+
+# ------------------------------------------------------------------ two ranks, RING
+
+# Each rank: (1) the mp head on the oracle's inputs, twice, and pfc at ratio 1.0; (2) pfc at
+# ratio 0.5 on given negative scores; every pass differentiates what the step differentiates
+# (``replica_objective``) inside ``strategy.run`` in a tf.function. (3) One mp TrainStep on
+# each rank's synthetic batch, beside the gradients that one process computes alone from the
+# same weights (the full softmax over both ranks' embeddings, each batch through the backbone
+# on its own); (4) two steps of a sampling pfc (its own draws, the sparse update).
+RANK = r"""
+import sys
+import numpy as np
+import tensorflow as tf
+from trainperf.config import Workload
+from trainperf.backends.tf.comm import Comm
+from trainperf.backends.tf.heads import MarginSoftmaxHead
+from trainperf.backends.tf.step import TrainStep, synthetic_batch
+
+folder = sys.argv[1]
+comm = Comm.create("cpu", 1)
+r = comm.rank
+x = np.load(f"{folder}/head_in.npz")
+c, d = x["weight"].shape
+n = x["emb"].shape[0] // comm.world_size
+emb = tf.constant(x["emb"][r * n:(r + 1) * n])
+labels = tf.constant(x["labels"][r * n:(r + 1) * n], tf.int32)
+
+
+def head_pass(head, scores=None):
+    def replica(e, y):
+        with tf.GradientTape() as tape:
+            tape.watch(e)
+            selection = head.select(y, scores)
+            used = head.rows(selection)
+            z, loss = head.logits_and_loss(e, selection, used)
+            objective = head.replica_objective(loss)
+        grad_e, grad_rows = tape.gradient(objective, [e, used])
+        index = selection.index if selection.index is not None else tf.zeros([0], tf.int32)
+        return loss, z, grad_e, tf.convert_to_tensor(grad_rows), index
+    return tf.function(lambda e, y: comm.strategy.run(replica, (e, y)), autograph=False)
+
+
+out = {}
+for tag, kwargs in (("mp", {"mode": "mp"}), ("pfc1", {"mode": "pfc", "sample_ratio": 1.0})):
+    head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, comm, **kwargs)
+    head.set_weight(x["weight"])
+    out[f"{tag}/start"], out[f"{tag}/count"] = head.start, head.count
+    fn = head_pass(head)
+    for call in (1, 2):
+        values = [v.numpy() for v in fn(emb, labels)]
+        for key, v in zip(("loss", "logits", "grad_emb", "grad_weight"), values):
+            out[f"{tag}/{key}{call}"] = v
+head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, comm, mode="pfc", sample_ratio=0.5)
+head.set_weight(x["weight"])
+values = [v.numpy() for v in
+          head_pass(head, tf.constant(x[f"scores{r}"][:head.count]))(emb, labels)]
+for key, v in zip(("loss", "logits", "grad_emb", "grad", "index"), values):
+    out[f"pfc/{key}"] = v
+out["pfc/num_sample"] = head.num_sample
+
+base = dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
+            input_size=16, dropout=0.0, clip_grad_norm=None)
+wl = Workload(**base, fc="mp")
+step = TrainStep(wl, comm)
+step.head.set_weight(x["step_head"])
+batches = [synthetic_batch(wl, k, comm.tf_device) for k in range(comm.world_size)]
+one = Comm(0, 1, tf.distribute.get_strategy(), "cpu", None)
+ref = TrainStep(wl.replace(fc="dp"), one)  # the same backbone: built from the same seed
+ref.head.set_weight(x["step_head"])
+with tf.GradientTape() as tape:
+    halves = [ref.backbone(images, training=True) for images, _ in batches]
+    loss = ref.head(tf.concat(halves, 0), tf.concat([y for _, y in batches], 0))
+grads = tape.gradient(loss, ref.variables)
+out["ref/loss"] = loss.numpy()
+for j, g in enumerate(grads):
+    out[f"ref/grad/{j}"] = g.numpy()
+out["mp/start"] = step.head.start
+out["mp/arrays"] = len(step.variables)
+for j, v in enumerate(step.variables):
+    out[f"mp/before/{j}"] = v.numpy()
+out["mp/loss"] = step(*batches[r])[0].numpy()
+for j, v in enumerate(step.variables):
+    out[f"mp/after/{j}"] = v.numpy()
+
+pfc = TrainStep(Workload(**base, fc="pfc", sample_ratio=0.4), comm)
+out["pfc_step/update"] = pfc.pfc_update
+out["pfc_step/losses"] = np.array([pfc(*batches[r])[0].numpy() for _ in range(2)])
+for j, v in enumerate(pfc.backbone_vars):
+    out[f"pfc_step/after/{j}"] = v.numpy()
+np.savez(f"{folder}/rank{r}.npz", **out)
+comm.barrier()
+"""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tf_python):
+    folder = tmp_path_factory.mktemp("tf_two_ranks")
+    rng = np.random.RandomState(9)
+    np.savez(folder / "head_in.npz", **head_inputs(7, 12, 8, 37),
+             scores0=(rng.permutation(19) / 19).astype(np.float32),
+             scores1=(rng.permutation(19) / 19).astype(np.float32),
+             step_head=(rng.randn(37, 8) * 0.01).astype(np.float32))
+    (folder / "tf_rank_check.py").write_text(RANK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(folder)]),
+               TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
+    for name in ("TF_CONFIG", "TRAINPERF_FAULT"):
+        env.pop(name, None)
+    proc = subprocess.run([tf_python, "-m", "trainperf.backends.spawn", "--backend", "tf",
+                           "--nproc", "2", "--module", "tf_rank_check", "--", str(folder)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return folder, [dict(np.load(folder / f"rank{r}.npz")) for r in range(2)]
+
+
+def test_mp_head_on_two_ranks_equals_the_full_softmax(two_ranks):
+    """Each rank's shard logits and class-matrix gradient are the oracle's columns and rows,
+    its embedding gradient (the all-gather's own gradient: the sum over ranks, sliced) the
+    oracle's rows of its own samples, the loss the global one; a second call repeats the
+    first; pfc at ratio 1.0 is mp exactly."""
+    folder, ranks = two_ranks
+    x = np.load(folder / "head_in.npz")
+    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS["arcface"],
+                                       SCALE, world_size=2, cos_eps=oracle.FP32_COS_EPS)
+    assert [int(g["mp/count"]) for g in ranks] == [19, 18]  # 37 classes: uneven shards
+    for r, got in enumerate(ranks):
+        shard = ref["shards"][r]
+        assert int(got["mp/start"]) == shard["start"]
+        for call in (1, 2):
+            assert float(got[f"mp/loss{call}"]) == pytest.approx(ref["loss"], rel=1e-5)
+            np.testing.assert_allclose(got[f"mp/logits{call}"], shard["logits"], rtol=0,
+                                       atol=1e-4)
+            close_to_max(got[f"mp/grad_weight{call}"], shard["grad_weight"])
+            close_to_max(got[f"mp/grad_emb{call}"], ref["grad_emb"][r * 6:(r + 1) * 6])
+        for key in ("loss", "grad_emb", "grad_weight", "logits"):
+            np.testing.assert_array_equal(got[f"pfc1/{key}1"], got[f"mp/{key}1"])
+
+
+def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(two_ranks):
+    """At ratio 0.5 on given scores: each rank's sample is the oracle's, and the loss and
+    gradients are the oracle's over the classes sampled on both shards."""
+    folder, ranks = two_ranks
+    x = np.load(folder / "head_in.npz")
+    ids = []
+    for r, got in enumerate(ranks):
+        start, count = oracle.shard_of(37, r, 2)
+        local = oracle.local_labels_of(x["labels"], start, count)
+        index, _ = oracle.pfc_sample(local, count, int(got["pfc/num_sample"]),
+                                     x[f"scores{r}"][:count])
+        np.testing.assert_array_equal(got["pfc/index"], index)
+        assert len(index) < count
+        ids.append(start + index)
+    ids = np.concatenate(ids)
+    position = {int(c): i for i, c in enumerate(ids)}
+    ref = oracle.head_forward_backward(x["emb"], x["weight"][ids],
+                                       np.array([position[int(y)] for y in x["labels"]]),
+                                       MARGINS["arcface"], SCALE, cos_eps=oracle.FP32_COS_EPS)
+    offset = 0
+    for r, got in enumerate(ranks):
+        rows = len(got["pfc/index"])
+        assert float(got["pfc/loss"]) == pytest.approx(ref["loss"], rel=1e-5)
+        np.testing.assert_allclose(got["pfc/logits"], ref["logits"][:, offset:offset + rows],
+                                   rtol=0, atol=1e-4)
+        close_to_max(got["pfc/grad_emb"], ref["grad_emb"][r * 6:(r + 1) * 6])
+        close_to_max(got["pfc/grad"], ref["grad_weight"][offset:offset + rows])
+        offset += rows
+
+
+def test_sharded_steps_sum_backbone_gradients_over_ranks(two_ranks):
+    """An mp step on two ranks: the loss is the one process's full softmax over both ranks'
+    embeddings; the backbone moves by the SUM over ranks of the partial gradients (first step:
+    w - lr * (g + wd * w), g that process's gradient), the same on both ranks; the shard moves
+    by its rows of the full class-matrix gradient alone. A sampling pfc's steps give both
+    ranks the same losses and backbone."""
+    _, ranks = two_ranks
+    count = int(ranks[0]["mp/arrays"])  # the backbone's, then the class matrix shard
+    for got in ranks:
+        moved = {j: got[f"mp/after/{j}"].astype(np.float64) - got[f"mp/before/{j}"]
+                 for j in range(count)}
+        want = {j: -0.1 * (got[f"ref/grad/{j}"] + 5e-4 * got[f"mp/before/{j}"].astype(np.float64))
+                for j in range(count - 1)}
+        start = int(got["mp/start"])
+        before = got[f"mp/before/{count - 1}"]
+        head = got[f"ref/grad/{count - 1}"][start:start + len(before)]
+        want[count - 1] = -0.1 * (head + 5e-4 * before.astype(np.float64))
+        assert float(got["mp/loss"]) == pytest.approx(float(got["ref/loss"]), rel=1e-5)
+        largest = max(np.abs(v).max() for v in want.values())
+        for j, v in want.items():
+            err = np.abs(moved[j] - v).max() / largest
+            assert err <= 1e-4, f"array {j}: {err:.3g} of the largest update"
+    for key in ranks[0]:
+        if key.startswith(("mp/after/", "pfc_step/after/")) and key != f"mp/after/{count - 1}":
+            np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    assert str(ranks[0]["pfc_step/update"]) == "sparse"
+    np.testing.assert_array_equal(ranks[0]["pfc_step/losses"], ranks[1]["pfc_step/losses"])

@@ -1,7 +1,7 @@
 """The TensorFlow backend end to end through the CLI: a run on 1 and 2 ranks (results, env,
 losses), strict alignment with torch in float64 (``trainperf align``, dp on 2 ranks), a failing rank
 (raised on one of 2 ranks, or killed) recorded as a result with no process of the run left
-behind, and what the backend refuses.
+behind.
 
 TensorFlow takes seconds to start in each process, so the CLI runs as few times as it can: one
 module-scoped run whose results several tests read, one alignment, one run of failures."""
@@ -95,10 +95,3 @@ def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, tf_p
     assert killed["samples_per_s"] is None and raised["samples_per_s"] is None
     assert "injected failure" in raised["error"]
     assert left_behind(tmp_path) == []
-
-
-def test_tf_refuses_sharded_heads(tmp_path, capsys):
-    for fc in ("mp", "pfc"):
-        assert main(["run", "tiny-arcface", "--framework", "tf", "--fc", fc,
-                     "--out", str(tmp_path / fc)]) == 2
-        assert "the tf backend runs --fc dp; not " + fc in capsys.readouterr().err

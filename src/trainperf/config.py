@@ -206,6 +206,13 @@ class Tuning:
         return _from_dict(cls, d, "tuning")
 
 
+LOADER_PYTHON_ENV = "TRAINPERF_LOADER_PYTHON"
+"""The interpreter real-data loader processes run (set by the runner: its own, which has the
+decoders); where unset, the worker's."""
+LOCAL_WORLD_ENV = "TRAINPERF_LOCAL_WORLD"
+"""Ranks on this node (set by the runner): their loader processes share its cores."""
+
+
 @dataclass(frozen=True)
 class DataSpec:
     """Real data: a RecordIO dataset fed through the input pipeline instead of synthetic

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +21,8 @@ from . import envs, outcome, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
-from .config import AlignSpec, DataSpec, Measure, Topology, TrainSpec, Tuning, Workload
+from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, AlignSpec, DataSpec, Measure, Topology,
+                     TrainSpec, Tuning, Workload)
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
 from .progress import Progress, QuietProgress
@@ -201,13 +203,15 @@ class Runner:
 
     def write_results(self) -> dict:
         cases = []
+        w = self.plan.workload
         for case in self.plan.cases:
             key = (case.key.name, case.batch_size)
             if key not in self.records:
                 continue
             runs = sorted(self.records[key], key=lambda r: r["run"])
-            cases.append(results.case_record(case.key, self.plan.workload.precision, runs,
-                                             self.start_events.get(key)))
+            cases.append(results.case_record(case.key, w.precision, runs,
+                                             self.start_events.get(key),
+                                             head=(w.num_classes, w.fc, w.sample_ratio)))
         env = dict(self.env)
         if self.start_events:
             env.update(next(iter(self.start_events.values())).env)
@@ -294,9 +298,11 @@ class Runner:
             # By hand, node 0 hosts the store on the master port: every backend then learns
             # every node's address there, as after a rendezvous.
             endpoint = topo.rdzv or endpoint_text(topo.master_addr, topo.master_port)
+            # The plans of a sweep meet one after another at the same endpoint: each its
+            # own keys, or a later plan would read an earlier one's meeting.
+            words = [self.plan.framework, self.plan.data_role, self.plan.variant or ""]
             group = NodeGroup(endpoint, topo.nnodes, topo.rdzv_timeout_s,
-                              run_id=f"trainperf-{self.plan.framework}-"
-                                     f"{self.plan.data_role.replace(' ', '-')}",
+                              run_id="-".join(["trainperf", *" ".join(words).split()]),
                               node_rank=None if topo.rdzv else topo.node_rank)
             try:
                 group.join(self.plan.settings())
@@ -322,7 +328,8 @@ class Runner:
         return record
 
     def _run_one(self, case: Case, run: int) -> dict:
-        label = f"{case.key.name} b{case.batch_size} run {run}"
+        label = " ".join(filter(None, (self.plan.variant, case.key.name,
+                                      f"b{case.batch_size} run {run}")))
         run_dir = self.out / "runs" / f"{case.key.name}_b{case.batch_size}_run{run}"
         run_dir.mkdir(parents=True, exist_ok=True)
         spec_path, worker_events, log_path = (run_dir / "spec.json", run_dir / "events.jsonl",
@@ -354,6 +361,10 @@ class Runner:
         # Python was when a process dies of a signal, into that process's own output file.
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
                    TRAINPERF_RUN_ID=str(run_dir.resolve()), **launch.env)
+        # Real data in a framework's own environment: its loader processes run this
+        # interpreter, which has the decoders (``data.feed``), and share this node's cores.
+        env.update({LOADER_PYTHON_ENV: sys.executable,
+                    LOCAL_WORLD_ENV: str(case.topology.devices_per_node)})
         env.setdefault("OMP_NUM_THREADS", str(spec.threads))
         if self.pythonpath:
             env["PYTHONPATH"] = self.pythonpath

@@ -11,6 +11,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -118,6 +119,8 @@ class FrameworkRun:
     train_step: Any = None
     """The framework's step, made by ``build``: the defaults of ``markers``, ``skipped_steps``
     and ``loss_scale`` read its attributes of those names."""
+    real: "RealData | None" = None
+    """Real data (``RunSpec.data``): the feed ``build`` opened; None: synthetic batches."""
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
@@ -189,6 +192,11 @@ class FrameworkRun:
         """``End``'s memory fields over every rank (a collective call, ``memory_fields``)."""
         raise NotImplementedError
 
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (the same length on each), in rank order (a collective
+        call): how a real-data run's waits reach rank 0."""
+        raise NotImplementedError
+
     def align_state(self) -> StepState:
         """After a step of an alignment run (``AlignSpec.dump``), with the device synced: this
         rank's state in torch's names and layouts."""
@@ -209,7 +217,7 @@ class FrameworkRun:
 
     def data_wait(self, index: int) -> float | None:
         """Real data: the host seconds step ``index`` waited for its batch."""
-        return None
+        return self.real.waits[index] if self.real is not None else None
 
     def end_fields(self) -> dict[str, Any]:
         """More of ``End`` (after the memory figures, a collective call on every rank)."""
@@ -312,6 +320,46 @@ def write_dump(folder: str, step: int, rank: int, state: StepState, loss: float)
     os.replace(tmp, path)
 
 
+class RealData:
+    """A worker's real-data batches (``RunSpec.data``): one ``data.feed.LoaderFeed`` per rank
+    this process drives, each batch handed to the framework's ``to_device(images, labels,
+    position)`` (which moves the uint8 NHWC images and int64 labels to the device of the
+    ``position``-th of ``ranks`` and normalises them there by ``mean`` and ``std``), and the seconds each step waited: for its batch and, as torch's feed counts on a
+    CPU, for that move and normalisation too."""
+
+    def __init__(self, spec: RunSpec, ranks: Sequence[int], world_size: int,
+                 to_device: Callable[[Any, Any], Any]) -> None:
+        from ..data.feed import LoaderFeed  # numpy: not every importer of workerkit has it
+
+        assert spec.data is not None
+        self.feeds: list[Any] = []
+        try:
+            for rank in ranks:
+                self.feeds.append(LoaderFeed(spec.data, spec.workload, rank, world_size))
+        except BaseException:
+            self.close()
+            raise
+        self.mean, self.std = self.feeds[0].mean, self.feeds[0].std
+        self.to_device = to_device
+        self.waits: list[float] = []
+        self.info = {**self.feeds[0].info, "ranks_fed_by_this_process": len(self.feeds)}
+
+    def next(self) -> list[Any]:
+        """Every rank's next batch, on its device, in ``ranks`` order."""
+        begin = time.perf_counter()
+        batches = [self.to_device(*next(feed), i) for i, feed in enumerate(self.feeds)]
+        self.waits.append(time.perf_counter() - begin)
+        return batches
+
+    def window_waits(self, warmup: int) -> list[float]:
+        """The seconds this process waited in the measured window, once per rank it feeds."""
+        return [sum(self.waits[warmup:])] * len(self.feeds)
+
+    def close(self) -> None:
+        for feed in self.feeds:
+            feed.close()
+
+
 def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
     """A throughput run (``trainperf.protocol``): the baseline memory and the CPU memory cap,
     the framework's model and step, rank 0's ``start``, ``measure.iters`` steps in the
@@ -338,6 +386,8 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
             return
         fields = fw.start_fields(baseline)
         fields["settings"] = {**fields.get("settings", {}), **fw.loop_settings()}
+        if fw.real is not None:
+            fields["settings"]["input"] = fw.real.info
         events.emit(Start(world_size=fw.world_size, global_batch=global_batch, device=fw.device,
                           workload=workload.to_dict(), baseline_memory_bytes=baseline,
                           **fields))
@@ -372,6 +422,10 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
     losses = fw.read_losses(outputs)
     memory = fw.memory_over_ranks()
     extra = fw.end_fields()
+    if fw.real is not None:
+        fw.real.close()
+        waits = fw.gather_floats(fw.real.window_waits(measure.warmup))
+        extra["data_wait_s_per_rank"] = [w for row in waits for w in row]
     if fw.rank == 0:
         events.emit(End.of_window(window_s, measure, global_batch, losses, fw.skipped_steps(),
                                   final_loss_scale=fw.loss_scale(),

@@ -13,124 +13,34 @@
 
 from __future__ import annotations
 
-import itertools
-import math
-import os
-import random
 import time
-from typing import Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from . import decode
 from .dali_feed import open_dali_feed
-from .layout import Dataset, label_of, open_dataset
-from .recordio import RecordIOError
-
-FACE_MEAN, FACE_STD = (127.5,) * 3, (128.0,) * 3  # insightface: (x - 127.5) / 128
-IMAGENET_MEAN = (123.675, 116.28, 103.53)
-IMAGENET_STD = (58.395, 57.12, 57.375)
-
-
-def default_workers(local_ranks: int, cpus: int | None = None) -> int:
-    """The host's cores per rank less one (the training process keeps a core), 1 to 8."""
-    per_rank = (cpus or os.cpu_count() or 1) // max(1, local_ranks)
-    return max(1, min(8, per_rank - 1))
-
-
-class RankSampler:
-    """(epoch, sample) pairs for one rank, epoch after epoch.
-
-    Every rank draws the same permutation of an epoch (seeded by seed and epoch), drops its
-    tail so it splits evenly, and takes every ``world``-th entry from its rank on.
-    """
-
-    def __init__(self, size: int, rank: int, world: int, seed: int, shuffle: bool = True,
-                 start: int = 0) -> None:
-        if size < world:
-            raise ValueError(f"the dataset holds {size} images, fewer than the {world} ranks")
-        self.size, self.rank, self.world = size, rank, world
-        self.seed, self.shuffle = seed, shuffle
-        self.per_rank = size // world
-        self.start = start
-        """Samples of this rank's stream to skip (a resumed training run goes on from there)."""
-
-    def epoch(self, epoch: int) -> np.ndarray:
-        order = (np.random.default_rng([self.seed, epoch]).permutation(self.size)
-                 if self.shuffle else np.arange(self.size))
-        return order[:self.per_rank * self.world][self.rank::self.world]
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        first_epoch, skip = divmod(self.start, self.per_rank)
-        for epoch in itertools.count(first_epoch):
-            for index in self.epoch(epoch)[skip:]:
-                yield epoch, int(index)
-            skip = 0
-
+from .layout import Dataset, open_dataset
+# Re-exported: torch's side reads these names from here.
+from .loading import (FACE_MEAN, FACE_STD, IMAGENET_MEAN, IMAGENET_STD,  # noqa: F401
+                      default_workers, mean_std)
+from .stream import RankSampler, SampleReader, random_resized_crop  # noqa: F401
 
 class RecordImages(torch.utils.data.Dataset):
-    """Decoded, augmented images of a RecordIO dataset, as uint8 HWC tensors and int labels."""
+    """Decoded, augmented images of a RecordIO dataset, as uint8 HWC tensors and int labels
+    (``stream.SampleReader``'s, item for item)."""
 
     def __init__(self, dataset: Dataset, decoder: str, task: str, size: int,
                  num_classes: int, seed: int) -> None:
-        self.dataset = dataset
-        self.decoder_name = decode.resolve(decoder)
-        self._decode = None  # made in each loader process: decoder modules are not picklable
-        self.task, self.size, self.num_classes, self.seed = task, size, num_classes, seed
+        self.samples = SampleReader(dataset, decoder, task, size, num_classes, seed)
+        self.decoder_name = self.samples.decoder_name
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.samples)
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[torch.Tensor, int, tuple[int, int]]:
-        epoch, index = item
-        key = self.dataset.image_keys[index]
-        reader = self.dataset.reader
-        header, payload = reader.read_image(key)
-        where = f"{reader.rec_path} record {key} (byte {reader.index[key]})"
-        label = label_of(header)
-        if not 0 <= label < self.num_classes:
-            raise RecordIOError(f"{where}: label {label} is outside the workload's "
-                                f"{self.num_classes} classes (pass --num-classes)")
-        if self._decode is None:
-            self._decode = decode.get_decoder(self.decoder_name)
-        try:
-            image = self._decode(payload)
-        except ValueError as exc:
-            raise RecordIOError(f"{where}: not an image ({exc})") from None
-        # A generator per sample, seeded by the sample: the draw does not depend on which
-        # process serves it. The stdlib's is seeded several times faster than numpy's.
-        draw = random.Random(hash((self.seed, epoch, index)))
-        if self.task == "face":
-            if image.shape[:2] != (self.size, self.size):
-                image = decode.resize(image, self.size, self.size)
-        else:
-            image = random_resized_crop(image, self.size, draw)
-        if draw.random() < 0.5:
-            image = decode.flip_horizontal(image)
-        return torch.from_numpy(np.ascontiguousarray(image)), label, item
-
-
-def random_resized_crop(image: np.ndarray, size: int, rng: random.Random,
-                        scale: tuple[float, float] = (0.08, 1.0),
-                        ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> np.ndarray:
-    """ImageNet training crop: a random area and aspect ratio, resized to size x size (the
-    centre crop after ten misses, as the usual recipe does)."""
-    height, width = image.shape[:2]
-    area = height * width
-    for _ in range(10):
-        target = area * rng.uniform(*scale)
-        aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = rng.randint(0, height - h)
-            left = rng.randint(0, width - w)
-            return decode.resize(image[top:top + h, left:left + w], size, size)
-    side = min(height, width)
-    top, left = (height - side) // 2, (width - side) // 2
-    return decode.resize(image[top:top + side, left:left + side], size, size)
+        image, label = self.samples.read(*item)
+        return torch.from_numpy(image), label, item
 
 
 def first_image_size(dataset: Dataset) -> tuple[int, int]:
@@ -244,7 +154,7 @@ def open_feed(prefix: str, *, task: str, size: int, num_classes: int, batch_size
     dataset.check_classes(num_classes)
     dataset.check_batches(world, batch_size)
     workers = default_workers(local_world) if workers is None else workers
-    mean, std = (FACE_MEAN, FACE_STD) if task == "face" else (IMAGENET_MEAN, IMAGENET_STD)
+    mean, std = mean_std(task)
     per_rank = len(dataset) // world
     info = {"source": "recordio", **dataset.describe(), "loader_workers": workers,
             "prefetch_batches": prefetch_batches, "images_per_rank_per_epoch": per_rank,

@@ -34,7 +34,7 @@ BACKEND = Backend(
     capabilities=Capabilities(heads=("dp", "mp", "pfc"),
                               precisions={"cpu": ("fp32", "bf16"),
                                           "cuda": ("fp32", "fp16", "bf16")},
-                              families=FAMILIES, channels_last=True),
+                              families=FAMILIES, channels_last=True, real_data=True),
     runs_as="flax linen, optax; one jitted `shard_map` step; pfc's global batch up to the "
             "per-shard sample",
     ranks_start="one process per rank, `jax.distributed` coordinator")

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ...protocol import RunSpec
-from ..workerkit import (FrameworkRun, StepState, align_dtype, breaks_margin, dumps_state,
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin, dumps_state,
                          environment, load_init, memory_fields, rss_now_bytes, rss_peak_bytes,
                          worker_entry)
 from .backend import BACKEND
@@ -184,6 +184,21 @@ class JaxRun(FrameworkRun):
         t0 = time.perf_counter()
         self.train_step.compile(self.images, self.labels)
         self.compile_s = time.perf_counter() - t0
+        if spec.data is not None:
+            # Compiled for the synthetic batch's shapes and dtypes, which real batches share.
+            self.real = RealData(spec, layout.local_ranks, layout.world_size, self.real_batch)
+
+    def real_batch(self, images: np.ndarray, labels: np.ndarray, position: int) -> Any:
+        """A real batch on this process's ``position``-th device: the uint8 NHWC images copied
+        over, then float32 and normalised there (NHWC, as the step takes them)."""
+        import jax
+        import jax.numpy as jnp
+
+        device = self.layout.devices[self.layout.local_ranks[position]]
+        mean, std = (jax.device_put(np.asarray(v, np.float32), device)
+                     for v in (self.real.mean, self.real.std))
+        x = jax.device_put(images, device).astype(jnp.float32)
+        return (x - mean) / std, jax.device_put(labels.astype(np.int32), device)
 
     def start_fields(self, baseline: int) -> dict:
         import jax
@@ -207,6 +222,9 @@ class JaxRun(FrameworkRun):
                 "backbone_params": step.param_count, "pfc_update": step.pfc_update}
 
     def step(self, index: int) -> Any:
+        if self.real is not None:
+            batches = dict(zip(self.layout.local_ranks, self.real.next()))
+            return self.train_step(*self.layout.per_rank(batches.__getitem__))
         return self.train_step(self.images, self.labels)
 
     def wait(self, markers) -> None:
@@ -244,6 +262,10 @@ class JaxRun(FrameworkRun):
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.layout)
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        return self.layout.gather_host(np.asarray(values, np.float64)).reshape(
+            -1, len(values)).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,18 +41,20 @@ def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str
         return ("--mxnet-kvstore device runs in one process on one node; several nodes use "
                 "dist_sync")
     if topology.devices_per_node > 1 and workload.task == "face" and workload.fc != "dp":
-        return "kvstore device runs data parallel only (--fc dp); use dist_sync for --fc mp"
+        return (f"kvstore device runs data parallel only (--fc dp); use dist_sync for "
+                f"--fc {workload.fc}")
     return None
 
 
 BACKEND = Backend(
     name="mxnet", framework="mxnet", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
-    capabilities=Capabilities(heads=("dp", "mp"),
+    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
-                              families=FAMILIES,
+                              families=FAMILIES, real_data=True,
                               rule_differences=RULE_DIFFERENCES,
                               why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
                                                "not benchmarked here"}),
-    runs_as="Gluon, hybridized; fp16 through AMP",
+    runs_as="Gluon, hybridized; fp16 through AMP; pfc as insightface's memory bank, sparse or "
+            "dense update",
     ranks_start="a scheduler and server (`dist_sync`) or one process (`device`)",
     refuse_more=kvstore_rules)

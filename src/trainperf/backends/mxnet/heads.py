@@ -1,4 +1,4 @@
-"""The margin-softmax head of face workloads, equal to torch's ``MarginSoftmaxHead`` (dp, mp).
+"""The margin-softmax head of face workloads, equal to torch's ``MarginSoftmaxHead`` (dp, mp, pfc).
 
 - ``dp``: every rank holds the whole class matrix; its gradient is averaged with the backbone's
   (``step.py``).
@@ -8,16 +8,30 @@
   computes the logits of its shard for the whole gathered batch, and the softmax runs across
   shards: the row max, the row sum of exponentials and the target logit are combined over ranks.
   The loss is the mean over the gathered batch, the same on every rank.
-- ``pfc`` is not implemented here (``check_fc``).
+- ``pfc``: ``mp`` where each rank computes only on the classes it sampled this step
+  (:func:`sample_classes`), as insightface's MXNet Partial FC (``recognition/partial_fc/mxnet``)
+  keeps a memory bank of its shard and its momentum and trains the sampled rows: every positive
+  class of the gathered batch that lives in the shard, topped up with uniformly drawn negatives
+  to ``max(1, int(sample_ratio * shard))`` columns. The loss is the softmax over the sampled
+  classes of all shards; at ratio 1.0 nothing is sampled and it is exactly ``mp``. The
+  ``sparse`` update (default, insightface's memory bank) gathers the sampled rows of the weight
+  and of its momentum, updates them (weight decay on those rows only) and writes both back; the
+  other rows and their momentum are untouched (``step.py``). ``dense`` is arcface_torch's update:
+  a whole-matrix gradient, zero off the sample, and momentum and weight decay on every row.
+  Two choices differ from insightface's MXNet code on purpose: the sample is drawn on the device
+  (insightface reads the gathered labels back to the host and draws with numpy every step), and
+  when the positives alone outnumber the sample all of them are kept, as torch's head does
+  (insightface keeps the first ``num_sample`` and leaves the other samples of the shard without
+  their target class in the softmax).
 
 The forward and the backward are written out by hand with NDArray operations (no autograd
 inside the head), as derived in ``docs/margin_softmax_backward.md``; the embedding gradient is
 injected into the backbone's graph with ``emb.backward(out_grad)``.
 
-For ``mp`` each rank holds a partial gradient of the one global loss for every gathered row, so
-a rank's embedding gradient is the sum over ranks of the gathered gradients of its own rows
-(an all-reduce of the [N, D] gradient, then this rank's slice), while the shard's class-matrix
-gradient stays local.
+For ``mp`` and ``pfc`` each rank holds a partial gradient of the one global loss for every
+gathered row, so a rank's embedding gradient is the sum over ranks of the gathered gradients of
+its own rows (an all-reduce of the [N, D] gradient, then this rank's slice), while the shard's
+class-matrix gradient stays local.
 
 The margin is the combined cos(m1 * theta + m2) - m3 of torch's ``margin.py``: the cosine is
 clamped to [-1 + 1e-6, 1 - 1e-6] before arccos (the clamp passes no gradient outside, as torch's
@@ -34,7 +48,13 @@ holds as C floats: float64 clamps with ``maximum``/``minimum`` instead (:func:`_
 
 Memory: two [N, C] arrays at most (the logits and their exponentials; the gradient reuses the
 second), plus one [C, D] temporary for the weight gradient's radial correction, which MXNet has no
-fused in-place multiply-add for.
+fused in-place multiply-add for; C is the shard, or in a sampling ``pfc`` the sample S, whose
+rows [S, D] are gathered once per step and whose gradient is [S, D] (sparse) or scattered into
+the shard's [C, D] (dense).
+
+Sampling reads one number back to the host, and only when the gathered batch has more samples
+than a shard samples columns: the count of positives, which may then exceed the sample (torch's
+head does the same). Nothing else in a step is read back.
 """
 
 from __future__ import annotations
@@ -51,7 +71,10 @@ from .comm import Comm
 
 COS_EPS = 1e-6
 NORM_EPS = 1e-12
-FC_MODES = ("dp", "mp")
+FC_MODES = ("dp", "mp", "pfc")
+PFC_UPDATES = ("sparse", "dense")
+POSITIVE_SCORE = 2.0
+"""Positives outrank every uniform [0, 1) score of a negative, so top-k keeps them all."""
 MAX_INDEX = 2 ** 24
 """MXNet's pick and scatter take float32 indices: exact below 2**24 columns per shard."""
 LABEL_BASE = 4096.0
@@ -98,6 +121,50 @@ def margin_target_logit(c: mx.nd.NDArray, m1: float, m2: float, m3: float,
     return value, mx.nd.where(inside, d_margin, mx.nd.ones_like(c))
 
 
+def sample_classes(cols: mx.nd.NDArray, has: mx.nd.NDArray, num_local: int, num_sample: int,
+                   scores: mx.nd.NDArray | None = None
+                   ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+    """Pick ``num_sample`` class columns of a shard, every positive among them.
+
+    ``cols`` [M] (float32) is each gathered sample's column in this shard, ``has`` [M] (any
+    float dtype) 1 where the sample's class is in this shard and 0 elsewhere (``cols`` is then
+    ignored). ``scores`` [num_local] in [0, 1) rank the negatives (default: drawn uniformly on
+    ``cols``' context; tests pass their own). Returns the sorted column index [S] and every
+    sample's column in it, both float32 (exact: the shard is below ``MAX_INDEX``); a sample
+    of another shard gets column 0, to be masked by ``has`` as before. S is ``num_sample``
+    unless the positives alone are more; only then, and only when M > ``num_sample`` makes it
+    possible, does counting them read back to the host.
+    """
+    ctx = cols.context
+    m = cols.shape[0]
+    if scores is None:
+        scores = mx.nd.random.uniform(0.0, 1.0, shape=(num_local,), ctx=ctx, dtype="float32")
+    # One spare slot takes the samples of other shards, so no boolean mask is needed.
+    score = mx.nd.concat(scores.astype("float32", copy=False),
+                         mx.nd.zeros((1,), ctx=ctx, dtype="float32"), dim=0)
+    inside = has.astype("float32", copy=False)
+    slot = cols * inside + num_local * (1.0 - inside)
+    mx.nd._internal._scatter_set_nd(score, mx.nd.full((m,), POSITIVE_SCORE, ctx=ctx),
+                                    slot.reshape((1, -1)), shape=score.shape, out=score)
+    score = mx.nd.slice_axis(score, axis=0, begin=0, end=num_local)
+    count = num_sample
+    if m > num_sample:
+        # Deliberate sync: the positives might not fit in the sample.
+        count = max(num_sample, int(mx.nd.sum(score == POSITIVE_SCORE).asscalar()))
+    index = mx.nd.sort(mx.nd.topk(score, k=count, ret_typ="indices", dtype="float32"))
+    # Each sampled column's position in the sample, read at every sample's column.
+    position = mx.nd.scatter_nd(mx.nd.arange(count, ctx=ctx, dtype="float32"),
+                                index.reshape((1, -1)), shape=(num_local,))
+    return index, mx.nd.take(position, cols) * inside
+
+
+def put_rows(target: mx.nd.NDArray, rows: mx.nd.NDArray, index: mx.nd.NDArray) -> None:
+    """``target[index] = rows`` in place: ``rows`` [S, ...] into the distinct rows ``index``
+    [S] (float32) of ``target``."""
+    mx.nd._internal._scatter_set_nd(target, rows, index.reshape((1, -1)), shape=target.shape,
+                                    out=target)
+
+
 def _rowdot(a: mx.nd.NDArray, b: mx.nd.NDArray) -> mx.nd.NDArray:
     """Per-row dot products of two [R, D] arrays, without an [R, D] temporary."""
     rows, width = a.shape
@@ -107,29 +174,41 @@ def _rowdot(a: mx.nd.NDArray, b: mx.nd.NDArray) -> mx.nd.NDArray:
 
 class MarginSoftmaxHead:
     """The class matrix (this rank's shard of it) on one context, and its hand-written forward
-    and backward. ``weight`` and ``grad`` are plain NDArrays [count, D] in ``dtype`` that the
-    step updates."""
+    and backward. ``weight`` is a plain NDArray [count, D] in ``dtype`` that the step updates;
+    ``grad`` the last backward's gradient of it: [count, D], or in a sparse ``pfc`` step the
+    sampled rows' [S, D] (None before the first)."""
 
     def __init__(self, num_classes: int, embedding_size: int,
                  margins: tuple[float, float, float], scale: float, comm: Comm,
                  ctx: mx.Context, mode: str = "dp", rank: int | None = None,
                  seed: int = 0, mm_dtype: str | None = None, dtype: str = "float32",
-                 straight_through: bool = False) -> None:
+                 straight_through: bool = False, sample_ratio: float = 1.0,
+                 update: str = "sparse") -> None:
         check_fc(mode)
-        if mode == "mp" and comm.mode == "device":
-            raise ValueError("kvstore device runs data parallel only: --fc dp")
+        if mode != "dp" and comm.mode == "device":
+            raise ValueError(f"kvstore device runs data parallel only (--fc dp); use dist_sync "
+                             f"for --fc {mode}")
+        if update not in PFC_UPDATES:
+            raise ValueError(f"pfc update must be one of {PFC_UPDATES}, got {update!r}")
+        if not 0.0 < sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
         self.mode = mode
         self.comm = comm
         self.ctx = ctx
         self.margins = tuple(float(m) for m in margins)
         self.scale = float(scale)
-        self.sharded = mode == "mp"
+        self.sharded = mode != "dp"
         self.rank = comm.rank if rank is None else rank
         self.start, self.count = (shard_of(num_classes, self.rank, comm.world_size)
                                   if self.sharded else (0, num_classes))
         if self.count > MAX_INDEX:
             raise ValueError(f"a class shard of {self.count} rows is past what MXNet's float32 "
-                             f"indices address exactly ({MAX_INDEX}); use more ranks with --fc mp")
+                             f"indices address exactly ({MAX_INDEX}); use more ranks with --fc "
+                             f"{'mp' if mode == 'dp' else mode}")
+        self.sampling = mode == "pfc" and sample_ratio < 1.0
+        self.num_sample = max(1, int(sample_ratio * self.count))
+        """Columns a sampling ``pfc`` shard keeps per step (more when the positives are more)."""
+        self.sparse = self.sampling and update == "sparse"
         self.dtype = dtype
         """What the class matrix, its gradient and all of the head's arithmetic are in."""
         self.mm_dtype = mm_dtype or dtype
@@ -142,9 +221,24 @@ class MarginSoftmaxHead:
         mx.random.seed(seed * 1000 + 7919 * (draw_rank + 1), ctx=ctx)
         self.weight = mx.nd.random.normal(0.0, 0.01, shape=(self.count, embedding_size),
                                           ctx=ctx, dtype=dtype)
-        self.grad = mx.nd.zeros((self.count, embedding_size), ctx=ctx, dtype=dtype)
+        # A sparse head's gradient is the sample's rows, made by each backward: no [count, D]
+        # array that a step would never use (it sets what ``search max-classes`` finds).
+        self.grad: mx.nd.NDArray | None = None if self.sparse else \
+            mx.nd.zeros((self.count, embedding_size), ctx=ctx, dtype=dtype)
         self._rows: dict[int, mx.nd.NDArray] = {}
         self.logits: mx.nd.NDArray | None = None
+        self.index: mx.nd.NDArray | None = None
+        """Shard columns sampled by the last forward, sorted, as float32 (sampling ``pfc``)."""
+        self.rows: mx.nd.NDArray | None = None
+        """The sampled rows of ``weight`` the last forward used [S, D] (sparse ``pfc``): the
+        step updates them in place and writes them back."""
+
+    @property
+    def update(self) -> str:
+        """Which class-matrix update runs: ``full`` (no sampling), ``sparse`` or ``dense``."""
+        if not self.sampling:
+            return "full"
+        return "sparse" if self.sparse else "dense"
 
     def set_weight(self, full_matrix) -> None:
         """Load this head's rows from the whole class matrix [C, D] (a numpy array)."""
@@ -167,16 +261,19 @@ class MarginSoftmaxHead:
                          **kwargs).astype(self.dtype)
 
     def forward_backward(self, emb: mx.nd.NDArray, labels: mx.nd.NDArray,
-                         grad_scale: float = 1.0, keep_logits: bool = False
+                         grad_scale: float = 1.0, keep_logits: bool = False,
+                         scores: mx.nd.NDArray | None = None
                          ) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
         """Loss of the batch and d(loss * grad_scale)/d emb.
 
         ``emb`` [n, D] is this rank's embeddings (any float dtype), ``labels`` [n] its global
         class ids as float64. Writes d(loss * grad_scale)/d weight into ``self.grad``.
         Returns (loss [1] in the head's dtype, gradient of ``emb`` in ``emb``'s dtype).
-        Nothing is read back to the host; in ``mp`` it talks to the other ranks through
-        ``comm``. With ``keep_logits`` (tests) a copy of this shard's scaled logits [N, C] is
-        kept in ``self.logits``.
+        Nothing is read back to the host but a sampling head's count of positives (module
+        doc); in ``mp`` and ``pfc`` it talks to the other ranks through ``comm``. With
+        ``keep_logits`` (tests) a copy of this shard's scaled logits [N, C] ([N, S] when
+        sampling) is kept in ``self.logits``; ``scores`` (tests) [count] ranks the negatives
+        of a sampling ``pfc`` instead of a uniform draw.
         """
         comm = self.comm
         m1, m2, m3 = self.margins
@@ -205,11 +302,16 @@ class MarginSoftmaxHead:
         has64 = (local >= 0) * (local < self.count)
         has = has64.astype(self.dtype)  # MXNet's arithmetic takes no mixed dtypes
         cols = (local * has64).astype("float32")
+        w = self.weight
+        if self.sampling:
+            self.index, cols = sample_classes(cols, has, self.count, self.num_sample, scores)
+            w = mx.nd.take(self.weight, self.index)
+            if self.sparse:
+                self.rows = w
         index = mx.nd.stack(self._arange(n), cols)
 
         norm = mx.nd.sqrt(mx.nd.sum(mx.nd.square(e), axis=1))
         e_hat = mx.nd.broadcast_div(e, mx.nd.maximum(norm, NORM_EPS).reshape((-1, 1)))
-        w = self.weight
         inv = 1.0 / mx.nd.maximum(mx.nd.sqrt(mx.nd.sum(mx.nd.square(w), axis=1)), NORM_EPS)
 
         z = self._mm(e_hat, w, transpose_b=True)                      # [n, C]
@@ -246,7 +348,16 @@ class MarginSoftmaxHead:
         m = self._mm(p, e_hat, transpose_a=True)                      # [C, D]
         del p
         coef = _rowdot(m, w) * mx.nd.square(inv)
-        mx.nd.elemwise_sub(m, mx.nd.broadcast_mul(w, coef.reshape((-1, 1))), out=self.grad)
+        if not self.sampling:
+            mx.nd.elemwise_sub(m, mx.nd.broadcast_mul(w, coef.reshape((-1, 1))), out=self.grad)
+        else:
+            m -= mx.nd.broadcast_mul(w, coef.reshape((-1, 1)))
+            if self.sparse:
+                self.grad = m
+            else:
+                # arcface_torch's dense update: the whole-matrix gradient is zero off the sample.
+                self.grad[:] = 0
+                put_rows(self.grad, m, self.index)
 
         radial = mx.nd.sum(grad_e_hat * e_hat, axis=1) * (norm > NORM_EPS)
         grad_e = mx.nd.broadcast_div(

@@ -3,15 +3,17 @@
 Backbone (a hybridized Gluon block, recorded by autograd), head (``heads.py``, forward and
 backward by hand, its embedding gradient injected with ``backward(out_grad)``), gradient
 all-reduce over the kvstore, clipping, SGD with momentum and weight decay. Nothing is read back
-to the host inside a step except, in fp16, the one overflow decision of loss scaling.
+to the host inside a step except, in fp16, the one overflow decision of loss scaling, and in a
+sampling ``pfc`` head the count of positives when it could exceed the sample
+(``heads.sample_classes``).
 
 Gradients, as torch's DDP set-up:
 
 - ``dp`` and classification: every gradient (backbone and the whole class matrix) is the mean
   over ranks: the kvstore sums, the update divides by the world size (``rescale_grad``).
-- ``mp``: the loss is the mean over the gathered global batch and the same on every rank, so each
-  rank's backbone gradient is one partial of the true gradient: they are summed, not averaged.
-  The class-matrix shard's gradient stays local.
+- ``mp`` and ``pfc``: the loss is the mean over the gathered global batch and the same on every
+  rank, so each rank's backbone gradient is one partial of the true gradient: they are summed,
+  not averaged. The class-matrix shard's gradient stays local.
 - kvstore ``device`` (several contexts in one process) combines per-context gradients like
   ``dp`` over processes; each context then updates its own copy, as Gluon's Trainer does
   without ``update_on_kvstore``.
@@ -26,6 +28,11 @@ SGD: torch's ``buf = m * buf + g + wd * w; w -= lr * buf``. MXNet's fused op kee
 mom - lr * (g + wd * w); w += mom``, which is the same with ``mom = -lr * buf`` while the rate is
 constant; when the rate changes (``lr_steps``) the momentum is rescaled by ``new / old`` before
 the update, so the two stay identical at every step (this needs a nonzero rate at every step).
+A sparse ``pfc`` head's class matrix takes the same update on the rows it sampled (insightface's
+memory bank): those rows of the weight and of its momentum are gathered, updated with the same
+kernel (weight decay on them only) and written back; rows not sampled keep their weights and
+momentum (the rate change's rescaling, which keeps every row's momentum in the current rate's
+form, aside).
 
 Precision: ``fp16`` uses MXNet AMP (``mxnet.contrib.amp.init``: convolutions and fully
 connected layers in half precision, fp32 master weights and gradients) with dynamic loss scaling
@@ -70,7 +77,7 @@ from . import models
 from .alignment import MXNetRunningStatistics
 from .backend import BACKEND, kvstore_rules
 from .comm import Comm
-from .heads import MarginSoftmaxHead
+from .heads import MarginSoftmaxHead, put_rows
 
 UPDATE_CHUNK = 45
 """Arrays per fused update / sum-of-squares call (MXNet's multi-tensor kernels take a bounded
@@ -225,12 +232,13 @@ class TrainStep:
             self.heads = [MarginSoftmaxHead(
                 workload.num_classes, workload.embedding_size, workload.resolved_margins,
                 workload.scale, comm, ctx, mode=workload.fc, rank=rank, seed=workload.seed,
-                mm_dtype=mm_dtype, dtype=self.dtype, straight_through=straight)
+                mm_dtype=mm_dtype, dtype=self.dtype, straight_through=straight,
+                sample_ratio=workload.sample_ratio, update=workload.pfc_update)
                 for ctx, rank in zip(self.contexts, comm.ranks)]
             if init is not None:
                 for head in self.heads:
                     head.set_weight(np.asarray(init["head/weight"]))
-        self.sharded = workload.task == "face" and workload.fc == "mp"
+        self.sharded = workload.task == "face" and workload.fc != "dp"
 
         # Per context: the backbone's arrays, then (dp) the head's; all in one update group
         # order. Reduced over ranks: the backbone, and the head unless it is sharded.
@@ -243,11 +251,11 @@ class TrainStep:
         self._keys = comm.register(reduced_data)
         n_ctx = len(self.contexts)
         self._bb = [([d[c] for d in bb_data], [g[c] for g in bb_grad]) for c in range(n_ctx)]
-        self._head = [(h.weight, h.grad) for h in self.heads]
         self._bb_mom = [[mx.nd.zeros(w.shape, ctx=w.context, dtype=self.dtype) for w in ws]
                         for ws, _ in self._bb]
-        self._head_mom = [mx.nd.zeros(w.shape, ctx=w.context, dtype=self.dtype)
-                          for w, _ in self._head]
+        # One momentum row per class row, sampled or not (a sparse head keeps them per row).
+        self._head_mom = [mx.nd.zeros(h.weight.shape, ctx=h.weight.context, dtype=self.dtype)
+                          for h in self.heads]
         self._mom_lr: float | None = None
         """The rate the MXNet-form momentum is expressed in (mom = -lr * torch's buf)."""
         self.keep_grad_norm = dumps_state(align)
@@ -258,7 +266,7 @@ class TrainStep:
         self.last_lr = workload.lr
         """The rate of the last update (before any: the optimizer's first rate)."""
         world = comm.world_size
-        # Average (dp, classification) or sum (mp backbone) of the summed gradients.
+        # Average (dp, classification) or sum (mp and pfc backbone) of the summed gradients.
         self._bb_rescale = 1.0 if self.sharded else 1.0 / world
         self._head_rescale = 1.0 if self.sharded else 1.0 / world
         self._consts: dict[tuple, mx.nd.NDArray] = {}
@@ -285,6 +293,12 @@ class TrainStep:
                 "amp": "float16" if self.fp16 else None,
                 "loss_scaling": "dynamic, one overflow decision for all ranks"
                 if self.fp16 else None}
+
+    @property
+    def pfc_update(self) -> str | None:
+        """The class-matrix update that runs: ``full`` (no sampling), ``sparse`` or ``dense``;
+        None without a face head."""
+        return self.heads[0].update if self.heads else None
 
     # ------------------------------------------------------------------------------ step
 
@@ -324,7 +338,7 @@ class TrainStep:
         back to the host (the one sync of an fp16 step)."""
         flags = []
         for c, (_, grads) in enumerate(self._bb):
-            arrays = list(grads) + ([self._head[c][1]] if self._head else [])
+            arrays = list(grads) + ([self.heads[c].grad] if self.heads else [])
             for part in _chunks(len(arrays)):
                 chunk = arrays[part]
                 flags.append(mx.nd.multi_all_finite(*chunk, num_arrays=len(chunk),
@@ -396,11 +410,26 @@ class TrainStep:
             rescale = self._bb_rescale / grad_scale
             done = sgd(c, weights, grads, self._bb_mom[c], lr, wd, rescale,
                        self._clip_coef(c, grads, rescale))
-            if self._head:
-                weight, grad = self._head[c]
-                done += sgd(c, [weight], [grad], [self._head_mom[c]], lr, wd,
-                            self._head_rescale / grad_scale)
+            if self.heads:
+                head, mom = self.heads[c], self._head_mom[c]
+                head_rescale = self._head_rescale / grad_scale
+                if head.sparse:
+                    done += self._update_sampled_rows(c, sgd, head, mom, lr, wd, head_rescale)
+                else:
+                    done += sgd(c, [head.weight], [head.grad], [mom], lr, wd, head_rescale)
             self.markers.append(mx.nd.add_n(*done) if len(done) > 1 else done[0].copy())
+
+    @staticmethod
+    def _update_sampled_rows(c: int, sgd: Any, head: MarginSoftmaxHead, mom: mx.nd.NDArray,
+                             lr: float, wd: float, rescale: float) -> list[mx.nd.NDArray]:
+        """The update of a sparse ``pfc`` head (module doc): the rows it sampled and their
+        momentum gathered, updated by ``sgd`` and written back. Returns views of the written
+        arrays (for the step's marker)."""
+        rows_mom = mx.nd.take(mom, head.index)
+        sgd(c, [head.rows], [head.grad], [rows_mom], lr, wd, rescale)
+        put_rows(mom, rows_mom, head.index)
+        put_rows(head.weight, head.rows, head.index)
+        return [head.weight.reshape((-1,))[0:1], mom.reshape((-1,))[0:1]]
 
     def compute_gradients(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]]
                           ) -> list[mx.nd.NDArray]:

@@ -21,8 +21,9 @@ import sys
 import mxnet as mx
 
 from ...config import Tuning
-from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, cudnn_version,
-                         load_init, memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment,
+                         cudnn_version, load_init, memory_fields, rss_now_bytes, rss_peak_bytes,
+                         worker_entry)
 from . import models
 from .alignment import step_state
 from .backend import BACKEND
@@ -124,9 +125,23 @@ class MXNetRun(FrameworkRun):
         self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init,
                                     align=spec.align)
         dtype = align_dtype(spec)
+        if spec.data is not None:
+            self.real = RealData(spec, comm.ranks, comm.world_size, self.real_batch)
+            return
         self.batches = [init_batch(spec.workload, init, rank, ctx, dtype) if init is not None
                         else synthetic_batch(spec.workload, rank, ctx)
                         for ctx, rank in zip(comm.contexts, comm.ranks)]
+
+    def real_batch(self, images, labels, position: int) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+        """A real batch on context ``position``: the uint8 NHWC images copied over, then made
+        NCHW float32 and normalised there; the labels in the dtype ``step.to_device`` gives."""
+        ctx = self.comm.contexts[position]
+        mean, std = (mx.nd.array(v, ctx=ctx).reshape((1, 3, 1, 1))
+                     for v in (self.real.mean, self.real.std))
+        x = mx.nd.array(images, ctx=ctx, dtype="uint8").transpose((0, 3, 1, 2)).astype("float32")
+        label_dtype = "float64" if self.spec.workload.task == "face" else "float32"
+        return (mx.nd.broadcast_div(mx.nd.broadcast_sub(x, mean), std),
+                mx.nd.array(labels, ctx=ctx, dtype=label_dtype))
 
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
@@ -135,10 +150,10 @@ class MXNetRun(FrameworkRun):
                     if comm.device_type == "gpu" else None}
         return {"env": framework_env(comm, self.spec.threads), "settings": settings,
                 "backbone_params": models.param_count(step.net),
-                "pfc_update": "full" if self.spec.workload.task == "face" else None}
+                "pfc_update": step.pfc_update}
 
     def step(self, index: int) -> mx.nd.NDArray:
-        return self.train_step(self.batches)
+        return self.train_step(self.real.next() if self.real is not None else self.batches)
 
     def wait(self, markers) -> None:
         for array in markers:
@@ -162,6 +177,10 @@ class MXNetRun(FrameworkRun):
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.comm)
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        mine = mx.nd.array([values], ctx=mx.cpu(), dtype="float64")
+        return self.comm.all_gather("worker/floats", mine).asnumpy().tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@ in torch's names and layouts, for ``workerkit.write_dump``.
 
 The backbone's ``state_dict`` keys are torch's and its layouts too (``models.py``), so the state
 is read without renaming or transposing anything; the class matrix is this rank's rows (all of
-them in dp, its ``split(0)`` shard in mp, which is ``layouts.shard_of``'s).
+them in dp, its ``split(0)`` shard in mp and pfc, which is ``layouts.shard_of``'s).
 """
 
 from __future__ import annotations

@@ -49,10 +49,10 @@ def launch(req: LaunchRequest) -> Launch:
 BACKEND = Backend(
     name="oneflow", framework="oneflow", launch=launch,
     env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
-    capabilities=Capabilities(heads=("dp", "mp"),
+    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
-                              families=("iresnet",),
+                              families=("iresnet",), real_data=True,
                               why_not={"fp16": "OneFlow 0.9's eager mode has no dynamic loss "
                                                "scaler"}),
-    runs_as="eager; mp as a global tensor, `split(0)`",
+    runs_as="eager; mp and pfc as global tensors, `split(0)`",
     ranks_start="one process per rank, torch-style variables")

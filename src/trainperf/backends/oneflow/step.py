@@ -3,19 +3,23 @@
 Backbone (a local module on every rank), head (``heads.py``), backward, gradient all-reduce,
 clipping, SGD with momentum and weight decay. OneFlow runs eager operations asynchronously on its
 virtual machine: a call queues the step's work and returns, and nothing inside a step reads a
-device value back to the host.
+device value back to the host, except in a sampling ``pfc`` head the gathered labels where
+positives could exceed a rank's sample (``heads.MarginSoftmaxHead.sample_sizes``).
 
 Gradients, as torch's DDP set-up:
 
 - ``dp``: backbone and head form one module under OneFlow's ``DistributedDataParallel``, which
   averages every gradient over ranks in buckets while the backward still runs (it scales each
   gradient by 1 / world size, then all-reduces).
-- ``mp``: the loss is the mean over the gathered global batch and the same on every rank, so each
-  rank's backbone gradient is one partial of the true gradient: they must be summed. The
-  backbone alone is under DDP, and the gradient of its output (the embeddings) is multiplied by
-  the world size before it flows into the backbone, so DDP's average is the sum (exact for a
-  power-of-two world size; otherwise one rounding). The class-matrix shard is a global
-  ``split(0)`` parameter whose gradient stays on its rank (``heads.py``).
+- ``mp`` and ``pfc``: the loss is the mean over the gathered global batch and the same on every
+  rank, so each rank's backbone gradient is one partial of the true gradient: they must be
+  summed. The backbone alone is under DDP, and the gradient of its output (the embeddings) is
+  multiplied by the world size before it flows into the backbone, so DDP's average is the sum
+  (exact for a power-of-two world size; otherwise one rounding). The class-matrix shard is a
+  global ``split(0)`` parameter whose gradient stays on its rank (``heads.py``); a sampling
+  ``pfc`` head's sparse update has a gradient of its sampled rows only, which no optimizer
+  holds: the head applies it itself (``MarginSoftmaxHead.sparse_step``), after the backbone's
+  update.
 - One process: no DDP, nothing to reduce.
 
 Clipping: ``oneflow.nn.utils.clip_grad_norm_`` on the (reduced) backbone gradient, as
@@ -105,7 +109,7 @@ DTYPE_NAMES = {flow.float32: "float32", flow.float64: "float64"}
 
 class TrainStep:
     """Call with (images, labels); returns this step's loss as a local device scalar (rank's own
-    batch in dp, the global batch in mp), without waiting for it.
+    batch in dp, the global batch in mp and pfc), without waiting for it.
 
     ``dtype``: what the weights, activations, gradients and optimizer state are held in
     (float64 for a strict alignment run); ``keep_grad_norm``: keep every step's gradient norm
@@ -120,7 +124,7 @@ class TrainStep:
         self.dist = dist
         self.tuning = tuning or Tuning()
         self.step_index = 0
-        self.sharded = workload.fc == "mp"
+        self.sharded = workload.fc in ("mp", "pfc")
         self.exact_float64 = exact_float64 = dtype == flow.float64
         self.data_parallel: exact.DataParallel | None = None
         """A float64 run's data-parallel wrapper on several ranks (OneFlow's DDP takes float32
@@ -137,7 +141,9 @@ class TrainStep:
         head = MarginSoftmaxHead(workload.num_classes, workload.embedding_size,
                                  workload.resolved_margins, workload.scale, dist,
                                  mode=workload.fc, seed=workload.seed, dtype=dtype,
-                                 straight_through=straight_through)
+                                 straight_through=straight_through,
+                                 sample_ratio=workload.sample_ratio,
+                                 update=workload.pfc_update)
         if init is not None:
             head.set_weight(init["head/weight"])
         self.backbone, self.head = backbone, head
@@ -147,7 +153,7 @@ class TrainStep:
         main = list(self.clip_params) + ([] if self.sharded else [head.weight])
         self.optimizers = [self._sgd(main, fused=dist.device_type == "cuda",
                                      exact_float64=exact_float64)]
-        if self.sharded:
+        if self.sharded and not head.sparse:
             # A global parameter: its own optimizer (the fused kernel takes local arrays).
             self.optimizers.append(self._sgd([head.weight], False, exact_float64))
         self._last_backbone = self.clip_params[-1]
@@ -178,8 +184,8 @@ class TrainStep:
 
     def _wrap(self, backbone: nn.Module, head: MarginSoftmaxHead
               ) -> tuple[nn.Module | None, nn.Module]:
-        """(the module that maps (images, labels) to the loss in dp, or None in mp; the module
-        that maps images to embeddings)."""
+        """(the module that maps (images, labels) to the loss in dp, or None when sharded; the
+        module that maps images to embeddings)."""
         if not self.sharded:
             model = FaceModel(backbone, head)
             return (self._ddp(model) if self.dist.distributed else model), backbone
@@ -199,8 +205,11 @@ class TrainStep:
                    if self.sharded else "mean"}
         # Not under "ddp": that key holds torch DDP's arguments (bucket MiB, static graph),
         # which the report reads and OneFlow's DDP does not have.
-        return {"ddp": None, "oneflow_ddp": ddp,
-                "head": "global split(0) class matrix" if self.sharded else "local class matrix",
+        head = "global split(0) class matrix" if self.sharded else "local class matrix"
+        if self.head.sampling:
+            head += (f"; pfc samples {self.workload.sample_ratio} of each shard, "
+                     f"{self.head.update} update")
+        return {"ddp": None, "oneflow_ddp": ddp, "head": head,
                 "sgd_fused": self.optimizers[0].param_groups[0]["fused"],
                 "amp": None, "loss_scaling": None}
 
@@ -215,8 +224,9 @@ class TrainStep:
 
     def compute_gradients(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
         """Forward and backward with this step's rate set; returns the loss tensor (global in
-        mp). Afterwards every gradient is reduced over ranks (or queued to be: OneFlow orders
-        the all-reduces before anything that reads them); :meth:`apply` clips and steps."""
+        mp and pfc). Afterwards every gradient is reduced over ranks (or queued to be: OneFlow
+        orders the all-reduces before anything that reads them); :meth:`apply` clips and
+        steps."""
         lr = self.workload.lr_at(self.step_index)
         for opt in self.optimizers:
             # In place, not None: DDP's gradients are views into its all-reduce buckets.
@@ -238,12 +248,21 @@ class TrainStep:
             self.last_grad_norm = nn.utils.clip_grad_norm_(self.clip_params, float("inf"))
         for opt in self.optimizers:
             opt.step()
+        if self.head.sparse:
+            w = self.workload
+            self.head.sparse_step(self.optimizers[0].param_groups[0]["lr"], w.momentum,
+                                  w.weight_decay)
         self.step_index += 1
 
     def __call__(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
         loss = self.compute_gradients(images, labels)
         self.apply()
         return (loss.to_local() if loss.is_global else loss).detach()
+
+    @property
+    def pfc_update(self) -> str:
+        """Which class-matrix update ran: ``full`` (no sampling), ``sparse`` or ``dense``."""
+        return self.head.update
 
     @property
     def lr(self) -> float:

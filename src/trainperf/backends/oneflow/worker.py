@@ -25,7 +25,7 @@ wait_for_rank0()
 
 import oneflow as flow  # noqa: E402
 
-from ..workerkit import (FrameworkRun, StepState, align_dtype, breaks_margin, cudnn_version,
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin, cudnn_version,
                          dumps_state, environment, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
 from . import models
@@ -117,16 +117,31 @@ class OneFlowRun(FrameworkRun):
             spec.workload, dist, spec.tuning, init=init, dtype=dtype,
             keep_grad_norm=dumps_state(align),
             straight_through=breaks_margin(align))
+        if spec.data is not None:
+            self.real = RealData(spec, [dist.rank], dist.world_size, self.real_batch)
+            return
         self.images, self.labels = (init_batch(spec.workload, init, dist, dtype)
                                     if init is not None else synthetic_batch(spec.workload, dist))
+
+    def real_batch(self, images, labels, position: int) -> tuple[flow.Tensor, flow.Tensor]:
+        """A real batch on the device: the uint8 NHWC images copied over, then made NCHW
+        float32 and normalised there."""
+        device = self.dist.device
+        mean, std = (flow.tensor(v, dtype=flow.float32, device=device).reshape(1, 3, 1, 1)
+                     for v in (self.real.mean, self.real.std))
+        x = flow.tensor(images, device=device).permute(0, 3, 1, 2).to(flow.float32)
+        return (x - mean) / std, flow.tensor(labels, dtype=flow.int64, device=device)
 
     def start_fields(self, baseline: int) -> dict:
         step = self.train_step
         return {"env": framework_env(self.dist, self.spec.threads),
                 "settings": {**step.settings, "cudnn_benchmark": None},
-                "backbone_params": models.param_count(step.backbone), "pfc_update": "full"}
+                "backbone_params": models.param_count(step.backbone),
+                "pfc_update": step.pfc_update}
 
     def step(self, index: int) -> flow.Tensor:
+        if self.real is not None:
+            return self.train_step(*self.real.next()[0])
         return self.train_step(self.images, self.labels)
 
     def wait(self, markers: Sequence[flow.Tensor]) -> None:
@@ -147,6 +162,9 @@ class OneFlowRun(FrameworkRun):
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.dist)
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        return self.dist.gather_host(values).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ BACKEND = Backend(
     name="paddle", framework="paddle", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(heads=("dp", "mp", "pfc"),
                               precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")},
-                              families=FAMILIES,
+                              families=FAMILIES, real_data=True,
                               rule_differences=RULE_DIFFERENCES,
                               why_not={p: "Paddle's CPU build has no half-precision matrix "
                                           "products" for p in ("fp16", "bf16")}),

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import paddle
 
-from ..workerkit import (FrameworkRun, StepState, align_dtype, environment, leave, load_init,
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment, leave, load_init,
                          memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
 from .alignment import step_state
@@ -103,9 +103,21 @@ class PaddleRun(FrameworkRun):
         configure(spec.threads)
         init = load_init(spec)
         self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init, align=spec.align)
+        if spec.data is not None:
+            self.real = RealData(spec, [comm.rank], comm.world_size, self.real_batch)
+            return
         self.images, self.labels = (
             init_batch(spec.workload, init, comm.rank, align_dtype(spec)) if init is not None
             else synthetic_batch(spec.workload, comm.rank))
+
+    def real_batch(self, images: np.ndarray, labels: np.ndarray, position: int
+                   ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """A real batch on the device: the uint8 NHWC images copied over, then made NCHW
+        float32 and normalised there."""
+        mean, std = (paddle.to_tensor(v, dtype="float32").reshape([1, 3, 1, 1])
+                     for v in (self.real.mean, self.real.std))
+        x = paddle.to_tensor(images).transpose([0, 3, 1, 2]).astype("float32")
+        return (x - mean) / std, paddle.to_tensor(labels)
 
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
@@ -116,6 +128,8 @@ class PaddleRun(FrameworkRun):
                 "backbone_params": models.param_count(step.net), "pfc_update": step.pfc_update}
 
     def step(self, index: int) -> paddle.Tensor:
+        if self.real is not None:
+            return self.train_step(*self.real.next()[0])
         return self.train_step(self.images, self.labels)
 
     def markers(self) -> list:
@@ -148,6 +162,10 @@ class PaddleRun(FrameworkRun):
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.comm)
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        mine = paddle.to_tensor(np.array([values], dtype=np.float64))
+        return self.comm.all_gather(mine).numpy().tolist()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,16 +2,21 @@
 
 ``trainperf.backends.spawn`` starts one process per rank with ``TF_CONFIG`` naming every worker
 of every node (each rank's own port) and this process's task index (``backend.rank_env``); the
-task index is the global rank. With several ranks the process joins a ``MultiWorkerMirroredStrategy``: RING collectives
-on a CPU (gRPC between processes), NCCL on GPUs. With one rank it uses TensorFlow's default
-strategy, which puts no collective in the graph, as torch runs one process without DDP.
+task index is the global rank. With several ranks the process joins a
+``MultiWorkerMirroredStrategy``: RING collectives on a CPU (gRPC between processes), NCCL on
+GPUs. With one rank it uses TensorFlow's default strategy, which puts no collective in the
+graph, as torch runs one process without DDP.
 
 Each process drives one device and holds one replica, so the strategy is used for what only it
 provides, the collectives: ``all_reduce`` and ``all_gather`` in the replica context of
 ``strategy.run`` inside a ``tf.function``. Variables are plain per-process ``tf.Variable``s (not
 mirrored ones): every rank builds identical initial values from the same seed, applies the same
 all-reduced gradients, and so stays identical without mirrored variables' merge calls or their
-initial broadcast; BatchNorm running statistics stay per rank, as in torch without SyncBN.
+initial broadcast; BatchNorm running statistics stay per rank, as in torch without SyncBN. A
+sharded head's class rows are per rank by design, and its collectives (the gathers and sums of
+``heads.py``) are the same ``all_gather`` and ``all_reduce``, differentiated by the strategy's
+own gradients. The strategy's all-gather sends each rank's first dimension before its data (it
+allows uneven ones), so a gather is two collectives.
 
 Order of set-up matters: thread counts and visible devices must be set, and the strategy
 created, before TensorFlow runs its first operation (``Comm.create``).
@@ -96,6 +101,25 @@ class Comm:
             return list(values)
         ctx = tf.distribute.get_replica_context()
         return ctx.all_reduce(tf.distribute.ReduceOp.MEAN, list(values))
+
+    def all_reduce_sum(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Sum over ranks of each tensor, as ``all_reduce_mean``. Its gradient is the sum
+        over ranks of the gradients (the strategy's own): what each rank differentiates is
+        its share of one objective summed over ranks."""
+        if not self.distributed:
+            return list(values)
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+
+    def all_gather(self, value: tf.Tensor) -> tf.Tensor:
+        """Every rank's ``value`` [k, ...] concatenated in rank order (call inside
+        ``strategy.run``); the identity in one process. Its gradient (the strategy's own) is
+        the sum over ranks of the gathered gradient, sliced to this rank's rows."""
+        if not self.distributed:
+            return value
+        # The identity places a ``strategy.run`` argument on the replica's device, where
+        # all_gather finds its destination (see ``gather_rows``).
+        return tf.distribute.get_replica_context().all_gather(tf.identity(value), axis=0)
 
     # ---------------------------------------------------------------------- host side
 

@@ -5,10 +5,23 @@ forward (training-mode BatchNorm, dropout), head or softmax loss, gradients by
 ``tf.GradientTape``, the gradient all-reduce, clipping and the SGD update. It returns this rank's
 loss and a marker, without reading anything back to the host: the loop decides every sync.
 
-Gradients, as torch's DDP set-up for ``dp`` and classification: every gradient (backbone and the
-whole class matrix) is the mean over ranks, in one batched all-reduce (``Comm.all_reduce_mean``).
-Each rank's loss is the mean over its own batch, so the mean of the gradients is the gradient of
-the global-batch mean.
+Gradients, as torch's DDP set-up:
+
+- ``dp`` and classification: every gradient (backbone and the whole class matrix) is the mean
+  over ranks, in one batched all-reduce (``Comm.all_reduce_mean``). Each rank's loss is the mean
+  over its own batch, so the mean of the gradients is the gradient of the global-batch mean.
+- ``mp`` and ``pfc``: the loss is the mean over the gathered global batch, the same on every
+  rank, and each rank differentiates its share of it (``heads.py``), so each rank's backbone
+  gradient is one partial of the true gradient: they are summed (``Comm.all_reduce_sum``). The
+  class-matrix shard's gradient stays local.
+
+The class matrix's update: ``dp``, ``mp`` and ``pfc`` without sampling run the update below on
+the whole matrix (shard). A sampling ``pfc`` takes the gradient of the sampled rows only (the
+gather's output) and, ``sparse`` (default), applies it with ``ResourceSparseApplyMomentum``:
+``buf[rows] = m * buf[rows] + g + wd * w[rows]; w[rows] -= lr * buf[rows]``, momentum kept per
+row, the rows not sampled and their momentum untouched (the Partial FC paper, PLSC). ``dense``
+reproduces insightface's arcface_torch: the whole shard's gradient (zero off the sample),
+momentum and weight decay on every row, every step.
 
 Clipping (face recipes): the reduced backbone gradient is scaled by ``min(1, max_norm / (norm +
 1e-6))``, ``norm`` its global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (not
@@ -27,8 +40,9 @@ PReLU, dense layers and the class-matrix product in float16 with float32 variabl
 sit in the layers), the margin and softmax in float32, and dynamic loss scaling of torch's policy
 (start 2**16, halve on an overflow, double after 2000 clean steps) kept entirely on the device:
 the overflow flag is taken after the all-reduce, so every rank sees the same gradients and makes
-the same decision, and ``tf.cond`` skips the update without a host read-back. ``fp16`` on a CPU
-and ``bf16`` anywhere are refused (``check_precision``).
+the same decision (a sharded head's local gradient adds its own flag to the all-reduce), and
+``tf.cond`` skips the update without a host read-back. ``fp16`` on a CPU and ``bf16`` anywhere
+are refused (``check_precision``).
 
 Strict alignment (``AlignSpec``): ``dtype="float64"`` holds every variable, BatchNorm statistic,
 momentum buffer, rate and input in float64 and computes the whole step in it (BatchNorm composed
@@ -91,6 +105,10 @@ def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, device
                 tf.constant(np.asarray(labels), dtype=tf.int32))
 
 
+def _all_finite(arrays: list[tf.Tensor]) -> tf.Tensor:
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in arrays])
+
+
 class TrainStep:
     """Call with (images, labels); returns (this rank's loss, marker) as device tensors. The
     marker is the step counter read after every update of the step has run.
@@ -123,10 +141,14 @@ class TrainStep:
             if workload.task == "face":
                 self.head = MarginSoftmaxHead(
                     workload.num_classes, workload.embedding_size, workload.resolved_margins,
-                    workload.scale, mode=workload.fc, seed=workload.seed,
-                    compute_dtype=compute, dtype=self.dtype, straight_through=straight_through)
+                    workload.scale, comm=comm, mode=workload.fc,
+                    sample_ratio=workload.sample_ratio, update=workload.pfc_update,
+                    seed=workload.seed, compute_dtype=compute, dtype=self.dtype,
+                    straight_through=straight_through)
                 if init is not None:
                     self.head.set_weight(np.asarray(init["head/weight"]))
+            self.sharded = self.head is not None and self.head.sharded
+            self.sparse = self.head is not None and self.head.sparse
             self.backbone_vars = self.backbone.trainable_variables
             self.variables = self.backbone_vars + ([self.head.weight] if self.head else [])
             self.buffers = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
@@ -145,13 +167,21 @@ class TrainStep:
         self._fn = tf.function(self._step, jit_compile=False, autograph=False)
 
     @property
+    def pfc_update(self) -> str | None:
+        """Which class-matrix update runs: ``full``, ``sparse`` or ``dense`` (None without a
+        head)."""
+        return None if self.head is None else self.head.update
+
+    @property
     def settings(self) -> dict:
         return {"strategy": type(self.comm.strategy).__name__,
                 "communication": self.comm.communication,
                 "variables": "plain per-process variables, gradients all-reduced in the "
                              "replica context",
                 "graph": "tf.function, jit_compile off",
-                "update": "ResourceApplyMomentum (torch's SGD rule)",
+                "update": "ResourceApplyMomentum (torch's SGD rule)"
+                + ("; class rows: ResourceSparseApplyMomentum" if self.sparse else ""),
+                "backbone_gradient": "sum over ranks" if self.sharded else "mean over ranks",
                 "mixed_precision": "float16" if self.fp16 else None,
                 "loss_scaling": "dynamic, on the device, one decision for all ranks"
                 if self.fp16 else None}
@@ -168,17 +198,54 @@ class TrainStep:
                             rate)
         return rate
 
-    def _loss(self, images: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-        out = self.backbone(images, training=True)
-        if self.head is not None:
-            return self.head(out, labels)
-        # float32 at least: float16 logits are widened, float64 ones kept.
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels, tf.cast(out, self.dtype)))
+    def gradients(self, images: tf.Tensor, labels: tf.Tensor
+                  ) -> tuple[tf.Tensor, list[tf.Tensor], tuple[tf.Tensor, tf.Tensor] | None]:
+        """This rank's loss and the gradients of what it differentiates (times the loss scale
+        in fp16), not reduced over ranks: one per variable, the class matrix's dense (the
+        whole matrix or shard; zero off a dense pfc's sample), or for a sparse pfc the
+        sampled rows'. The last: a sparse pfc's (sampled row index, the rows' values), or
+        None."""
+        head = self.head
+        with tf.GradientTape() as tape:
+            out = self.backbone(images, training=True)
+            if head is None:
+                # float32 at least: float16 logits are widened, float64 ones kept.
+                loss = objective = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels, tf.cast(out, self.dtype)))
+                sources, sample = self.variables, None
+            else:
+                selection = head.select(labels)
+                rows = head.rows(selection)
+                loss = head.logits_and_loss(out, selection, rows)[1]
+                objective = head.replica_objective(loss)
+                sources = self.backbone_vars + [rows if self.sparse else head.weight]
+                sample = (selection.index, rows) if self.sparse else None
+            scaled = objective * self.loss_scale if self.fp16 else objective
+        grads = tape.gradient(scaled, sources)
+        # Each in its variable's dtype (float32, float64 in an alignment run); a dense pfc's
+        # gather gradient (indexed slices) as the whole shard's.
+        return loss, [tf.cast(tf.convert_to_tensor(g), v.dtype)
+                      for g, v in zip(grads, self.variables)], sample
 
-    def _update(self, grads: list[tf.Tensor]) -> list[tf.Operation]:
-        """Clip the backbone's part and apply SGD to every variable (and, in an alignment run,
-        keep the norm before clipping and the rate)."""
+    def _reduce(self, grads: list[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor | None]:
+        """Gradients over ranks (module doc) and, for a sharded head in fp16, how many ranks'
+        local shard gradients are not all finite (None otherwise)."""
+        if not self.sharded:
+            return self.comm.all_reduce_mean(grads), None
+        nb = len(self.backbone_vars)
+        local = grads[nb:]
+        flag = []
+        if self.fp16:
+            # The shard's gradient is not reduced: its overflow travels as a count, so that
+            # every rank makes the same decision.
+            flag = [tf.cast(tf.logical_not(_all_finite(local)), tf.float32)]
+        reduced = self.comm.all_reduce_sum(grads[:nb] + flag)
+        return reduced[:nb] + local, (reduced[nb] if self.fp16 else None)
+
+    def _update(self, grads: list[tf.Tensor], sample: tuple[tf.Tensor, tf.Tensor] | None
+                ) -> list[tf.Operation]:
+        """Clip the backbone's part and apply SGD to every variable, to a sparse pfc's sampled
+        rows only (and, in an alignment run, keep the norm before clipping and the rate)."""
         wl = self.workload
         grads = list(grads)
         nb = len(self.backbone_vars)
@@ -195,6 +262,12 @@ class TrainStep:
             ops.append(self.rate.assign(rate))
         momentum = tf.constant(wl.momentum, self.dtype)
         for var, buf, grad in zip(self.variables, self.buffers, grads):
+            if sample is not None and var is self.head.weight:
+                index, rows = sample
+                ops.append(tf.raw_ops.ResourceSparseApplyMomentum(
+                    var=var.handle, accum=buf.handle, lr=rate, grad=grad + wl.weight_decay * rows,
+                    indices=index, momentum=momentum, use_locking=False, use_nesterov=False))
+                continue
             ops.append(tf.raw_ops.ResourceApplyMomentum(
                 var=var.handle, accum=buf.handle, lr=rate, grad=grad + wl.weight_decay * var,
                 momentum=momentum, use_locking=False, use_nesterov=False))
@@ -202,23 +275,20 @@ class TrainStep:
 
     def _replica(self, images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor,
                                                                        tf.Tensor]:
-        with tf.GradientTape() as tape:
-            loss = self._loss(images, labels)
-            scaled = loss * self.loss_scale if self.fp16 else loss
-        grads = tape.gradient(scaled, self.variables)
-        # Each gradient in its variable's dtype (float32, float64 in an alignment run).
-        grads = self.comm.all_reduce_mean([tf.cast(g, v.dtype)
-                                           for g, v in zip(grads, self.variables)])
+        loss, grads, sample = self.gradients(images, labels)
+        grads, shards_bad = self._reduce(grads)
         if not self.fp16:
-            with tf.control_dependencies(self._update(grads)):
+            with tf.control_dependencies(self._update(grads, sample)):
                 marker = self.step_count.assign_add(1)
             return loss, marker, tf.constant(False)
         grads = [g / self.loss_scale for g in grads]
         # After the all-reduce: an inf or NaN on any rank is in every rank's reduced gradient.
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        finite = _all_finite(grads)
+        if shards_bad is not None:
+            finite = tf.logical_and(finite, shards_bad == 0.0)
 
         def step():
-            with tf.control_dependencies(self._update(grads)):
+            with tf.control_dependencies(self._update(grads, sample)):
                 grown = self.clean_steps + 1 >= LOSS_SCALE_INTERVAL
                 return tf.group(
                     self.loss_scale.assign(tf.where(grown, self.loss_scale * LOSS_SCALE_GROWTH,

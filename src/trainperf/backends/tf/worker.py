@@ -32,7 +32,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from ..workerkit import (FrameworkRun, StepState, align_dtype, breaks_margin, dumps_state,
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin, dumps_state,
                          environment, leave, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
 from . import models
@@ -128,9 +128,24 @@ class TFRun(FrameworkRun):
         self.train_step = TrainStep(
             spec.workload, comm, init=init, dtype=dtype, keep_state=dumps_state(align),
             straight_through=breaks_margin(align))
+        if spec.data is not None:
+            self.real = RealData(spec, [comm.rank], comm.world_size, self.real_batch)
+            return
         self.images, self.labels = (
             init_batch(spec.workload, init, comm.rank, comm.tf_device, dtype) if init is not None
             else synthetic_batch(spec.workload, comm.rank, comm.tf_device))
+
+    def real_batch(self, images: np.ndarray, labels: np.ndarray, position: int
+                   ) -> tuple[tf.Tensor, tf.Tensor]:
+        """A real batch on the device: the uint8 NHWC images copied over, normalised there in
+        float32, then in the step's input dtype (``step.to_device``'s)."""
+        half = self.spec.workload.precision == "fp16"
+        with tf.device(self.comm.tf_device):
+            x = tf.cast(tf.convert_to_tensor(images), tf.float32)
+            x = (x - tf.constant(self.real.mean, tf.float32)) / tf.constant(self.real.std,
+                                                                              tf.float32)
+            return (tf.cast(x, tf.float16) if half else x,
+                    tf.convert_to_tensor(labels.astype(np.int32)))
 
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
@@ -140,11 +155,12 @@ class TFRun(FrameworkRun):
                     "onednn_opts": onednn_opts()}
         return {"env": framework_env(comm, self.spec.threads), "settings": settings,
                 "backbone_params": models.param_count(step.backbone),
-                "pfc_update": "full" if self.spec.workload.task == "face" else None}
+                "pfc_update": step.pfc_update}
 
     def step(self, index: int) -> tuple:
         t0 = time.perf_counter()
-        out = self.train_step(self.images, self.labels)
+        out = self.train_step(*(self.real.next()[0] if self.real is not None
+                                else (self.images, self.labels)))
         if index == 0:
             self.compile_s = time.perf_counter() - t0
         self.outputs.append(out)
@@ -178,7 +194,8 @@ class TFRun(FrameworkRun):
         step = self.train_step
         arrays = models.torch_arrays(step.backbone)
         if step.head is not None:
-            arrays["head/weight"] = step.head.weight.numpy()  # dp: every rank holds it all
+            # This rank's rows: the whole matrix in dp, its shard in mp and pfc.
+            arrays["head/weight"] = step.head.weight.numpy()
         norm = float(step.grad_norm.numpy())  # NaN before the first step
         return StepState(arrays, None if norm != norm else norm, float(step.rate.numpy()))
 
@@ -190,6 +207,9 @@ class TFRun(FrameworkRun):
 
     def memory_over_ranks(self) -> dict:
         return memory_over_ranks(self.comm)
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        return self.comm.gather_rows(np.array([values], dtype=np.float64)).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
