@@ -108,8 +108,8 @@ def test_bad_datasets_are_one_line_errors(dataset, tmp_path, capsys):
                "--out", str(tmp_path / "run2")])
     assert rc == 2 and "none.rec: no such record file" in capsys.readouterr().err
     rc = main(["run", "tiny-arcface", "--data", dataset, "--framework", "mxnet",
-               "--out", str(tmp_path / "run3")])
-    assert rc == 2 and "mxnet backend reads synthetic data only" in capsys.readouterr().err
+               "--decoder", "dali", "--out", str(tmp_path / "run3")])
+    assert rc == 2 and "--decoder dali feeds torch only" in capsys.readouterr().err
 
 
 def test_data_bench_measures_each_worker_count(dataset, tmp_path):

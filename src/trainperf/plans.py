@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .backends import get_backend
-from .config import PFC_DEFAULT_RATIO, DataSpec, Measure, Topology, Tuning, parse_list
+from .config import (FC_MODES, PFC_DEFAULT_RATIO, DataSpec, Measure, Topology, Tuning,
+                     parse_int_list, parse_list)
 from .procs import interrupt_on_sigterm
 from .recipes import get_recipe
 from .results import default_folder
@@ -43,12 +44,96 @@ def workload_changes(fc: str | None, sample_ratio: float | None, **given: Any) -
     return changes
 
 
-def open_data(prefix: str, decoder: str, loader_workers: int | None):
+def parse_num_classes(text: str) -> list[int]:
+    """The class counts of a ``--num-classes`` list, each a count a head can split, none twice
+    (each becomes a folder of its own)."""
+    counts = parse_int_list(text, "--num-classes")
+    for n in counts:
+        if n < 2:
+            raise ValueError(f"--num-classes takes counts of 2 or more, got {n}")
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"--num-classes names a count twice: {text!r}")
+    return counts
+
+
+def parse_fcs(text: str) -> list[str]:
+    """The head modes of an ``--fc`` list."""
+    fcs = parse_list(text)
+    bad = [fc for fc in fcs if fc not in FC_MODES]
+    if bad or not fcs:
+        raise ValueError(f"--fc takes {', '.join(FC_MODES)} (a list sweeps them), got {text!r}")
+    return fcs
+
+
+def parse_ratios(text: str) -> list[float]:
+    """The ratios of a ``--sample-ratio`` list (the workload checks their range)."""
+    try:
+        ratios = [float(part) for part in parse_list(text)]
+    except ValueError:
+        raise ValueError(f"--sample-ratio takes comma-separated numbers, got {text!r}") from None
+    if not ratios:
+        raise ValueError("--sample-ratio needs at least one value")
+    return ratios
+
+
+def head_modes(fcs: list[str], ratios: list[float] | None) -> list[tuple[str, float]]:
+    """Every (head mode, ratio) that means something: a ratio below 1 only with ``pfc``, and
+    ``pfc`` at ratio 1 left out when ``mp`` is there (the same arithmetic). Without
+    ``ratios``, ``pfc`` samples 0.1 and the other modes take every class."""
+    heads = []
+    for fc in fcs:
+        for ratio in ratios or [PFC_DEFAULT_RATIO if fc == "pfc" else 1.0]:
+            if ratio < 1.0 and fc != "pfc":
+                continue
+            if fc == "pfc" and ratio == 1.0 and "mp" in fcs:
+                continue
+            if (fc, ratio) not in heads:
+                heads.append((fc, ratio))
+    if not heads:
+        raise ValueError(f"--fc {','.join(fcs)} with --sample-ratio "
+                         f"{','.join(f'{r:g}' for r in ratios or [])} leaves nothing to run: "
+                         "a ratio below 1 needs --fc pfc")
+    return heads
+
+
+def head_label(fc: str, sample_ratio: float) -> str:
+    return f"pfc{sample_ratio:g}" if fc == "pfc" else fc
+
+
+def sweep_points(num_classes: list[int] | None, fcs: list[str] | None,
+                 ratios: list[float] | None, recipe_fc: str) -> list[dict] | None:
+    """The workload changes of each point of a class and head sweep, classes outermost; None
+    when every list holds at most one value (one point: the plain changes say it). A sweep of
+    classes alone leaves the head as a single run would have it."""
+    if max(len(values or []) for values in (num_classes, fcs, ratios)) <= 1:
+        return None
+    heads: list[dict] = [{}]
+    if len(fcs or []) > 1 or len(ratios or []) > 1:
+        heads = [{"fc": fc, "sample_ratio": r}
+                 for fc, r in head_modes(fcs or [recipe_fc], ratios)]
+    return [{**({"num_classes": n} if n is not None else {}), **head}
+            for n in (num_classes or [None]) for head in heads]
+
+
+def point_names(points: list[dict], workloads: list) -> list[list[str]]:
+    """What tells each sweep point apart, as words (``c1000``, ``pfc0.1``): only the settings
+    that vary across the points."""
+    classes = len({w.num_classes for w in workloads}) > 1
+    heads = len({(w.fc, w.sample_ratio) for w in workloads}) > 1
+    return [[*([f"c{w.num_classes}"] if classes else []),
+             *([head_label(w.fc, w.sample_ratio)] if heads else [])] for w in workloads]
+
+
+def open_data(prefix: str, decoder: str, loader_workers: int | None,
+              frameworks: tuple[str, ...] | list[str] = ("torch",)):
     """The dataset at ``prefix`` (checked readable) and what the runs are told of it, with the
-    decoder checked."""
+    decoder checked for ``frameworks``."""
     from .data.dali_feed import choose_decoder
     from .data.layout import open_dataset
 
+    if decoder == "dali" and set(frameworks) - {"torch"}:
+        raise ValueError("--decoder dali feeds torch only; the other frameworks' loader "
+                         "processes decode with simplejpeg, opencv or pillow")
     choose_decoder(decoder)
     dataset = open_dataset(prefix)
     return dataset, DataSpec(str(Path(dataset.prefix).resolve()), decoder, loader_workers)
@@ -57,33 +142,50 @@ def open_data(prefix: str, decoder: str, loader_workers: int | None):
 def throughput_plans(recipe_name: str, changes: dict, batch_sizes: list[int] | None,
                      devices: list[int], measure: Measure, tuning: Tuning, base: Topology,
                      frameworks: list[str], out: Path | None, data=None,
-                     synthetic_baseline: bool = True) -> list[Plan]:
+                     synthetic_baseline: bool = True,
+                     sweep: list[dict] | None = None) -> list[Plan]:
     """The plans of ``trainperf run``: every (batch, devices) case of the recipe with
     ``changes``, one plan per framework. With ``data`` (``open_data``'s pair) a real-data
     plan (``OUT/real``) and, unless ``synthetic_baseline`` is off, its synthetic twin
     (``OUT/synthetic``) first, so that the compute-only figure is there to compare with. One
     framework writes into ``out`` itself; several each into a folder of their own, and the
-    report beside them compares them. Each plan is checked against its backend here."""
+    report beside them compares them. ``sweep`` (``sweep_points``) makes a plan per point
+    and framework, each in a folder named after what varies (``OUT/c1000-mp``,
+    ``OUT/torch-c1000-mp``): a plan's workload is one, so its speedups stay within its class
+    count and head. Each plan is checked against its backend here."""
     recipe = get_recipe(recipe_name)
-    workload = recipe.workload.replace(**changes)
-    batches = batch_sizes or [workload.batch_size]
-    for b in batches[1:]:
-        workload.replace(batch_size=b)  # Workload checks each value on construction
-    workload = workload.replace(batch_size=batches[0])
+    workloads = [recipe.workload.replace(**{**changes, **point}) for point in sweep or [{}]]
+    batches = batch_sizes or [workloads[0].batch_size]
+    for workload in workloads:
+        for b in batches:
+            workload.replace(batch_size=b)  # Workload checks each value on construction
+    workloads = [w.replace(batch_size=batches[0]) for w in workloads]
     cases = plan_cases(devices, batches, base)
     out = out or default_folder(recipe.name)
-    plans = [Plan(recipe.name, workload, measure, cases,
-                  out if len(frameworks) == 1 else out / name, tuning, recipe.reference_model,
-                  name) for name in frameworks]
+    names = point_names(sweep, workloads) if sweep else [[]]
+    plans = []
+    for framework in frameworks:
+        for workload, words in zip(workloads, names):
+            parts = ([framework] if len(frameworks) > 1 else []) + words
+            plans.append(Plan(recipe.name, workload, measure, cases,
+                              out / "-".join(parts) if parts else out, tuning,
+                              recipe.reference_model, framework,
+                              variant=" ".join(words) or None))
     if data is not None:
-        if len(frameworks) > 1:
-            raise ValueError("--data takes one --framework: each framework's real-data runs "
-                             "are compared with their own synthetic twin")
+        if sweep:
+            raise ValueError("--data takes one --num-classes (the dataset's labels fix it) "
+                             "and one head mode (--fc, --sample-ratio)")
         dataset, spec = data
-        dataset.check_classes(workload.num_classes)
-        real = replace(plans[0], out_dir=out / "real", data=spec, data_role="real")
-        plans = [real] if not synthetic_baseline else [
-            replace(plans[0], out_dir=out / "synthetic", data_role="synthetic baseline"), real]
+        dataset.check_classes(workloads[0].num_classes)
+        # Each framework's real-data runs beside its own synthetic twin (``OUT/real``,
+        # ``OUT/synthetic``; ``OUT/<framework>/...`` for several).
+        paired = []
+        for plan in plans:
+            home = out / plan.framework if len(frameworks) > 1 else out
+            real = replace(plan, out_dir=home / "real", data=spec, data_role="real")
+            paired += [real] if not synthetic_baseline else [
+                replace(plan, out_dir=home / "synthetic", data_role="synthetic baseline"), real]
+        plans = paired
     for plan in plans:
         check_plan(plan)
     return plans

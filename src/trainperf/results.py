@@ -18,6 +18,8 @@ from .protocol import End, Eval, Event, Start, Step
 
 SCHEMA = "trainperf.results/v1"
 RUN_STATUSES = ("ok", "oom", "failed", "timeout")
+HEAD_FIELDS = ("num_classes", "fc", "sample_ratio")
+"""What a case records of its classification head; a speedup compares cases alike in them."""
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,10 @@ def training_summary(runs: list[dict]) -> dict[str, Any]:
                                   if t.get("best_accuracy") is not None), default=None)}
 
 
-def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | None
-                ) -> dict[str, Any]:
+def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | None,
+                head: tuple[int, str, float] | None = None) -> dict[str, Any]:
+    """``head``: (num_classes, fc, sample_ratio) of the case; recorded so that a case says what
+    it ran wherever it is read, and speedups (``finish_cases``) stay within one."""
     st = stats.case_stats(
         r["samples_per_s"] if r["status"] == "ok" and not r["flags"] else None for r in runs)
     peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
@@ -147,6 +151,7 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
         "world_size": key.world_size,
         "batch_size_per_device": key.batch_size_per_device,
         "precision": precision,
+        **(dict(zip(HEAD_FIELDS, head)) if head else {}),
         "pfc_update": start.pfc_update if start else None,
         "settings": start.settings if start else None,
         "runs": runs,
@@ -174,18 +179,24 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
 
 
 def finish_cases(cases: list[dict]) -> None:
-    """Speedup, efficiency and scaling flags across the cases of one document."""
-    triples = []
+    """Speedup, efficiency and scaling flags across the cases of one document: a case against
+    the 1-device case of its own batch and head (``HEAD_FIELDS``; cases that record none share
+    one), never against another class count or head mode."""
+    groups: dict[tuple, list[dict]] = {}
     for c in cases:
-        s = stats.CaseStats(c["median_samples_per_s"], c["average_samples_per_s"],
-                            c["iqr_samples_per_s"], c["ok_runs"], flags=[])
-        triples.append((c["world_size"], c["batch_size_per_device"], s))
-    stats.apply_scaling(triples)
-    for c, (_, _, s) in zip(cases, triples):
-        c["speedup"] = s.speedup
-        c["scaling_efficiency"] = s.scaling_efficiency
-        c["flags"] = [f for f in c["flags"] if f not in ("superlinear", "throughput_falls")]
-        c["flags"] += s.flags
+        groups.setdefault(tuple(c.get(k) for k in HEAD_FIELDS), []).append(c)
+    for group in groups.values():
+        triples = []
+        for c in group:
+            s = stats.CaseStats(c["median_samples_per_s"], c["average_samples_per_s"],
+                                c["iqr_samples_per_s"], c["ok_runs"], flags=[])
+            triples.append((c["world_size"], c["batch_size_per_device"], s))
+        stats.apply_scaling(triples)
+        for c, (_, _, s) in zip(group, triples):
+            c["speedup"] = s.speedup
+            c["scaling_efficiency"] = s.scaling_efficiency
+            c["flags"] = [f for f in c["flags"] if f not in ("superlinear", "throughput_falls")]
+            c["flags"] += s.flags
 
 
 def document(recipe: str, workload: dict, measure: dict, env: dict, cases: list[dict],

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import PFC_DEFAULT_RATIO, Measure, Topology, TrainSpec, Tuning, Workload
+from .config import Measure, Topology, TrainSpec, Tuning, Workload
 from .results import default_folder
 
 
@@ -32,24 +32,12 @@ class Variant:
 
 def variants(fcs: list[str], ratios: list[float] | None, precisions: list[str],
              frameworks: list[str]) -> list[Variant]:
-    """Every combination that means something: a ratio below 1 only with ``pfc``, and ``pfc``
-    at ratio 1 left out when ``mp`` is there (the same arithmetic). Without ``ratios``, ``pfc``
-    samples 0.1 and the other modes take every class."""
-    heads = []
-    for fc in fcs:
-        for ratio in ratios or [PFC_DEFAULT_RATIO if fc == "pfc" else 1.0]:
-            if ratio < 1.0 and fc != "pfc":
-                continue
-            if fc == "pfc" and ratio == 1.0 and "mp" in fcs:
-                continue
-            if (fc, ratio) not in heads:
-                heads.append((fc, ratio))
-    if not heads:
-        raise ValueError(f"--fc {','.join(fcs)} with --sample-ratio "
-                         f"{','.join(f'{r:g}' for r in ratios or [])} leaves nothing to train: "
-                         "a ratio below 1 needs --fc pfc")
+    """Every head that means something (``plans.head_modes``) in every precision and
+    framework."""
+    from .plans import head_modes
+
     return [Variant(fc, ratio, precision, framework) for framework in frameworks
-            for fc, ratio in heads for precision in precisions]
+            for fc, ratio in head_modes(fcs, ratios) for precision in precisions]
 
 
 def variant_dirs(out: Path, chosen: list[Variant]) -> list[Path]:

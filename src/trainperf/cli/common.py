@@ -62,12 +62,16 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     add_topology_options(p)
     p.add_argument("--batch-size", help="per device; a list sweeps cases (default: recipe's)")
     p.add_argument("--precision", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--fc", choices=["dp", "mp", "pfc"])
-    p.add_argument("--sample-ratio", type=float)
+    p.add_argument("--fc", help="head mode(s): dp, mp, pfc; a list sweeps them, each in a "
+                   "folder of its own (default: recipe's)")
+    p.add_argument("--sample-ratio", help="pfc ratio(s); a list sweeps them (default 0.1 with "
+                   "--fc pfc)")
     p.add_argument("--pfc-update", choices=["sparse", "dense"],
                    help="pfc: update sampled rows only (default) or the whole matrix "
                         "(arcface_torch)")
-    p.add_argument("--num-classes", type=int)
+    p.add_argument("--num-classes", help="identities; a list sweeps them, each in a folder of "
+                   "its own, and the report plots speed and memory against them (default: "
+                   "recipe's)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
@@ -114,10 +118,20 @@ def measure_from_args(args: argparse.Namespace) -> Measure:
 
 def plan_from_args(args: argparse.Namespace) -> list:
     """The plans of `trainperf run` (``search`` and ``slurm`` plan with them too)."""
-    from ..plans import open_data, parse_frameworks, throughput_plans, workload_changes
+    from ..plans import (open_data, parse_fcs, parse_frameworks, parse_num_classes,
+                         parse_ratios, sweep_points, throughput_plans, workload_changes)
+    from ..recipes import get_recipe
 
-    changes = workload_changes(args.fc, args.sample_ratio, precision=args.precision,
-                               pfc_update=args.pfc_update, num_classes=args.num_classes,
+    classes = parse_num_classes(args.num_classes) if args.num_classes else None
+    fcs = parse_fcs(args.fc) if args.fc else None
+    ratios = parse_ratios(args.sample_ratio) if args.sample_ratio else None
+    sweep = sweep_points(classes, fcs, ratios, get_recipe(args.recipe).workload.fc)
+    # A single value of each goes in as before; a sweep's points carry the values that vary.
+    heads_vary = len(fcs or []) > 1 or len(ratios or []) > 1
+    changes = workload_changes(None if heads_vary else (fcs or [None])[0],
+                               None if heads_vary else (ratios or [None])[0],
+                               precision=args.precision, pfc_update=args.pfc_update,
+                               num_classes=classes[0] if classes and len(classes) == 1 else None,
                                channels_last=True if args.channels_last else None)
     batches = (parse_int_list(args.batch_size, "--batch-size") if args.batch_size else None)
     out = getattr(args, "resume", None) or args.out
@@ -125,9 +139,9 @@ def plan_from_args(args: argparse.Namespace) -> list:
     prefix = getattr(args, "data", None)
     frameworks = parse_frameworks(args.framework)
     if prefix:
-        data = open_data(prefix, args.decoder, args.loader_workers)
+        data = open_data(prefix, args.decoder, args.loader_workers, frameworks)
     return throughput_plans(args.recipe, changes, batches,
                             parse_int_list(args.devices, "--devices"), measure_from_args(args),
                             tuning_from_args(args), topology_from_args(args), frameworks,
                             Path(out) if out else None, data,
-                            not getattr(args, "no_synthetic_baseline", False))
+                            not getattr(args, "no_synthetic_baseline", False), sweep)

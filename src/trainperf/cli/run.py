@@ -184,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
               "holds the figures and the report")
         return EXIT_OK if ok else EXIT_RUN_FAILED
     code = _report_and_exit(plans, docs, report_dir(plans, args.resume),
-                            with_references=len(plans) > 1 and not args.data)
+                            with_references=len({p.framework for p in plans}) > 1)
     for plan in plans:
         print(f"results: {plan.out_dir / 'results.json'}")
     return code
@@ -255,7 +255,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         args.out = str(default_folder(f"search-{args.kind}-{args.recipe}"))
     plans = plan_from_args(args)
     if len(plans) > 1:
-        raise ValueError("search takes one --framework")
+        raise ValueError("search takes one --framework, --num-classes, --fc and --sample-ratio")
     plan = plans[0]
     start, resolution, settings = prepare(args.kind, plan, args.start, args.resolution)
     field_name = KINDS[args.kind]

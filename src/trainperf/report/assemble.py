@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import results
 from .capacity import capacity_section
+from .classes import classes_section, plot_classes
 from .input import input_section
 from .markdown import render_report, unique_labels
 from .plots import plot_scaling
@@ -26,6 +27,7 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     docs = [results.load(d) for d in dirs if d not in searches]
     labels = unique_labels(docs)
     plots = plot_scaling(docs, labels, out) if docs else []
+    plots += plot_classes(docs, out)
     extra = [] if plots or not docs else [
         "(No plots: install the `plot` extra, matplotlib, to get them.)"]
     # Training runs have no synthetic twin: their data waits are in their results.
@@ -41,7 +43,8 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     if with_references:
         sections = [references_section(d, label) for d, label in zip(docs, labels)]
         extra += [s for s in sections if s] or ["(No published figure matches these results.)"]
-    text = render_report(docs, plots, extra)
+    sweep = classes_section(docs)
+    text = render_report(docs, plots, extra, [sweep] if sweep else None)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.md"
     path.write_text(text, encoding="utf-8")

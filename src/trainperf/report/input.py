@@ -81,6 +81,7 @@ def input_section(docs: list[dict]) -> str | None:
     if not reals:
         return None
     rows, sentences = [], []
+    several = len({d.get("framework") for d in reals}) > 1
     for real in reals:
         twin = _twin(real, docs)
         data = real.get("data") or {}
@@ -93,16 +94,18 @@ def input_section(docs: list[dict]) -> str | None:
             spreads = [x.get("spread") for x in (c, s) if x and x.get("spread") is not None]
             v = verdict(c["median_samples_per_s"], synth, c.get("data_wait_share"), workers,
                         max(spreads) if spreads else None)
-            rows.append([c["case"], str(c["batch_size_per_device"]), fmt(synth),
+            rows.append([real.get("framework") or "-", c["case"],
+                         str(c["batch_size_per_device"]), fmt(synth),
                          fmt(c["median_samples_per_s"]),
                          fmt(c["median_samples_per_s"] / synth, 3)
                          if synth and c["median_samples_per_s"] else "-",
                          pct(c.get("data_wait_share")), "-" if workers is None else str(workers),
                          data.get("decoder") or "-", "yes" if v.input_bound else "no"])
-            sentences.append(f"- {c['case']} b{c['batch_size_per_device']}: {v.words}.")
+            who = f"{real['framework']} " if several and real.get("framework") else ""
+            sentences.append(f"- {who}{c['case']} b{c['batch_size_per_device']}: {v.words}.")
         where = (f"`{data.get('prefix')}` ({data.get('layout')} layout, "
                  f"{data.get('images')} images)")
-    head = ["case", "batch/device", "synthetic samples/s", "real-data samples/s",
+    head = ["framework", "case", "batch/device", "synthetic samples/s", "real-data samples/s",
             "real / synthetic", "window waiting", "loader processes/rank", "decoder",
             "input-bound"]
     return "\n".join([

@@ -24,12 +24,31 @@ def gib(n: int | None) -> str:
     return "-" if not n else f"{n / 2**30:.2f} GiB"
 
 
-def doc_label(doc: dict) -> str:
-    w = doc.get("workload", {})
+def framework_name(doc: dict) -> str:
     env = doc.get("env", {})
-    framework = (env.get("framework") or doc.get("framework")
-                 or doc.get("source", {}).get("framework", ""))
-    parts = [framework, doc["recipe"],
+    return (env.get("framework") or doc.get("framework")
+            or doc.get("source", {}).get("framework", ""))
+
+
+def head_key(doc: dict) -> tuple:
+    """(num_classes, fc, pfc's ratio) of a document's workload: what a class sweep varies."""
+    w = doc.get("workload", {})
+    return (w.get("num_classes"), w.get("fc"),
+            w.get("sample_ratio") if w.get("fc") == "pfc" else None)
+
+
+def is_class_sweep(docs: list[dict]) -> bool:
+    """Throughput documents of one recipe that differ in class count or head mode: a sweep's
+    points (``run --num-classes``/``--fc`` lists, or folders of separate runs). Their
+    comparisons pair only documents of the same point."""
+    return (len(docs) > 1 and not any(d.get("train") for d in docs)
+            and len({d["recipe"] for d in docs}) == 1 and len({head_key(d) for d in docs}) > 1)
+
+
+def doc_label(doc: dict, with_classes: bool = False) -> str:
+    w = doc.get("workload", {})
+    parts = [framework_name(doc), doc["recipe"],
+             f"classes={w.get('num_classes')}" if with_classes else "",
              w.get("precision", ""), f"fc={w['fc']}" if w.get("fc") else ""]
     if w.get("fc") == "pfc":
         parts.append(f"r={w.get('sample_ratio')}")
@@ -40,7 +59,9 @@ def doc_label(doc: dict) -> str:
 
 
 def unique_labels(docs: list[dict]) -> list[str]:
-    labels = [doc_label(d) for d in docs]
+    with_classes = (is_class_sweep(docs)
+                    and len({d["workload"].get("num_classes") for d in docs}) > 1)
+    labels = [doc_label(d, with_classes) for d in docs]
     seen: dict[str, int] = {}
     out = []
     for label in labels:
@@ -224,16 +245,37 @@ def alignment_lines(docs: list[dict]) -> list[str]:
     return lines
 
 
+def comparisons(docs: list[dict], labels: list[str]) -> list[str]:
+    """The comparison tables: all documents side by side, or, for a class sweep, the
+    documents of each class count and head (several frameworks) side by side, so that no ratio
+    puts one class count against another."""
+    groups: dict[tuple, list[int]] = {}
+    for i, doc in enumerate(docs):
+        groups.setdefault(head_key(doc) if is_class_sweep(docs) else (), []).append(i)
+    parts = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        group_docs, group_labels = [docs[i] for i in members], [labels[i] for i in members]
+        shared = shared_words(group_labels)
+        what = " ".join(w for w in group_labels[0].split() if w in shared)
+        parts += ["## Comparison" + (f": {what}" if what else ""), "",
+                  comparison_table(group_docs, group_labels), ""]
+    return parts
+
+
 def render_report(docs: list[dict], plots: list[str] | None = None,
-                  extra_sections: list[str] | None = None) -> str:
+                  extra_sections: list[str] | None = None,
+                  leading_sections: list[str] | None = None) -> str:
+    """``leading_sections`` come first (a sweep's summary), ``extra_sections`` after each
+    document's own table."""
     labels = unique_labels(docs)
     parts = ["# trainperf report", ""]
+    for section in leading_sections or []:
+        parts += [section, ""]
     if len(docs) > 1:
-        shared = shared_words(labels)
-        what = " ".join(w for w in labels[0].split() if w in shared)
-        parts += ["## Comparison" + (f": {what}" if what else ""), "",
-                  comparison_table(docs, labels), ""]
-        aligned = alignment_lines(docs)
+        parts += comparisons(docs, labels)
+        aligned = list(dict.fromkeys(alignment_lines(docs)))  # a sweep's points repeat them
         if aligned:
             parts += ["Alignment with torch (`trainperf align`), which a ratio between "
                       "frameworks rests on:", "", *aligned, ""]
