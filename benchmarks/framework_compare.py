@@ -1,16 +1,20 @@
-"""Frameworks side by side: torch, MXNet, Paddle, JAX and TensorFlow on the same recipes, 1 and
-2 ranks.
+"""Frameworks side by side: torch, MXNet, Paddle, JAX, TensorFlow and OneFlow on the same
+recipes, 1 and 2 ranks.
 
-Each (recipe, fc) pair is one ``trainperf run --framework A,B,...`` (the frameworks whose backend
-runs that head) into benchmarks/results/framework_compare-<device>/<recipe>-<fc>/, whose
+Each case is one ``trainperf run --framework A,B,...`` (the frameworks whose backend runs its
+heads and backbone) into benchmarks/results/framework_compare-<device>/<case folder>/, whose
 report.md holds the comparison table (samples/s per framework, speedups, each framework's ratio
 to torch). Sizes default to what a 2-core CPU finishes in minutes; on a GPU pass the recipes'
 own batch sizes.
 
     python benchmarks/framework_compare.py [--device cpu] [--runs 3] [--iters 12] [--warmup 4]
-        [--frameworks torch,mxnet,paddle,jax,tf] [--case tiny-arcface:dp:8] ...
+        [--frameworks torch,mxnet,paddle,jax,tf,oneflow] [--case tiny-arcface:dp:8] ...
+        [--data PREFIX]
 
-A case is RECIPE:FC:BATCH[:CLASSES] (CLASSES: override the recipe's class count).
+A case is RECIPE:FC:BATCH[:CLASSES]; FC and CLASSES may be lists (``mp,pfc``,
+``1000,1000000``), which ``run`` sweeps, and the report then plots speed and memory against
+the number of classes. ``--data`` trains every case on a RecordIO dataset beside its synthetic
+twin (the case's folder gets ``-real``).
 """
 
 from __future__ import annotations
@@ -27,11 +31,24 @@ from trainperf.cli import main as trainperf
 
 CPU_CASES = ["tiny-arcface:dp:8", "tiny-arcface:mp:8", "tiny-arcface:pfc:8",
              "r50-arcface-plsc:mp:4", "rn50-v1b-imagenet:dp:2"]
-FRAMEWORKS = "torch,mxnet,paddle,jax,tf"
+FRAMEWORKS = "torch,mxnet,paddle,jax,tf,oneflow"
 
 
-def runs_case(framework: str, fc: str) -> bool:
-    return fc in get_backend(framework).capabilities.heads
+def runs_case(framework: str, recipe: str, fc: str) -> bool:
+    from trainperf.recipes import get_recipe
+
+    backend = get_backend(framework)
+    return (all(f in backend.capabilities.heads for f in fc.split(","))
+            and backend.model_refusal(get_recipe(recipe).workload) is None)
+
+
+def case_folder(recipe: str, fc: str, classes: list[str], real: bool) -> str:
+    parts = [recipe, fc.replace(",", "+")]
+    if classes:
+        parts.append("c" + classes[0].replace(",", "+"))
+    if real:
+        parts.append("real")
+    return "-".join(parts)
 
 
 def main() -> int:
@@ -43,14 +60,15 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--frameworks", default=FRAMEWORKS)
     parser.add_argument("--case", action="append", help="RECIPE:FC:BATCH[:CLASSES]")
+    parser.add_argument("--data", help="PREFIX of a RecordIO dataset: every case on real data")
     parser.add_argument("--out", help="default benchmarks/results/framework_compare-<device>")
     args = parser.parse_args()
     out = Path(args.out or Path(__file__).parent / "results" / f"framework_compare-{args.device}")
     summary = {}
     for case in args.case or CPU_CASES:
         recipe, fc, batch, *classes = case.split(":")
-        names = [n for n in args.frameworks.split(",") if runs_case(n, fc)]
-        folder = out / f"{recipe}-{fc}"
+        names = [n for n in args.frameworks.split(",") if runs_case(n, recipe, fc)]
+        folder = out / case_folder(recipe, fc, classes, bool(args.data))
         shutil.rmtree(folder, ignore_errors=True)
         argv = ["run", recipe, "--framework", ",".join(names), "--devices", args.devices,
                 "--device", args.device, "--fc", fc, "--batch-size", batch,
@@ -58,14 +76,18 @@ def main() -> int:
                 "--warmup", str(args.warmup), "--out", str(folder)]
         if classes:
             argv += ["--num-classes", classes[0]]
+        if args.data:
+            argv += ["--data", args.data]
         print("trainperf " + " ".join(argv), file=sys.stderr, flush=True)
         trainperf(argv)
-        summary[case] = {}
-        for name in names:
-            # Per-run specs and worker logs stay out of the record; results and events remain.
-            shutil.rmtree(folder / name / "runs", ignore_errors=True)
-            summary[case][name] = {c["case"]: c["median_samples_per_s"]
-                                   for c in results.load(folder / name)["cases"]}
+        # Per-run specs and worker logs stay out of the record; results and events remain.
+        for runs in sorted(folder.rglob("runs"), reverse=True):
+            shutil.rmtree(runs, ignore_errors=True)
+        summary[case] = {
+            str(doc.parent.relative_to(folder)): {
+                f"c{c.get('num_classes')} {c.get('fc')} {c['case']}": c["median_samples_per_s"]
+                for c in results.load(doc.parent)["cases"]}
+            for doc in sorted(folder.rglob("results.json"))}
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -97,3 +97,55 @@ def sampled_oracle(emb, weight, labels, ids, margins=(1.0, 0.5, 0.0), scale: flo
     remapped = np.array([position[int(y)] for y in labels])
     return oracle.head_forward_backward(emb, weight[ids], remapped, margins, scale,
                                         cos_eps=oracle.FP32_COS_EPS)
+
+
+def check_sampling_rule(cases, got, remapped_key: str | None = "remapped") -> None:
+    """A backend's ``sample_classes`` on ``sample_cases``: each case's sample is the oracle's
+    (every positive kept, negatives by score, sorted), and under ``remapped_key`` each label's
+    column in the sample (-1 outside the shard); all positives kept where they outnumber the
+    sample."""
+    for i in range(int(cases["cases"])):
+        index, remapped = oracle.pfc_sample(cases[f"{i}/labels"], cases[f"{i}/num_local"],
+                                            cases[f"{i}/num_sample"], cases[f"{i}/uniform"])
+        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
+        if remapped_key:
+            np.testing.assert_array_equal(got[f"{i}/{remapped_key}"], remapped,
+                                          err_msg=f"case {i}")
+    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+
+
+def sampled_ids_on_two_ranks(inputs, ranks, prefix: str = "pfc", classes: int = 37
+                             ) -> list[np.ndarray]:
+    """Each of two ranks' pfc samples (``{prefix}/index``, drawn on the scores ``scores<r>``
+    of ``inputs``) checked against the oracle's rule; the global class ids of each."""
+    ids = []
+    for r, got in enumerate(ranks):
+        start, count = oracle.shard_of(classes, r, 2)
+        local = oracle.local_labels_of(inputs["labels"], start, count)
+        index, _ = oracle.pfc_sample(local, count, int(got[f"{prefix}/num_sample"]),
+                                     inputs[f"scores{r}"][:count])
+        np.testing.assert_array_equal(got[f"{prefix}/index"], index)
+        ids.append(start + index)
+    return ids
+
+
+def check_mp_on_two_ranks(inputs, ranks, margins, scale: float, rows: int = 6) -> None:
+    """Two ranks' ``mp`` heads on 37 classes against the oracle: each rank's shard logits and
+    class-matrix gradient are the oracle's columns and rows, its embedding gradient the
+    oracle's rows of its own ``rows`` samples, the loss the global one, in both of two calls;
+    and pfc at ratio 1.0 (``pfc1/``) is mp exactly."""
+    ref = oracle.head_forward_backward(inputs["emb"], inputs["weight"], inputs["labels"],
+                                       margins, scale, world_size=2,
+                                       cos_eps=oracle.FP32_COS_EPS)
+    assert [int(g["mp/count"]) for g in ranks] == [19, 18]  # uneven shards
+    for r, got in enumerate(ranks):
+        shard = ref["shards"][r]
+        assert int(got["mp/start"]) == shard["start"]
+        for call in (1, 2):
+            assert abs(float(got[f"mp/loss{call}"]) - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+            np.testing.assert_allclose(got[f"mp/logits{call}"], shard["logits"], rtol=0,
+                                       atol=1e-4)
+            close_to_max(got[f"mp/grad_weight{call}"], shard["grad_weight"])
+            close_to_max(got[f"mp/grad_emb{call}"], ref["grad_emb"][r * rows:(r + 1) * rows])
+        for key in ("loss", "grad_emb", "grad_weight", "logits"):
+            np.testing.assert_array_equal(got[f"pfc1/{key}1"], got[f"mp/{key}1"])

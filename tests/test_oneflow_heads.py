@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 
 import oracle
-from framework_checks import close_to_max, head_inputs, sample_cases, sampled_oracle
+from framework_checks import (check_sampling_rule, close_to_max, head_inputs, sample_cases,
+                              sampled_ids_on_two_ranks, sampled_oracle)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -503,13 +504,8 @@ def test_unsupported_settings_are_refused_with_a_reason(one_process):
 
 def test_sampling_follows_the_oracles_rule(one_process):
     """Every positive kept, the negatives of the highest scores, sorted ascending."""
-    x = np.load(one_process / "sample_in.npz")
-    got = np.load(one_process / "sample_out.npz")
-    for i in range(int(x["cases"])):
-        index, _ = oracle.pfc_sample(x[f"{i}/labels"], x[f"{i}/num_local"],
-                                     x[f"{i}/num_sample"], x[f"{i}/uniform"])
-        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
-    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+    check_sampling_rule(np.load(one_process / "sample_in.npz"),
+                        np.load(one_process / "sample_out.npz"), remapped_key=None)
 
 
 def test_pfc_at_ratio_one_is_the_full_softmax(one_process):
@@ -816,14 +812,7 @@ def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(mp_two_ranks, 
     by torch's first SGD step and no other row."""
     x = np.load(mp_two_ranks / "head_in.npz")
     ranks = [np.load(mp_two_ranks / f"pfc_rank{r}.npz") for r in range(2)]
-    ids = []
-    for r, got in enumerate(ranks):
-        start, count = oracle.shard_of(37, r, 2)
-        local = oracle.local_labels_of(x["labels"], start, count)
-        index, _ = oracle.pfc_sample(local, count, int(got[f"{tag}/num_sample"]),
-                                     x[f"scores{r}"][:count])
-        np.testing.assert_array_equal(got[f"{tag}/index"], index)
-        ids.append(start + index)
+    ids = sampled_ids_on_two_ranks(x, ranks, prefix=tag)
     assert tuple(len(i) for i in ids) == sizes
     ref = sampled_oracle(x["emb"], x["weight"], x["labels"], np.concatenate(ids))
     offset = 0

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 import oracle
-from framework_checks import (check_recorded_sgd_steps, close_to_max, head_inputs,
-                              sample_cases, sampled_oracle)
+from framework_checks import (check_mp_on_two_ranks, check_recorded_sgd_steps,
+                              check_sampling_rule, close_to_max, head_inputs, sample_cases,
+                              sampled_ids_on_two_ranks, sampled_oracle)
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
@@ -243,14 +244,8 @@ def test_float64_head_equals_the_oracle_and_breaks_only_the_margins_slope(one_pr
 
 def test_sampling_follows_the_oracles_rule(one_process):
     """Every positive kept, negatives by score, sorted; labels remapped into the sample."""
-    x = np.load(one_process / "sample_in.npz")
-    got = np.load(one_process / "sample_out.npz")
-    for i in range(int(x["cases"])):
-        index, remapped = oracle.pfc_sample(x[f"{i}/labels"], x[f"{i}/num_local"],
-                                            x[f"{i}/num_sample"], x[f"{i}/uniform"])
-        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
-        np.testing.assert_array_equal(got[f"{i}/remapped"], remapped, err_msg=f"case {i}")
-    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+    check_sampling_rule(np.load(one_process / "sample_in.npz"),
+                        np.load(one_process / "sample_out.npz"))
 
 
 @pytest.mark.parametrize("update", ["sparse", "dense"])
@@ -430,34 +425,13 @@ def test_mp_head_on_two_ranks_equals_the_full_softmax(two_ranks):
     its embedding gradient the oracle's rows of its own samples, the loss the global one; a
     second call repeats the first; pfc at ratio 1.0 is mp exactly."""
     folder, ranks = two_ranks
-    x = np.load(folder / "head_in.npz")
-    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS["arcface"],
-                                       SCALE, world_size=2, cos_eps=oracle.FP32_COS_EPS)
-    assert [int(g["mp/count"]) for g in ranks] == [19, 18]  # 37 classes: uneven shards
-    for r, got in enumerate(ranks):
-        shard = ref["shards"][r]
-        assert int(got["mp/start"]) == shard["start"]
-        for call in (1, 2):
-            assert float(got[f"mp/loss{call}"]) == pytest.approx(ref["loss"], rel=1e-5)
-            np.testing.assert_allclose(got[f"mp/logits{call}"], shard["logits"], rtol=0,
-                                       atol=1e-4)
-            close_to_max(got[f"mp/grad_weight{call}"], shard["grad_weight"])
-            close_to_max(got[f"mp/grad_emb{call}"], ref["grad_emb"][r * 6:(r + 1) * 6])
-        for key in ("loss", "grad_emb", "grad_weight", "logits"):
-            np.testing.assert_array_equal(got[f"pfc1/{key}1"], got[f"mp/{key}1"])
+    check_mp_on_two_ranks(np.load(folder / "head_in.npz"), ranks, MARGINS["arcface"], SCALE)
 
 
 def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(two_ranks):
     folder, ranks = two_ranks
     x = np.load(folder / "head_in.npz")
-    ids = []
-    for r, got in enumerate(ranks):
-        start, count = oracle.shard_of(37, r, 2)
-        local = oracle.local_labels_of(x["labels"], start, count)
-        index, _ = oracle.pfc_sample(local, count, int(got["pfc/num_sample"]),
-                                     x[f"scores{r}"][:count])
-        np.testing.assert_array_equal(got["pfc/index"], index)
-        ids.append(start + index)
+    ids = sampled_ids_on_two_ranks(x, ranks)
     ref = sampled_oracle(x["emb"], x["weight"], x["labels"], np.concatenate(ids),
                          MARGINS["arcface"])
     offset = 0

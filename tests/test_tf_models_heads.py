@@ -43,8 +43,10 @@ import pytest
 import torch
 
 import oracle
-from framework_checks import (check_recorded_sgd_steps, close_to_max, head_inputs,
-                              randomise_norm_layers, sample_cases)
+from framework_checks import (check_mp_on_two_ranks, check_recorded_sgd_steps,
+                              check_sampling_rule, close_to_max, head_inputs,
+                              randomise_norm_layers, sample_cases, sampled_ids_on_two_ranks,
+                              sampled_oracle)
 from trainperf.backends.torch.backbones import build_backbone
 
 pytestmark = pytest.mark.slow
@@ -597,13 +599,7 @@ def test_sampling_follows_the_oracles_rule(tf_side):
     """Every positive kept, negatives by score, sorted; labels remapped into the sample; the
     sample grows to hold every positive (its size computed on the device)."""
     work, _, _ = tf_side
-    x, got = np.load(work / "sample_in.npz"), np.load(work / "sample_out.npz")
-    for i in range(int(x["cases"])):
-        index, remapped = oracle.pfc_sample(x[f"{i}/labels"], x[f"{i}/num_local"],
-                                            x[f"{i}/num_sample"], x[f"{i}/uniform"])
-        np.testing.assert_array_equal(got[f"{i}/index"], index, err_msg=f"case {i}")
-        np.testing.assert_array_equal(got[f"{i}/remapped"], remapped, err_msg=f"case {i}")
-    assert len(got["1/index"]) == 7  # the positives outnumber the sample: all kept
+    check_sampling_rule(np.load(work / "sample_in.npz"), np.load(work / "sample_out.npz"))
 
 
 @pytest.mark.parametrize("update", ["sparse", "dense"])
@@ -770,21 +766,7 @@ def test_mp_head_on_two_ranks_equals_the_full_softmax(two_ranks):
     oracle's rows of its own samples, the loss the global one; a second call repeats the
     first; pfc at ratio 1.0 is mp exactly."""
     folder, ranks = two_ranks
-    x = np.load(folder / "head_in.npz")
-    ref = oracle.head_forward_backward(x["emb"], x["weight"], x["labels"], MARGINS["arcface"],
-                                       SCALE, world_size=2, cos_eps=oracle.FP32_COS_EPS)
-    assert [int(g["mp/count"]) for g in ranks] == [19, 18]  # 37 classes: uneven shards
-    for r, got in enumerate(ranks):
-        shard = ref["shards"][r]
-        assert int(got["mp/start"]) == shard["start"]
-        for call in (1, 2):
-            assert float(got[f"mp/loss{call}"]) == pytest.approx(ref["loss"], rel=1e-5)
-            np.testing.assert_allclose(got[f"mp/logits{call}"], shard["logits"], rtol=0,
-                                       atol=1e-4)
-            close_to_max(got[f"mp/grad_weight{call}"], shard["grad_weight"])
-            close_to_max(got[f"mp/grad_emb{call}"], ref["grad_emb"][r * 6:(r + 1) * 6])
-        for key in ("loss", "grad_emb", "grad_weight", "logits"):
-            np.testing.assert_array_equal(got[f"pfc1/{key}1"], got[f"mp/{key}1"])
+    check_mp_on_two_ranks(np.load(folder / "head_in.npz"), ranks, MARGINS["arcface"], SCALE)
 
 
 def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(two_ranks):
@@ -792,20 +774,10 @@ def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(two_ranks):
     gradients are the oracle's over the classes sampled on both shards."""
     folder, ranks = two_ranks
     x = np.load(folder / "head_in.npz")
-    ids = []
-    for r, got in enumerate(ranks):
-        start, count = oracle.shard_of(37, r, 2)
-        local = oracle.local_labels_of(x["labels"], start, count)
-        index, _ = oracle.pfc_sample(local, count, int(got["pfc/num_sample"]),
-                                     x[f"scores{r}"][:count])
-        np.testing.assert_array_equal(got["pfc/index"], index)
-        assert len(index) < count
-        ids.append(start + index)
-    ids = np.concatenate(ids)
-    position = {int(c): i for i, c in enumerate(ids)}
-    ref = oracle.head_forward_backward(x["emb"], x["weight"][ids],
-                                       np.array([position[int(y)] for y in x["labels"]]),
-                                       MARGINS["arcface"], SCALE, cos_eps=oracle.FP32_COS_EPS)
+    ids = sampled_ids_on_two_ranks(x, ranks)
+    assert all(len(i) < count for i, count in zip(ids, (19, 18)))  # a sample, not the shard
+    ref = sampled_oracle(x["emb"], x["weight"], x["labels"], np.concatenate(ids),
+                         MARGINS["arcface"], SCALE)
     offset = 0
     for r, got in enumerate(ranks):
         rows = len(got["pfc/index"])

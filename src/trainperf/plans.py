@@ -6,6 +6,8 @@ tests and scripts call the same functions. Imports no framework.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -218,4 +220,4 @@ def report_dir(plans: list[Plan], resume: str | None) -> Path:
     several plans' folders."""
     if len(plans) == 1:
         return Path(resume or plans[0].out_dir)
-    return plans[0].out_dir.parent
+    return Path(os.path.commonpath([str(p.out_dir) for p in plans]))
