@@ -149,3 +149,12 @@ def check_mp_on_two_ranks(inputs, ranks, margins, scale: float, rows: int = 6) -
             close_to_max(got[f"mp/grad_emb{call}"], ref["grad_emb"][r * rows:(r + 1) * rows])
         for key in ("loss", "grad_emb", "grad_weight", "logits"):
             np.testing.assert_array_equal(got[f"pfc1/{key}1"], got[f"mp/{key}1"])
+
+
+def check_head_equals(got, ref) -> None:
+    """A float32 head's loss, logits and both gradients (``got``) against the oracle's
+    (``ref``, ``oracle.head_forward_backward``'s)."""
+    assert abs(float(got["loss"]) - ref["loss"]) <= 1e-5 * abs(ref["loss"])
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
+    close_to_max(got["grad_emb"], ref["grad_emb"], what="grad_emb")
+    close_to_max(got["grad_weight"], ref["grad_weight"], what="grad_weight")
