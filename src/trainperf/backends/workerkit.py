@@ -323,12 +323,13 @@ def write_dump(folder: str, step: int, rank: int, state: StepState, loss: float)
 class RealData:
     """A worker's real-data batches (``RunSpec.data``): one ``data.feed.LoaderFeed`` per rank
     this process drives, each batch handed to the framework's ``to_device(images, labels,
-    position)`` (which moves the uint8 NHWC images and int64 labels to the device of the
-    ``position``-th of ``ranks`` and normalises them there by ``mean`` and ``std``), and the seconds each step waited: for its batch and, as torch's feed counts on a
-    CPU, for that move and normalisation too."""
+    position)``, which moves the uint8 NHWC images and int64 labels to the device of the
+    ``position``-th of ``ranks`` and normalises them there (``constants``). It records the
+    seconds each step waited: for its batch and, as torch's feed counts on a CPU, for that move
+    and normalisation too."""
 
     def __init__(self, spec: RunSpec, ranks: Sequence[int], world_size: int,
-                 to_device: Callable[[Any, Any], Any]) -> None:
+                 to_device: Callable[[Any, Any, int], Any]) -> None:
         from ..data.feed import LoaderFeed  # numpy: not every importer of workerkit has it
 
         assert spec.data is not None
@@ -343,6 +344,14 @@ class RealData:
         self.to_device = to_device
         self.waits: list[float] = []
         self.info = {**self.feeds[0].info, "ranks_fed_by_this_process": len(self.feeds)}
+        self._constants: dict[int, Any] = {}
+
+    def constants(self, position: int, make: Callable[[Any, Any], Any]) -> Any:
+        """``make(mean, std)`` for position ``position``: the normalisation's per-channel
+        constants on that rank's device, made for its first batch and kept for the rest."""
+        if position not in self._constants:
+            self._constants[position] = make(self.mean, self.std)
+        return self._constants[position]
 
     def next(self) -> list[Any]:
         """Every rank's next batch, on its device, in ``ranks`` order."""

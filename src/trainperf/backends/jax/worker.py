@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 
 from ...protocol import RunSpec
-from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin, dumps_state,
-                         environment, load_init, memory_fields, rss_now_bytes, rss_peak_bytes,
-                         worker_entry)
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
+                         dumps_state, environment, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
 from .backend import BACKEND
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
@@ -195,8 +195,8 @@ class JaxRun(FrameworkRun):
         import jax.numpy as jnp
 
         device = self.layout.devices[self.layout.local_ranks[position]]
-        mean, std = (jax.device_put(np.asarray(v, np.float32), device)
-                     for v in (self.real.mean, self.real.std))
+        mean, std = self.real.constants(position, lambda *ms: [
+            jax.device_put(np.asarray(v, np.float32), device) for v in ms])
         x = jax.device_put(images, device).astype(jnp.float32)
         return (x - mean) / std, jax.device_put(labels.astype(np.int32), device)
 

@@ -162,9 +162,13 @@ def to_device(workload: Workload, images: np.ndarray, labels: np.ndarray, ctx: m
     """Images in ``dtype`` and labels as the step takes them: float64 class ids for the face
     head, float32 for classification's ``pick`` (exact class ids; ``pick`` takes float32
     indices into float64 data too)."""
-    label_dtype = "float64" if workload.task == "face" else "float32"
     return (mx.nd.array(np.asarray(images, dtype=dtype), ctx=ctx, dtype=dtype),
-            mx.nd.array(np.asarray(labels), ctx=ctx, dtype=label_dtype))
+            mx.nd.array(np.asarray(labels), ctx=ctx, dtype=label_dtype(workload)))
+
+
+def label_dtype(workload: Workload) -> str:
+    """The labels' dtype on the device (``to_device``)."""
+    return "float64" if workload.task == "face" else "float32"
 
 
 def init_batch(workload: Workload, arrays: Any, rank: int, ctx: mx.Context,

@@ -28,7 +28,7 @@ from . import models
 from .alignment import step_state
 from .backend import BACKEND
 from .comm import Comm, comm_from_env
-from .step import TrainStep, init_batch, synthetic_batch
+from .step import TrainStep, init_batch, label_dtype, synthetic_batch
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -134,14 +134,13 @@ class MXNetRun(FrameworkRun):
 
     def real_batch(self, images, labels, position: int) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
         """A real batch on context ``position``: the uint8 NHWC images copied over, then made
-        NCHW float32 and normalised there; the labels in the dtype ``step.to_device`` gives."""
+        NCHW float32 and normalised there; the labels as ``step.to_device`` gives them."""
         ctx = self.comm.contexts[position]
-        mean, std = (mx.nd.array(v, ctx=ctx).reshape((1, 3, 1, 1))
-                     for v in (self.real.mean, self.real.std))
+        mean, std = self.real.constants(position, lambda *ms: [
+            mx.nd.array(v, ctx=ctx).reshape((1, 3, 1, 1)) for v in ms])
         x = mx.nd.array(images, ctx=ctx, dtype="uint8").transpose((0, 3, 1, 2)).astype("float32")
-        label_dtype = "float64" if self.spec.workload.task == "face" else "float32"
         return (mx.nd.broadcast_div(mx.nd.broadcast_sub(x, mean), std),
-                mx.nd.array(labels, ctx=ctx, dtype=label_dtype))
+                mx.nd.array(labels, ctx=ctx, dtype=label_dtype(self.spec.workload)))
 
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm

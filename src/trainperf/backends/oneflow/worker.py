@@ -25,9 +25,9 @@ wait_for_rank0()
 
 import oneflow as flow  # noqa: E402
 
-from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin, cudnn_version,
-                         dumps_state, environment, load_init, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
+                         cudnn_version, dumps_state, environment, load_init, memory_fields,
+                         rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
 from .alignment import step_state
 from .backend import BACKEND
@@ -127,8 +127,8 @@ class OneFlowRun(FrameworkRun):
         """A real batch on the device: the uint8 NHWC images copied over, then made NCHW
         float32 and normalised there."""
         device = self.dist.device
-        mean, std = (flow.tensor(v, dtype=flow.float32, device=device).reshape(1, 3, 1, 1)
-                     for v in (self.real.mean, self.real.std))
+        mean, std = self.real.constants(position, lambda *ms: [
+            flow.tensor(v, dtype=flow.float32, device=device).reshape(1, 3, 1, 1) for v in ms])
         x = flow.tensor(images, device=device).permute(0, 3, 1, 2).to(flow.float32)
         return (x - mean) / std, flow.tensor(labels, dtype=flow.int64, device=device)
 

@@ -25,8 +25,8 @@ import time
 import numpy as np
 import paddle
 
-from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment, leave, load_init,
-                         memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment, leave,
+                         load_init, memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
 from . import models
 from .alignment import step_state
 from .backend import BACKEND, CUDNN_SEARCH_FLAG
@@ -114,8 +114,8 @@ class PaddleRun(FrameworkRun):
                    ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """A real batch on the device: the uint8 NHWC images copied over, then made NCHW
         float32 and normalised there."""
-        mean, std = (paddle.to_tensor(v, dtype="float32").reshape([1, 3, 1, 1])
-                     for v in (self.real.mean, self.real.std))
+        mean, std = self.real.constants(position, lambda *ms: [
+            paddle.to_tensor(v, dtype="float32").reshape([1, 3, 1, 1]) for v in ms])
         x = paddle.to_tensor(images).transpose([0, 3, 1, 2]).astype("float32")
         return (x - mean) / std, paddle.to_tensor(labels)
 

@@ -32,8 +32,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin, dumps_state,
-                         environment, leave, load_init, memory_fields, rss_now_bytes,
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
+                         dumps_state, environment, leave, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
 from . import models
 from .backend import BACKEND
@@ -141,9 +141,9 @@ class TFRun(FrameworkRun):
         float32, then in the step's input dtype (``step.to_device``'s)."""
         half = self.spec.workload.precision == "fp16"
         with tf.device(self.comm.tf_device):
-            x = tf.cast(tf.convert_to_tensor(images), tf.float32)
-            x = (x - tf.constant(self.real.mean, tf.float32)) / tf.constant(self.real.std,
-                                                                              tf.float32)
+            mean, std = self.real.constants(position, lambda *ms: [
+                tf.constant(v, tf.float32) for v in ms])
+            x = (tf.cast(tf.convert_to_tensor(images), tf.float32) - mean) / std
             return (tf.cast(x, tf.float16) if half else x,
                     tf.convert_to_tensor(labels.astype(np.int32)))
 
