@@ -158,3 +158,21 @@ def check_head_equals(got, ref) -> None:
     np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
     close_to_max(got["grad_emb"], ref["grad_emb"], what="grad_emb")
     close_to_max(got["grad_weight"], ref["grad_weight"], what="grad_weight")
+
+
+def shard_scores(rng: np.random.RandomState, shard: int = 19) -> dict[str, np.ndarray]:
+    """Negatives' scores for two ranks' pfc samples (``scores0``, ``scores1``), drawn from
+    ``rng``, one per column of a shard of ``shard`` columns (37 classes over 2 ranks: 19 and 18,
+    the second reading its first 18)."""
+    return {f"scores{r}": (rng.permutation(shard) / shard).astype(np.float32) for r in range(2)}
+
+
+def pfc_step_inputs() -> dict[str, np.ndarray]:
+    """Two pfc steps on one rank of 20 classes (``pfc_in.npz``): the embeddings and class
+    matrix, each step's labels (``labels0``, ``labels1``) and each step's negatives' scores."""
+    x = head_inputs(11, 6, 8, 20)
+    rng = np.random.RandomState(5)
+    return {"emb": x["emb"], "weight": x["weight"], "labels0": x["labels"],
+            "labels1": rng.choice(20, size=6, replace=False).astype(np.int64),
+            "scores0": (rng.permutation(20) / 20).astype(np.float32),
+            "scores1": (rng.permutation(20) / 20).astype(np.float32)}

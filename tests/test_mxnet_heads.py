@@ -25,8 +25,8 @@ import pytest
 
 import oracle
 from framework_checks import (check_recorded_sgd_steps, check_sampling_rule, close_to_max,
-                              head_inputs, sample_cases, sampled_ids_on_two_ranks,
-                              sampled_oracle)
+                              head_inputs, sample_cases, sampled_ids_on_two_ranks, sampled_oracle,
+                              shard_scores)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,8 +320,7 @@ def mp_two_ranks(tmp_path_factory, mxnet_python):
     folder = tmp_path_factory.mktemp("mx_mp")
     rng = np.random.RandomState(9)
     np.savez(folder / "head_in.npz", **head_inputs(7, 12, 8, 37), margins=MARGINS["arcface"],
-             scale=SCALE, scores0=(rng.permutation(19) / 19).astype(np.float32),
-             scores1=(rng.permutation(19) / 19).astype(np.float32))
+             scale=SCALE, **shard_scores(rng))
     workload = dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
                     input_size=16, dropout=0.0, fc="mp", clip_grad_norm=None,
                     lr_steps=(1,), lr_scales=(0.01,))

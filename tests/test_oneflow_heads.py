@@ -34,7 +34,8 @@ import pytest
 
 import oracle
 from framework_checks import (check_head_equals, check_sampling_rule, close_to_max, head_inputs,
-                              sample_cases, sampled_ids_on_two_ranks, sampled_oracle)
+                              pfc_step_inputs, sample_cases, sampled_ids_on_two_ranks,
+                              sampled_oracle, shard_scores)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,12 +308,7 @@ def one_process(tmp_path_factory, oneflow_python):
     np.savez(folder / "bn_in.npz", x=rng.randn(2, 6, 5, 3, 3) * 2 + 3, r=rng.randn(6, 5, 3, 3))
     np.savez(folder / "bridge_in.npz", **bridge_inputs(np.random.RandomState(11)))
     np.savez(folder / "sample_in.npz", **sample_cases())
-    x = head_inputs(11, 6, 8, 20)
-    rng = np.random.RandomState(5)
-    np.savez(folder / "pfc_in.npz", emb=x["emb"], weight=x["weight"], labels0=x["labels"],
-             labels1=rng.choice(20, size=6, replace=False).astype(np.int64),
-             scores0=(rng.permutation(20) / 20).astype(np.float32),
-             scores1=(rng.permutation(20) / 20).astype(np.float32))
+    np.savez(folder / "pfc_in.npz", **pfc_step_inputs())
     run_of([oneflow_python, "-c", ONE_PROCESS, str(folder), *MARGINS], of_env(oneflow_python))
     return folder
 
@@ -712,8 +708,7 @@ def mp_two_ranks(tmp_path_factory, oneflow_python):
     folder = tmp_path_factory.mktemp("of_mp_head")
     rng = np.random.RandomState(9)
     np.savez(folder / "head_in.npz", **head_inputs(7, 12, 8, 37), margins=MARGINS["arcface"],
-             scale=SCALE, scores0=(rng.permutation(19) / 19).astype(np.float32),
-             scores1=(rng.permutation(19) / 19).astype(np.float32))
+             scale=SCALE, **shard_scores(rng))
     (folder / "of_mp_rank.py").write_text(MP_RANK)
     run_of([oneflow_python, "-m", "trainperf.backends.spawn", "--backend", "oneflow",
             "--nproc", "2", "--module", "of_mp_rank", "--", str(folder)],

@@ -23,8 +23,8 @@ import pytest
 
 import oracle
 from framework_checks import (check_head_equals, check_mp_on_two_ranks, check_recorded_sgd_steps,
-                              check_sampling_rule, close_to_max, head_inputs, sample_cases,
-                              sampled_ids_on_two_ranks, sampled_oracle)
+                              check_sampling_rule, close_to_max, head_inputs, pfc_step_inputs,
+                              sample_cases, sampled_ids_on_two_ranks, sampled_oracle, shard_scores)
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
@@ -196,12 +196,7 @@ def one_process(tmp_path_factory, paddle_python):
         np.savez(folder / f"{name}_in.npz", **head_inputs(i, 12, 8, 37), margins=margins,
                  scale=SCALE)
     np.savez(folder / "sample_in.npz", **sample_cases())
-    x = head_inputs(11, 6, 8, 20)
-    rng = np.random.RandomState(5)
-    np.savez(folder / "pfc_in.npz", emb=x["emb"], weight=x["weight"], labels0=x["labels"],
-             labels1=rng.choice(20, size=6, replace=False).astype(np.int64),
-             scores0=(rng.permutation(20) / 20).astype(np.float32),
-             scores1=(rng.permutation(20) / 20).astype(np.float32))
+    np.savez(folder / "pfc_in.npz", **pfc_step_inputs())
     run_pd(paddle_python, ["-c", ONE_PROCESS, str(folder)], pd_env())
     return folder
 
@@ -408,8 +403,7 @@ def two_ranks(tmp_path_factory, paddle_python):
     rng = np.random.RandomState(9)
     (folder / "paddle_rank_check.py").write_text(RANK)
     np.savez(folder / "head_in.npz", **x,
-             scores0=(rng.permutation(19) / 19).astype(np.float32),
-             scores1=(rng.permutation(19) / 19).astype(np.float32),
+             **shard_scores(rng),
              step_head=(rng.randn(37, 8) * 0.01).astype(np.float32))
     run_pd(paddle_python, ["-m", "trainperf.backends.spawn", "--backend", "paddle", "--nproc",
                            "2", "--module", "paddle_rank_check", "--", str(folder)],

@@ -46,7 +46,7 @@ import oracle
 from framework_checks import (check_head_equals, check_mp_on_two_ranks, check_recorded_sgd_steps,
                               check_sampling_rule, close_to_max, head_inputs,
                               randomise_norm_layers, sample_cases, sampled_ids_on_two_ranks,
-                              sampled_oracle)
+                              sampled_oracle, shard_scores)
 from trainperf.backends.torch.backbones import build_backbone
 
 pytestmark = pytest.mark.slow
@@ -742,8 +742,7 @@ def two_ranks(tmp_path_factory, tf_python):
     folder = tmp_path_factory.mktemp("tf_two_ranks")
     rng = np.random.RandomState(9)
     np.savez(folder / "head_in.npz", **head_inputs(7, 12, 8, 37),
-             scores0=(rng.permutation(19) / 19).astype(np.float32),
-             scores1=(rng.permutation(19) / 19).astype(np.float32),
+             **shard_scores(rng),
              step_head=(rng.randn(37, 8) * 0.01).astype(np.float32))
     (folder / "tf_rank_check.py").write_text(RANK)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(folder)]),
