@@ -92,3 +92,14 @@ def test_allocation_failures_read_as_out_of_memory():
     assert is_oom(RuntimeError("could not create a primitive"), memory_capped=True)
     assert not is_oom(RuntimeError("could not create a primitive"))
     assert not is_oom(RuntimeError("shape mismatch"))
+    # gloo's work re-raises a MemoryError from a future's callback as a RuntimeError (seen in
+    # CI's capacity search, where the cap refused the all-gather's buffer)
+    assert is_oom(RuntimeError("Got the following error when running the callback: "
+                               "MemoryError: <EMPTY MESSAGE>"))
+    try:
+        try:
+            raise MemoryError()
+        except MemoryError as e:
+            raise RuntimeError("collective failed") from e
+    except RuntimeError as wrapped:
+        assert is_oom(wrapped)

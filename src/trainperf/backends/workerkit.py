@@ -23,15 +23,25 @@ from .loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop, use_short_switch_i
 
 OOM_TEXTS = ("out of memory", "std::bad_alloc", "failed to allocate", "cannot allocate memory",
              "memory allocation failed", "cudaerrormemoryallocation", "resource_exhausted",
-             "resourceexhaustederror", "resource exhausted")
+             "resourceexhaustederror", "resource exhausted",
+             # a Python MemoryError that a framework caught and re-raised as its own error, as
+             # torch's gloo work does for one raised in a future's callback
+             "memoryerror")
 
 
 def is_oom(exc: BaseException) -> bool:
-    """An allocation failure, by type or by the words frameworks put in their messages."""
-    if isinstance(exc, MemoryError):
-        return True
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(t in text for t in OOM_TEXTS)
+    """An allocation failure, by type or by the words frameworks put in their messages, here
+    or in the error that caused it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError):
+            return True
+        text = f"{type(exc).__name__} {exc}".lower()
+        if any(t in text for t in OOM_TEXTS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def device_kind_for(asked: str, gpus: int, framework: str, no_gpu_hint: str = "") -> str:

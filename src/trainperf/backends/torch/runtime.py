@@ -9,6 +9,7 @@ import torch
 
 from ...config import Tuning, Workload
 from ...protocol import EventWriter, Start
+from ..workerkit import is_oom as reads_as_oom
 from ..workerkit import rss_now_bytes, rss_peak_bytes
 from .dist import DistContext, all_gather
 from .env import framework_env
@@ -21,13 +22,10 @@ def is_oom(exc: BaseException, memory_capped: bool = False) -> bool:
     """``memory_capped``: the process runs under ``--memory-limit``, where oneDNN reports an
     allocation the cap refused as a primitive it could not create (seen in capacity searches
     on CPU); without a cap that message means something else."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(exc, torch.OutOfMemoryError) or reads_as_oom(exc):
         return True
     text = str(exc).lower()
-    # std::bad_alloc: C++ code's allocation failed (seen under a capacity search's cap, from
-    # an allocation outside torch's allocator).
-    return "out of memory" in text or "can't allocate memory" in text or (
-        "defaultcpuallocator" in text) or "bad_alloc" in text or (
+    return "can't allocate memory" in text or "defaultcpuallocator" in text or (
         memory_capped and "could not create a primitive" in text)
 
 
