@@ -423,6 +423,9 @@ class Measure:
     """Wall-clock limit of one run; past it every process of the run is killed."""
     memory_limit_bytes: int | None = None
     """Per-process cap of the data segment (RLIMIT_DATA) for CPU runs (None: no cap)."""
+    threads: int | None = None
+    """Intra-op threads per process on CPU (None: the node's cores shared out among its
+    processes)."""
 
     def __post_init__(self) -> None:
         if self.runs < 1:
@@ -435,6 +438,8 @@ class Measure:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
     @property
     def window_steps(self) -> int:

@@ -341,7 +341,8 @@ class Runner:
             train = train.replace(checkpoint_dir=str((run_dir / "checkpoints").resolve()))
         spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
                        self.plan.tuning, case.topology.device,
-                       cpu_threads_per_process(case.topology.devices_per_node), self.plan.align,
+                       measure.threads or cpu_threads_per_process(case.topology.devices_per_node),
+                       self.plan.align,
                        self.plan.data, train)
         results.write_json_atomic(spec_path, spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
@@ -365,7 +366,10 @@ class Runner:
         # interpreter, which has the decoders (``data.feed``), and share this node's cores.
         env.update({LOADER_PYTHON_ENV: sys.executable,
                     LOCAL_WORLD_ENV: str(case.topology.devices_per_node)})
-        env.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        if measure.threads:
+            env["OMP_NUM_THREADS"] = str(spec.threads)  # asked for: over the caller's own
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(spec.threads))
         if self.pythonpath:
             env["PYTHONPATH"] = self.pythonpath
         if case.topology.nnodes > 1:

@@ -77,6 +77,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
     p.add_argument("--memory-limit", help="per-process memory cap for CPU runs, e.g. 8GiB")
+    p.add_argument("--threads", type=int,
+                   help="CPU runs: intra-op threads per process, in every framework "
+                        "(default: the node's cores / processes)")
     add_tuning_options(p)
     p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
 
@@ -113,7 +116,7 @@ def measure_from_args(args: argparse.Namespace) -> Measure:
     return Measure(runs=args.runs, iters=args.iters, warmup=args.warmup,
                    timeout_s=args.timeout,
                    memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
-                   else None)
+                   else None, threads=getattr(args, "threads", None))
 
 
 def plan_from_args(args: argparse.Namespace) -> list:
