@@ -118,7 +118,8 @@ class ArcFace(nn.Module):
         self.s, self.m = s, m
 
     def forward(self, emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cos = F.linear(F.normalize(emb.float()), F.normalize(self.weight))
+        # under autocast the product comes back in bf16/fp16; the margin is taken in fp32
+        cos = F.linear(F.normalize(emb.float()), F.normalize(self.weight)).float()
         target = cos.gather(1, labels[:, None]).clamp(-1, 1)
         cos = cos.scatter(1, labels[:, None], torch.cos(torch.acos(target) + self.m))
         return F.cross_entropy(cos * self.s, labels)
