@@ -217,8 +217,12 @@ def test_a_hung_run_is_killed_at_its_timeout(tmp_path, monkeypatch):
 def test_resume_finishes_only_missing_runs(tmp_path):
     out = tmp_path / "r"
     args = ["run", "tiny-arcface", "--devices", "1", "--runs", "2", "--iters", "8",
-            "--warmup", "2", *TINY]
+            "--warmup", "2", "--threads", "1", *TINY]
     assert main([*args, "--out", str(out)]) == 0
+    # --threads reaches the worker, which says what its framework runs with
+    spec = json.loads((out / "runs" / "1n1g_b8_run1" / "spec.json").read_text())
+    assert spec["threads"] == 1 and results.load(out)["measure"]["threads"] == 1
+    assert '"torch_num_threads": 1' in (out / "events.jsonl").read_text()
     # Simulate a runner killed during run 2: drop everything after run 2 started.
     lines = (out / "events.jsonl").read_text().splitlines()
     cut = next(i for i, line in enumerate(lines)
@@ -237,6 +241,7 @@ def test_resume_finishes_only_missing_runs(tmp_path):
     # So is a resume under another limit: its runs would not be comparable.
     assert main([*args, "--memory-limit", "4GiB", "--resume", str(out)]) == 2
     assert main([*args, "--ddp-bucket-mb", "16", "--resume", str(out)]) == 2
+    assert main([*args[:-len(TINY)], "--threads", "2", *TINY, "--resume", str(out)]) == 2
 
 
 def test_two_nodes_over_loopback(tmp_path):

@@ -133,7 +133,7 @@ class PReLU(HybridBlock):
             return F.LeakyReLU(x, gamma=alpha, act_type="prelu")
         # NCHW: the slopes broadcast along axis 1.
         slopes = F.reshape(alpha, shape=(1, -1, 1, 1))
-        return F.relu(x) + F.broadcast_mul(F.minimum(x, 0.0), slopes)
+        return F.Activation(x, act_type="relu") + F.broadcast_mul(F.minimum(x, 0.0), slopes)
 
 
 def _prelu(channels: int, mode: str) -> PReLU:
@@ -313,11 +313,11 @@ class Bottleneck(HybridBlock):
                 self.downsample.add(_conv(cin, cout, 1, stride), _bn(cout))
 
     def hybrid_forward(self, F, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = F.relu(self.bn2(self.conv2(out)))
+        out = F.Activation(self.bn1(self.conv1(x)), act_type="relu")
+        out = F.Activation(self.bn2(self.conv2(out)), act_type="relu")
         out = self.bn3(self.conv3(out))
         shortcut = x if self.downsample is None else self.downsample(x)
-        return F.relu(out + shortcut)
+        return F.Activation(out + shortcut, act_type="relu")
 
 
 class ResNetV1b(HybridBlock):
