@@ -44,7 +44,7 @@ def test_results_follow_the_schema(e2e):
     assert doc["schema"] == "trainperf.results/v1"
     assert [c["case"] for c in doc["cases"]] == ["1n1g", "1n2g"]
     assert doc["measure"] == {"runs": 2, "iters": 30, "warmup": 10, "timeout_s": 1800.0,
-                              "memory_limit_bytes": None}
+                              "memory_limit_bytes": None, "threads": None}
     assert doc["tuning"] == {"cudnn_benchmark": True, "ddp_bucket_mb": 25.0,
                              "ddp_static_graph": True, "ddp_broadcast_buffers": False,
                              "mxnet_kvstore": "dist_sync", "tf_onednn": False,
