@@ -18,31 +18,20 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
 import time
 
-FACE_CLASSES = 85742
+import native_cli
+
+NAME = "native jax"
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("rn50", "face"), required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    p.add_argument("--channels-last", action="store_true",
-                   help="accepted for symmetry: flax is channels-last already")
-    p.add_argument("--classes", type=int)
-    a = p.parse_args(argv)
-    if min(a.batch, a.iters, a.warmup + 1) < 1:
-        p.error("--batch and --iters must be >= 1, --warmup >= 0")
+    p = native_cli.parser(NAME, __doc__)  # --channels-last changes nothing: flax is NHWC
+    a = native_cli.parse(p, argv)
     if a.precision == "fp16":
         p.error("--precision fp16: flax's example trains in bf16 or fp32 only")
     return a
@@ -146,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             return optax.softmax_cross_entropy_with_integer_labels(cos * 64.0, labels).mean()
 
     rn50 = a.case == "rn50"
-    side, classes = (224, a.classes or 1000) if rn50 else (112, a.classes or FACE_CLASSES)
+    side, classes = native_cli.shape(a)
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.standard_normal((a.batch, side, side, 3), dtype=np.float32))
     labels = jnp.asarray(rng.integers(0, classes, a.batch, dtype=np.int32))
@@ -200,24 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     last = float(loss)  # the one host sync of the window
     window = time.perf_counter() - start
     if not math.isfinite(last):
-        print(f"native jax: the loss is {last}", file=sys.stderr)
+        print(f"{NAME}: the loss is {last}", file=sys.stderr)
         return 1
-    print(json.dumps({
-        "framework": "jax", "case": a.case, "samples_per_s": a.batch * a.iters / window,
-        "window_s": window, "iters": a.iters, "warmup": a.warmup, "batch": a.batch,
-        "threads": a.threads or os.cpu_count(), "device": a.device, "precision": a.precision,
-        "settings": {"zoo": "flax.linen modules in the ImageNet example's layout" if rn50
-                     else "flax.linen stock layers, per-channel PReLU module",
-                     "compile": "jax.jit, state donated", "layout": "NHWC",
-                     "optimizer": "optax.sgd(momentum) after add_decayed_weights"
-                     + ("" if rn50 else ", backbone clip_by_global_norm via multi_transform"),
-                     "compute_dtype": a.precision, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                     "threads_reported": ("1 (eigen single-threaded)" if a.threads == 1
-                                          else "XLA's default pool")},
-        "versions": {"jax": jax.__version__, "flax": flax.__version__,
-                     "optax": optax.__version__, "numpy": np.__version__},
-        "params": counted, "loss_first": first if first is not None else last,
-        "loss_last": last}))
+    native_cli.report(
+        "jax", a, window, threads=a.threads or os.cpu_count(),
+        settings={"zoo": "flax.linen modules in the ImageNet example's layout" if rn50
+                  else "flax.linen stock layers, per-channel PReLU module",
+                  "compile": "jax.jit, state donated", "layout": "NHWC",
+                  "optimizer": "optax.sgd(momentum) after add_decayed_weights"
+                  + ("" if rn50 else ", backbone clip_by_global_norm via multi_transform"),
+                  "compute_dtype": a.precision, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                  "threads_reported": ("1 (eigen single-threaded)" if a.threads == 1
+                                       else "XLA's default pool")},
+        versions={"jax": jax.__version__, "flax": flax.__version__,
+                  "optax": optax.__version__, "numpy": np.__version__},
+        params=counted, loss_first=first if first is not None else last, loss_last=last)
     return 0
 
 

@@ -16,39 +16,20 @@ Imports only mxnet (and its model zoo), numpy and the standard library.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
 
+import native_cli
 
-FACE_CLASSES = 85742
+NAME = "native mxnet"
 RN50_STAGES = ((3, 64), (4, 128), (6, 256), (3, 512))  # (blocks, bottleneck width)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line on stderr, exit 2
-        print(f"native mxnet: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("rn50", "face"), required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--classes", type=int)
-    a = p.parse_args(argv)
-    if a.batch < 1 or a.iters < 1 or a.warmup < 0 or a.threads < 0:
-        p.error("--batch and --iters must be >= 1, --warmup and --threads >= 0")
-    if a.classes is not None and a.classes < 2:
-        p.error("--classes must be >= 2")
+    p = native_cli.parser(NAME, __doc__)
+    a = native_cli.parse(p, argv)
     if a.channels_last:
         p.error("--channels-last: Gluon's zoo and MXNet's CPU convolution are NCHW only")
     if a.device == "cpu" and a.precision != "fp32":
@@ -73,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.device == "cuda":
         if mx.context.num_gpus() < 1:
-            print("native mxnet: --device cuda: this MXNet sees no GPU (a CPU-only build?)",
-                  file=sys.stderr)
-            return 2
+            native_cli.fail(NAME, "--device cuda: this MXNet sees no GPU (a CPU-only build?)")
         ctx = mx.gpu(0)
     else:
         ctx = mx.cpu()
@@ -165,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return (cos + F.broadcast_mul(onehot, F.expand_dims(margin, 1))) * self.s
 
     rn50 = a.case == "rn50"
-    side, classes = (224, a.classes or 1000) if rn50 else (112, a.classes or FACE_CLASSES)
+    side, classes = native_cli.shape(a)
     mx.random.seed(0)
     np.random.seed(0)
     if rn50:
@@ -235,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     last = float(loss.mean().asscalar())
     window = time.perf_counter() - start
     if not math.isfinite(last):
-        print(f"native mxnet: the loss is {last}", file=sys.stderr)
+        print(f"{NAME}: the loss is {last}", file=sys.stderr)
         return 1
 
     def count(block) -> tuple[int, int]:
@@ -246,12 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 
     total, trainable = count(backbone)
     threads_env = os.environ.get("MXNET_OMP_MAX_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    print(json.dumps({
-        "framework": "mxnet", "case": a.case, "samples_per_s": a.batch * a.iters / window,
-        "window_s": window, "iters": a.iters, "warmup": a.warmup, "batch": a.batch,
-        "threads": a.threads or (int(threads_env) if threads_env else None),
-        "device": a.device, "precision": a.precision,
-        "settings": {
+    native_cli.report(
+        "mxnet", a, window, threads=a.threads or (int(threads_env) if threads_env else None),
+        settings={
             "zoo": zoo,
             "compile": "hybridize(static_alloc=True, static_shape=True) on the network, the "
                        "head and the loss",
@@ -279,9 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             "sync": "mx.nd.waitall() before and after the window, then the last loss read",
             "trainable_params": trainable,
         },
-        "versions": {"mxnet": mx.__version__, "numpy": np.__version__},
-        "params": total, "loss_first": first if first is not None else last,
-        "loss_last": last}))
+        versions={"mxnet": mx.__version__, "numpy": np.__version__},
+        params=total, loss_first=first if first is not None else last, loss_last=last)
     return 0
 
 

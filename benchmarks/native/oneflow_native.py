@@ -23,14 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import math
 import os
 import re
 import sys
 import tempfile
 import time
+from typing import NoReturn
 
+import native_cli
 
 # What the driver pip-installs into the oneflow env (with --no-deps) before running this script.
 # flowvision 0.2.1 is the last release that imports with oneflow 0.9 (0.2.2 needs
@@ -39,37 +40,18 @@ import time
 # __init__ and are not in the env otherwise (rich and pillow come with oneflow).
 ZOO_PACKAGES = ["flowvision==0.2.1", "tabulate==0.10.0", "six==1.17.0"]
 
-FACE_CLASSES = 85742
 NAME = "native oneflow"
 
 
-def fail(msg: str) -> None:
-    print(f"{NAME}: {msg}", file=sys.stderr)
-    raise SystemExit(2)
+def fail(msg: str) -> NoReturn:
+    native_cli.fail(NAME, msg)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> None:  # one line, exit 2
-            fail(message)
-
-    p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("rn50", "face"), required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--classes", type=int)
+    p = native_cli.parser(NAME, __doc__)
     p.add_argument("--graph", action="store_true",
                    help="run the step as a oneflow.nn.Graph (static graph) instead of eager")
-    a = p.parse_args(argv)
-    if a.batch < 1 or a.iters < 1 or a.warmup < 0 or a.threads < 0:
-        fail("--batch and --iters must be >= 1, --warmup and --threads >= 0")
-    if a.classes is not None and a.classes < 2:
-        fail("--classes must be >= 2")
+    a = native_cli.parse(p, argv)
     if a.channels_last:
         fail("--channels-last: OneFlow 0.9 has no channels-last memory format for training")
     if a.device == "cpu" and a.precision != "fp32":
@@ -194,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     device = flow.device(a.device)
     flow.manual_seed(0)
     rn50 = a.case == "rn50"
-    side, classes = (224, a.classes or 1000) if rn50 else (112, a.classes or FACE_CLASSES)
+    side, classes = native_cli.shape(a)
 
     if rn50:
         backbone, zoo = resnet50(flow, classes)
@@ -293,11 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         clip_desc = ("optimizer param group clip_grad_max_norm=5.0, clip_grad_norm_type=2.0 "
                      "(backbone group only)" if a.graph
                      else "flow.nn.utils.clip_grad_norm_(backbone params, 5.0)")
-    print(json.dumps({
-        "framework": "oneflow", "case": a.case, "samples_per_s": a.batch * a.iters / window,
-        "window_s": window, "iters": a.iters, "warmup": a.warmup, "batch": a.batch,
-        "threads": a.threads, "device": a.device, "precision": a.precision,
-        "settings": {
+    native_cli.report(
+        "oneflow", a, window,
+        settings={
             "zoo": zoo, "compile": compile_desc, "layout": "NCHW",
             "optimizer": f"flow.optim.SGD(lr=0.1, momentum=0.9, weight_decay={wd})",
             "clip": clip_desc,
@@ -308,11 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
             "trainable_params": sum(p.numel() for p in trained),
         },
-        "versions": {"oneflow": flow.__version__, "numpy": np.__version__,
-                     **({"flowvision": sys.modules["flowvision"].__version__}
-                        if "flowvision" in sys.modules else {})},
-        "params": params, "loss_first": first if first is not None else last,
-        "loss_last": last}))
+        versions={"oneflow": flow.__version__, "numpy": np.__version__,
+                  **({"flowvision": sys.modules["flowvision"].__version__}
+                     if "flowvision" in sys.modules else {})},
+        params=params, loss_first=first if first is not None else last, loss_last=last)
     return 0
 
 

@@ -11,50 +11,27 @@ The last line of stdout is one JSON object, the form benchmarks/native_parity.py
 Imports only paddle, numpy and the standard library.
 """
 
-import argparse
-import json
 import os
 import sys
 import time
 
+import native_cli
+
+NAME = "native paddle"
 
 
 def _fail(msg):
-    sys.stderr.write("paddle_native.py: error: " + " ".join(str(msg).split()) + "\n")
-    sys.exit(2)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, exit 2
-        _fail(message)
+    native_cli.fail(NAME, msg)
 
 
 def parse_args(argv=None):
-    p = _Parser(description="native PaddlePaddle reference training step")
-    p.add_argument("--case", required=True, choices=["rn50", "face"])
-    p.add_argument("--batch", required=True, type=int)
-    p.add_argument("--threads", required=True, type=int)
-    p.add_argument("--iters", required=True, type=int)
-    p.add_argument("--warmup", required=True, type=int)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--classes", type=int, default=None)
+    p = native_cli.parser(NAME, __doc__)
     p.add_argument("--to-static", action="store_true",
                    help="wrap the network in paddle.jit.to_static (default: dygraph)")
-    a = p.parse_args(argv)
-    if a.batch < 1:
-        _fail("--batch must be >= 1")
+    a = native_cli.parse(p, argv)
     if a.threads < 1:
         _fail("--threads must be >= 1")
-    if a.iters < 1:
-        _fail("--iters must be >= 1")
-    if a.warmup < 0:
-        _fail("--warmup must be >= 0")
-    if a.classes is None:
-        a.classes = 1000 if a.case == "rn50" else 85742
-    if a.classes < 2:
-        _fail("--classes must be >= 2")
+    a.classes = native_cli.shape(a)[1]
     if a.device == "cpu" and a.precision != "fp32":
         _fail("--precision %s is only supported with --device cuda (paddle.amp); use fp32 on cpu"
               % a.precision)
@@ -335,25 +312,9 @@ def main(a):
         settings["amp"] = "paddle.amp.auto_cast(level='O1', dtype='%s')%s" % (
             amp_dtype, " + GradScaler" if scaler is not None else "")
 
-    result = {
-        "framework": "paddle",
-        "case": a.case,
-        "samples_per_s": a.batch * a.iters / window,
-        "window_s": window,
-        "iters": a.iters,
-        "warmup": a.warmup,
-        "batch": a.batch,
-        "threads": a.threads,
-        "device": a.device,
-        "precision": a.precision,
-        "settings": settings,
-        "versions": {"paddle": paddle.__version__, "numpy": np.__version__},
-        "params": params,
-        "loss_first": loss_first,
-        "loss_last": loss_last,
-    }
-    sys.stdout.flush()
-    print(json.dumps(result))
+    native_cli.report("paddle", a, window, settings=settings,
+                      versions={"paddle": paddle.__version__, "numpy": np.__version__},
+                      params=params, loss_first=loss_first, loss_last=loss_last)
 
 
 if __name__ == "__main__":

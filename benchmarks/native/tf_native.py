@@ -13,41 +13,26 @@ standard library.
 The last line of stdout is one JSON object (see the contract).
 """
 
-import argparse
-import json
 import os
 import sys
 import time
+
+import native_cli
 
 RN50_PARAMS = 25_557_032
 FACE_PARAMS = 43_590_848
 FACE_TRAINABLE = 43_590_336
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but every bad input is one line on stderr and exit code 2."""
-
-    def error(self, message):
-        fail(message)
+NAME = "native tf"
 
 
 def fail(message):
-    sys.stderr.write("tf.py: error: %s\n" % " ".join(str(message).split()))
-    sys.exit(2)
+    native_cli.fail(NAME, message)
 
 
 def parse_args(argv):
-    p = _Parser(description="native TensorFlow/Keras reference training step")
-    p.add_argument("--case", required=True, choices=("rn50", "face"))
-    p.add_argument("--batch", required=True, type=int)
-    p.add_argument("--threads", required=True, type=int)
-    p.add_argument("--iters", required=True, type=int)
-    p.add_argument("--warmup", required=True, type=int)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--channels-last", action="store_true",
-                   help="accepted as a no-op: Keras on TensorFlow is NHWC already")
-    p.add_argument("--classes", type=int, default=None)
+    p = native_cli.parser(NAME, __doc__)  # --channels-last changes nothing: Keras is NHWC
     p.add_argument("--onednn", action="store_true",
                    help="turn TensorFlow's oneDNN custom ops on (off by default: "
                         "TF_ENABLE_ONEDNN_OPTS=0)")
@@ -56,14 +41,11 @@ def parse_args(argv):
     p.add_argument("--inter-op", type=int, default=1,
                    help="inter-op threads (default 1: ops run one after another, "
                         "each on all --threads intra-op threads)")
-    a = p.parse_args(argv)
-    for name in ("batch", "threads", "iters", "warmup", "inter_op"):
+    a = native_cli.parse(p, argv)
+    for name in ("threads", "warmup", "inter_op"):
         if getattr(a, name) < 1:
             fail("--%s must be >= 1, got %d" % (name.replace("_", "-"), getattr(a, name)))
-    if a.classes is None:
-        a.classes = 1000 if a.case == "rn50" else 85742
-    if a.classes < 2:
-        fail("--classes must be >= 2, got %d" % a.classes)
+    a.classes = native_cli.shape(a)[1]
     if a.precision == "fp16":
         fail("--precision fp16 is not supported by this reference (needs a GPU and "
              "loss scaling; TensorFlow CPU has no fast fp16); use fp32 or bf16")
@@ -283,7 +265,7 @@ def main(argv=None):
             params = trainable + fixed_gamma
             params_check = FACE_PARAMS
             if trainable != FACE_TRAINABLE:
-                sys.stderr.write("tf.py: warning: backbone trainable %d != %d\n"
+                sys.stderr.write("native tf: warning: backbone trainable %d != %d\n"
                                  % (trainable, FACE_TRAINABLE))
             opt.build(variables)
             nb = len(bb_vars)
@@ -302,7 +284,7 @@ def main(argv=None):
                 return loss
 
         if params_check is not None and params != params_check:
-            sys.stderr.write("tf.py: warning: params %d != expected %d\n" % (params, params_check))
+            sys.stderr.write("native tf: warning: params %d != expected %d\n" % (params, params_check))
 
         step = tf.function(step_fn, jit_compile=a.xla)
 
@@ -320,18 +302,9 @@ def main(argv=None):
         loss_last = float(loss.numpy())  # sync
         window = time.perf_counter() - t0
 
-    result = {
-        "framework": "tf",
-        "case": a.case,
-        "samples_per_s": a.batch * a.iters / window,
-        "window_s": window,
-        "iters": a.iters,
-        "warmup": a.warmup,
-        "batch": a.batch,
-        "threads": a.threads,
-        "device": a.device,
-        "precision": a.precision,
-        "settings": {
+    native_cli.report(
+        "tf", a, window,
+        settings={
             "zoo": ("ResNet50 v1b built from keras.layers in keras.applications.ResNet50's "
                     "functional style (keras.applications.ResNet50 is v1 with the stride on the "
                     "first 1x1 and conv biases, not configurable): stride moved to the 3x3 "
@@ -363,14 +336,9 @@ def main(argv=None):
             "keras_count_params": (model.count_params() if a.case == "rn50"
                                    else backbone.count_params()),
         },
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "numpy": np.__version__},
-        "params": params,
-        "loss_first": loss_first,
-        "loss_last": loss_last,
-    }
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
+        versions={"tensorflow": tf.__version__, "keras": keras.__version__,
+                  "numpy": np.__version__},
+        params=params, loss_first=loss_first, loss_last=loss_last)
 
 
 if __name__ == "__main__":

@@ -17,17 +17,17 @@ Imports only torch, its model zoo, numpy and the standard library.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 
+import native_cli
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-FACE_CLASSES = 85742
+NAME = "native torch"
 
 
 class Bottleneck(nn.Module):
@@ -126,19 +126,8 @@ class ArcFace(nn.Module):
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("rn50", "face"), required=True)
-    p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--classes", type=int)
-    a = p.parse_args(argv)
-    if min(a.batch, a.iters, a.warmup + 1) < 1:
-        p.error("--batch and --iters must be >= 1, --warmup >= 0")
+    p = native_cli.parser(NAME, __doc__)
+    a = native_cli.parse(p, argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no GPU")
     if a.device == "cpu" and a.precision == "fp16":
@@ -155,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     rn50 = a.case == "rn50"
-    side, classes = (224, a.classes or 1000) if rn50 else (112, a.classes or FACE_CLASSES)
+    side, classes = native_cli.shape(a)
     if rn50:
         backbone, zoo = resnet50(classes)
         head = None
@@ -203,21 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     last = loss.item()  # the one host sync of the window
     window = time.perf_counter() - start
     if not math.isfinite(last):
-        print(f"native torch: the loss is {last}", file=sys.stderr)
+        print(f"{NAME}: the loss is {last}", file=sys.stderr)
         return 1
-    print(json.dumps({
-        "framework": "torch", "case": a.case, "samples_per_s": a.batch * a.iters / window,
-        "window_s": window, "iters": a.iters, "warmup": a.warmup, "batch": a.batch,
-        "threads": a.threads or torch.get_num_threads(), "device": a.device,
-        "precision": a.precision,
-        "settings": {"zoo": zoo, "compile": "eager", "layout": "NHWC (channels_last)"
-                     if a.channels_last else "NCHW", "optimizer": "torch.optim.SGD (defaults)",
-                     "amp": f"autocast {a.precision}" if amp_dtype else "off",
-                     "cudnn_benchmark": device.type == "cuda",
-                     "threads_reported": torch.get_num_threads()},
-        "versions": {"torch": torch.__version__, "numpy": np.__version__},
-        "params": params, "loss_first": first if first is not None else last,
-        "loss_last": last}))
+    native_cli.report(
+        "torch", a, window, threads=a.threads or torch.get_num_threads(),
+        settings={"zoo": zoo, "compile": "eager",
+                  "layout": "NHWC (channels_last)" if a.channels_last else "NCHW",
+                  "optimizer": "torch.optim.SGD (defaults)",
+                  "amp": f"autocast {a.precision}" if amp_dtype else "off",
+                  "cudnn_benchmark": device.type == "cuda",
+                  "threads_reported": torch.get_num_threads()},
+        versions={"torch": torch.__version__, "numpy": np.__version__},
+        params=params, loss_first=first if first is not None else last, loss_last=last)
     return 0
 
 
