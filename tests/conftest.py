@@ -32,17 +32,21 @@ def shared_torch_alignment_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def private_alignment_registry(tmp_path_factory):
-    """Verdicts that tests file (``trainperf.alignments``) stay out of the user's registry."""
-    from trainperf import alignments
+def private_registries(tmp_path_factory):
+    """What tests file (alignment verdicts, native parity ratios) stays out of the user's
+    registries."""
+    from trainperf import alignments, parities
 
-    old = os.environ.get(alignments.REGISTRY_ENV)
-    os.environ[alignments.REGISTRY_ENV] = str(tmp_path_factory.mktemp("alignments"))
+    saved = {}
+    for var, name in ((alignments.REGISTRY_ENV, "alignments"), (parities.REGISTRY_ENV, "parity")):
+        saved[var] = os.environ.get(var)
+        os.environ[var] = str(tmp_path_factory.mktemp(name))
     yield
-    if old is None:
-        os.environ.pop(alignments.REGISTRY_ENV, None)
-    else:
-        os.environ[alignments.REGISTRY_ENV] = old
+    for var, old in saved.items():
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from run_util import left_behind
-from trainperf import envs
+from trainperf import envs, parities
 from trainperf.backends.torch.memory_model import DeviceConstants, combine
 from trainperf.cli import build_parser, main
 from trainperf.cli.common import plan_from_args
@@ -42,7 +42,7 @@ def test_stage_selection_errors():
     with pytest.raises(ValueError, match="--part must be one of"):
         plan.stages_of(9)
     with pytest.raises(ValueError, match="unknown gpucheck stage"):
-        plan.select(1, ["7"])
+        plan.select(1, ["8"])
     with pytest.raises(ValueError, match="not in part 1"):
         plan.select(1, ["4"])
     assert [s.id for s in plan.select(3, ["6", "4"])] == ["4", "6"]
@@ -203,6 +203,31 @@ def test_cpu_mode_peers_and_real_data(cpu_check):
     assert real[0]["verdict"] and isinstance(real[0]["input_bound"], bool)
     assert real[0]["loader_workers"] >= 1 and real[0]["data_wait_share"] is not None
     assert checks(stage(doc, "6"))["DALI mixed decoder"]["status"] == "not run"
+
+
+@pytest.mark.slow
+def test_cpu_mode_native_parity(cpu_check):
+    """Stage 7 times torch's and JAX's workers against their own steps (tiny: ResNet50 at
+    batch 2 and 32x32), keeps each pair and files each ratio where reports look for it."""
+    _, doc, out, work, _ = cpu_check
+    s7 = stage(doc, "7")
+    got = items(s7, "parity")
+    want = [("torch", "rn50")] + ([("jax", "rn50")] if envs.state("jax").state in
+                                   ("ready", "external") else [])
+    assert [(p["framework"], p["model"]) for p in got] == want
+    record = json.loads((work / "parity" / "parity.json").read_text())
+    for p, row in zip(got, record["rows"]):
+        assert p["ratio"] == pytest.approx(p["trainperf_samples_per_s"]
+                                           / p["native_samples_per_s"])
+        assert p["error"] is None and p["native_step"]
+        (pair,) = row["pairs"]
+        assert pair["native_detail"]["input_size"] == 32 and row["batch"] == 2
+        filed = parities.find("rn50-v1b-imagenet", p["framework"], None, "cpu", None, "fp32",
+                              32)
+        assert filed and filed["parity_json"] == str(work / "parity" / "parity.json")
+    text = (out / "summary.md").read_text()
+    assert "## Stage 7: Native parity: torch and JAX" in text
+    assert "| torch | rn50 (rn50-v1b-imagenet) | 2 |" in text
 
 
 # -- failures are results ---------------------------------------------------------------------

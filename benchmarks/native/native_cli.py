@@ -41,6 +41,8 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--classes", type=int, help="classes (default: the case's)")
+    p.add_argument("--input-size", type=int,
+                   help="input side, rn50 only (default 224; face is 112, its output block's)")
     return p
 
 
@@ -50,13 +52,16 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
         p.error("--batch and --iters must be >= 1, --warmup and --threads >= 0")
     if a.classes is not None and a.classes < 2:
         p.error("--classes must be >= 2")
+    if a.input_size is not None and (a.input_size < 32 if a.case == "rn50"
+                                     else a.input_size != CASES[a.case][0]):
+        p.error(f"--input-size {a.input_size}: rn50 takes 32 or more, face only 112")
     return a
 
 
 def shape(a: argparse.Namespace) -> tuple[int, int]:
     """The case's input side and number of classes."""
     side, classes = CASES[a.case]
-    return side, a.classes or classes
+    return a.input_size or side, a.classes or classes
 
 
 def report(framework: str, a: argparse.Namespace, window_s: float, **fields) -> None:
@@ -65,6 +70,6 @@ def report(framework: str, a: argparse.Namespace, window_s: float, **fields) -> 
     doc = {"framework": framework, "case": a.case,
            "samples_per_s": a.batch * a.iters / window_s, "window_s": window_s,
            "iters": a.iters, "warmup": a.warmup, "batch": a.batch, "threads": a.threads,
-           "device": a.device, "precision": a.precision, **fields}
+           "input_size": shape(a)[0], "device": a.device, "precision": a.precision, **fields}
     sys.stdout.flush()
     print(json.dumps(doc), flush=True)

@@ -8,8 +8,9 @@ OneFlow's documented static-graph training path (``add_optimizer`` + ``loss.back
 ``clip_grad_max_norm`` / ``clip_grad_norm_type`` (the graph's own clip), in eager it is
 ``flow.nn.utils.clip_grad_norm_``.
 
-ResNet50 comes from flowvision, OneFlow's model zoo (a separate package: see ZOO_PACKAGES);
-its Bottleneck is torchvision's, stride on the 3x3 (v1.5 == v1b), so it is used unchanged.
+ResNet50 comes from flowvision, OneFlow's model zoo (a separate package, which
+trainperf.parity.ZOOS installs); its Bottleneck is torchvision's, stride on the 3x3
+(v1.5 == v1b), so it is used unchanged.
 The face backbone is IResNet-50 built from oneflow.nn's stock layers.
 
 Imports only oneflow, flowvision, numpy and the standard library.
@@ -32,13 +33,6 @@ import time
 from typing import NoReturn
 
 import native_cli
-
-# What the driver pip-installs into the oneflow env (with --no-deps) before running this script.
-# flowvision 0.2.1 is the last release that imports with oneflow 0.9 (0.2.2 needs
-# oneflow.jit._script_if_tracing); it is an sdist whose setup.py needs pkg_resources, so the build
-# needs setuptools<81 (pip's --build-constraint). tabulate and six are imported by flowvision's
-# __init__ and are not in the env otherwise (rich and pillow come with oneflow).
-ZOO_PACKAGES = ["flowvision==0.2.1", "tabulate==0.10.0", "six==1.17.0"]
 
 NAME = "native oneflow"
 
@@ -66,8 +60,8 @@ def resnet50(flow, classes: int):
         import flowvision
         from flowvision.models import resnet50 as zoo_resnet50
     except ImportError as e:
-        fail(f"the model zoo is not importable ({e}); pip install --no-deps "
-             + " ".join(ZOO_PACKAGES))
+        fail(f"the model zoo is not importable ({e}); benchmarks/native_parity.py installs it "
+             "(trainperf.parity.ZOOS)")
     net = zoo_resnet50(pretrained=False, num_classes=classes)
     block = net.layer2[0]
     if block.conv2.stride != (2, 2) or block.conv1.stride != (1, 1):

@@ -205,7 +205,7 @@ def main(a):
 
     layout = "NHWC" if a.channels_last else "NCHW"
     if a.case == "rn50":
-        size, lr, wd = 224, 0.1, 1e-4
+        size, lr, wd = native_cli.shape(a)[0], 0.1, 1e-4
         model = build_rn50(a.classes)
         net = model
         params, trainable = count_params(model)

@@ -56,7 +56,7 @@ def parse_args(argv):
 # models (built from keras.layers, functional API, NHWC)
 # ----------------------------------------------------------------------------
 
-def resnet50_v1b(keras, classes):
+def resnet50_v1b(keras, classes, side=224):
     """ResNet50 v1b in the style of keras.applications.resnet.ResNet50.
 
     Differences from keras.applications.ResNet50 (which is v1): the stride of a
@@ -95,7 +95,7 @@ def resnet50_v1b(keras, classes):
             x = block(x, filters, 1, False, name + "_block%d" % i)
         return x
 
-    inp = keras.Input(shape=(224, 224, 3), name="input")
+    inp = keras.Input(shape=(side, side, 3), name="input")
     x = L.ZeroPadding2D(padding=3, name="conv1_pad")(inp)
     x = L.Conv2D(64, 7, strides=2, use_bias=False, name="conv1_conv")(x)
     x = bn("conv1_bn")(x)
@@ -221,7 +221,7 @@ def main(argv=None):
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
-    size = 224 if a.case == "rn50" else 112
+    size = native_cli.shape(a)[0]
     wd = 1e-4 if a.case == "rn50" else 5e-4
 
     with tf.device(dev):
@@ -235,7 +235,7 @@ def main(argv=None):
         opt = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
 
         if a.case == "rn50":
-            model = resnet50_v1b(keras, a.classes)
+            model = resnet50_v1b(keras, a.classes, size)
             variables = model.trainable_variables
             params = count(variables)
             params_check = RN50_PARAMS if a.classes == 1000 else None

@@ -8,11 +8,12 @@ framework with torch looks for a record of the same recipe and the same versions
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from . import records
 
 REGISTRY_ENV = "TRAINPERF_ALIGNMENTS"
 
@@ -27,18 +28,8 @@ def keep(record: dict[str, Any]) -> Path:
     """File ``record`` (``recipe``, ``framework``, ``versions``, ``aligned``...) under a new
     name; returns its path."""
     folder = registry()
-    folder.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = f"{record['recipe']}-{record['framework']}-{stamp}"
-    path = folder / f"{base}.json"
-    n = 1
-    while path.exists():
-        n += 1
-        path = folder / f"{base}-{n}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    base = f"{record['recipe']}-{record['framework']}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return records.put(folder, records.new_name(folder, base), record)
 
 
 def find(recipe: str, framework: str, versions: dict[str, str | None],
@@ -46,23 +37,10 @@ def find(recipe: str, framework: str, versions: dict[str, str | None],
     """The newest record of ``framework`` against torch on ``recipe`` whose versions are
     ``versions`` (``{"torch": ..., framework: ...}``; a None version matches any), in
     ``dtype`` where given, or None."""
-    best: dict[str, Any] | None = None
-    try:
-        paths = list(registry().glob(f"{recipe}-{framework}-*.json"))
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if (record.get("recipe") != recipe or record.get("framework") != framework
-                or not _same_versions(record.get("versions") or {}, versions)
-                or (dtype is not None and record.get("dtype") != dtype)):
-            continue
-        if best is None or record.get("t", 0) > best.get("t", 0):
-            best = {**record, "record": str(path)}
-    return best
+    return records.newest(registry(), f"{recipe}-{framework}-*.json", lambda r: (
+        r.get("recipe") == recipe and r.get("framework") == framework
+        and _same_versions(r.get("versions") or {}, versions)
+        and (dtype is None or r.get("dtype") == dtype)))
 
 
 def _same_versions(kept: dict[str, Any], asked: dict[str, str | None]) -> bool:

@@ -81,7 +81,8 @@ def run_stage(stage: Stage, mode: str, work: Path, cap_s: float, device: str) ->
     started = time.monotonic()
     # Tagged as the runner tags its runs, so that whatever a stage left running can be found.
     env = dict(os.environ, PYTHONUNBUFFERED="1",
-               TRAINPERF_RUN_ID=str(work.resolve() / f"stage-{stage.id}"))
+               TRAINPERF_RUN_ID=str(work.resolve() / f"stage-{stage.id}"),
+               TRAINPERF_GPUCHECK_CAP_S=f"{cap_s:.0f}")  # a stage may plan within its cap
     timed_out = interrupted = False
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "trainperf.gpucheck.stage", stage.id,

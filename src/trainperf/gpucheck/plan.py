@@ -35,10 +35,11 @@ STAGES: tuple[Stage, ...] = (
     Stage("1", "Machine ceiling", 1, 60, 30),
     Stage("2", "GPU correctness", 1, 150, 90),
     Stage("3a", "Seeds' table: fp32", 1, 300, 90),
-    Stage("3b", "Seeds' table: fp16 and bf16", 2, 390, 90),
+    Stage("3b", "Seeds' table: fp16 and bf16", 2, 300, 90),
     Stage("3c", "Seeds' table: glint360k Partial FC, ResNet50 channels-last", 2, 120, 60),
+    Stage("7", "Native parity: torch and JAX", 2, 120, 120),
     Stage("4", "Capacity", 3, 210, 120),
-    Stage("5", "Peers", 3, 180, 120),
+    Stage("5", "Peers", 3, 150, 120),
     Stage("6", "Real data", 3, 90, 60),
 )
 

@@ -52,6 +52,9 @@ def dispatch(stage_id: str, log: StageLog, mode: str, work: Path) -> None:
     elif stage_id == "6":
         from . import realdata
         realdata.run(log, mode, work)
+    elif stage_id == "7":
+        from . import native
+        native.run(log, mode, work)
     else:
         raise AssertionError(f"stage {stage_id} has no implementation")
 

@@ -279,6 +279,19 @@ def peers_section(s: dict, peers: list[dict]) -> list[str]:
             "", "trainperf's figures are stage 3's medians of the same case."]
 
 
+def native_section(s: dict) -> list[str]:
+    rows = [[p["framework"], f"{p['model']} ({p['recipe']})", fmt(p.get("batch")),
+             fmt(p.get("trainperf_samples_per_s"), 1), fmt(p.get("native_samples_per_s"), 1),
+             f"**{p['ratio']:.3f}**" if p.get("ratio") else "-",
+             p.get("native_step") or p.get("error") or ""] for p in items(s, "parity")]
+    if not rows:
+        return []
+    return [table(["framework", "case", "batch", "trainperf samples/s", "native samples/s",
+                   "trainperf / native", "native step"], rows),
+            "", "One interleaved pair each (`trainperf.parity`); the goal is 0.97 or more. "
+                "Every pair's settings and versions: `parity/parity.json` in the archive."]
+
+
 def realdata_section(s: dict) -> list[str]:
     out = []
     for d in items(s, "dataset"):
@@ -333,6 +346,8 @@ def render(doc: dict, files: list[str], left_out: list[str]) -> str:
             body = peers_section(s, peers)
         elif sid == "6":
             body = realdata_section(s)
+        elif sid == "7":
+            body = native_section(s)
         checks = checks_table(s)
         body += ([""] if body and checks else []) + ([checks] if checks else [])
         body += [f"- {n['text']}" for n in items(s, "note")]

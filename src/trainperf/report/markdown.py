@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .. import alignments
+from .. import alignments, parities
 
 
 def fmt(value, digits: int = 2, suffix: str = "") -> str:
@@ -245,6 +245,31 @@ def alignment_lines(docs: list[dict]) -> list[str]:
     return lines
 
 
+def parity_lines(docs: list[dict]) -> list[str]:
+    """How close each framework's worker in a comparison came to its own framework's training
+    step on the same recipe, version, device and precision (``trainperf.parities``), or "native
+    parity not measured"."""
+    lines = []
+    for d in docs:
+        framework = d.get("framework")
+        if framework is None or d.get("source"):
+            continue  # ingested logs ran no worker of ours
+        env = d.get("env") or {}
+        version = env.get("framework_version")
+        names = env.get("device_names") or []
+        device_type = env.get("device_type") or "cpu"
+        device_name = names[0] if names else env.get("cpu_model")
+        workload = d.get("workload") or {}
+        precision = workload.get("precision") or next(
+            (c.get("precision") for c in d.get("cases", [])), "fp32")
+        record = parities.find(d["recipe"], framework, version, device_type, device_name,
+                               precision, workload.get("input_size"))
+        where = device_name or device_type
+        lines.append(f"- {framework} {version or ''}: "
+                     f"{parities.describe(record, d['recipe'], framework, precision, where)}")
+    return lines
+
+
 def comparisons(docs: list[dict], labels: list[str]) -> list[str]:
     """The comparison tables: all documents side by side, or, for a class sweep, the
     documents of each class count and head (several frameworks) side by side, so that no ratio
@@ -279,6 +304,11 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
         if aligned:
             parts += ["Alignment with torch (`trainperf align`), which a ratio between "
                       "frameworks rests on:", "", *aligned, ""]
+        native = list(dict.fromkeys(parity_lines(docs)))
+        if native and len({d.get("framework") for d in docs}) > 1:
+            parts += ["Native parity (`benchmarks/native_parity.py`): each worker's samples/s "
+                      "over its own framework's training step, which a ratio between frameworks "
+                      "also rests on:", "", *native, ""]
     for doc, label in zip(docs, labels):
         parts += [f"## {label}", "", describe(doc), "", single_table(doc), ""]
         fails = failures(doc)

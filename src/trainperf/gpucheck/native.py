@@ -1,0 +1,69 @@
+"""Stage 7: native parity for torch and JAX, on the device (``trainperf.parity``).
+
+One interleaved pair per row: trainperf's worker against the framework's own step in
+``benchmarks/native/`` (torch: torchvision's ResNet50 in a plain eager loop; JAX: flax.linen
+modules in the ImageNet example's layout under ``jax.jit``), ResNet50 v1b first, then the
+IResNet-50 ArcFace step, each framework in turn. A row is started only while the stage's cap
+leaves time for a pair; every finished pair is in the stage's record and in the registry that
+reports read. The CPU mode runs the ResNet50 rows at batch 2 and 32x32.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from .. import parity
+from .peers import jax_interpreter
+from .record import StageLog
+
+CAP_ENV = "TRAINPERF_GPUCHECK_CAP_S"
+"""The stage's cap with what earlier stages left of theirs, set by the orchestrator."""
+ROWS = {"gpu": [("torch", "rn50", 128), ("jax", "rn50", 128),
+                ("torch", "face", 128), ("jax", "face", 128)],
+        "cpu": [("torch", "rn50", 2), ("jax", "rn50", 2)]}
+SETTINGS = {"gpu": parity.Settings(device="cuda", iters=30, warmup=10, timeout_s=240),
+            "cpu": parity.Settings(device="cpu", iters=2, warmup=1, timeout_s=120,
+                                   input_size=32)}
+PAIR_S = {"gpu": 100.0, "cpu": 60.0}
+"""About the longest pair (two starts, JAX's compile on one side): no row starts with less
+than this left of the cap."""
+
+
+def run(log: StageLog, mode: str, work: Path) -> None:
+    started = time.monotonic()
+    cap = float(os.environ.get(CAP_ENV) or 0) or None
+    try:
+        parity.check_frameworks(["torch", "jax"])
+    except ValueError as exc:
+        for fw, model, batch in ROWS[mode]:
+            log.not_run(f"native parity: {fw} {model} b{batch}", str(exc))
+        return
+    rows = []
+    python, where = jax_interpreter()
+    for fw, model, batch in ROWS[mode]:
+        if fw == "jax" and python is None:
+            log.not_run(f"native parity: jax {model} b{batch}", f"no JAX here ({where})")
+        else:
+            rows.append(parity.Row(fw, model, batch))
+    if not rows:
+        return
+    budget = None if cap is None else max(0.0, cap - PAIR_S[mode] - (time.monotonic() - started))
+
+    def keep(row: dict, pair: dict) -> None:
+        log.add("parity", framework=row["framework"], model=row["model"], batch=row["batch"],
+                recipe=parity.RECIPES[row["model"]], ratio=pair.get("ratio"),
+                trainperf_samples_per_s=pair.get("trainperf"),
+                native_samples_per_s=pair.get("native"), order=pair["order"],
+                native_step=(pair.get("native_settings") or {}).get("zoo"),
+                error=pair.get("error"))
+        print(f"parity {row['framework']} {row['model']} b{row['batch']}: "
+              + (f"{pair['ratio']:.3f}" if pair.get("ratio") else pair["error"]), flush=True)
+
+    doc = parity.campaign(rows, SETTINGS[mode], work / "parity", pairs=1, budget_s=budget,
+                          work=work / "runs" / "parity", on_pair=keep)
+    for rec in doc["rows"]:
+        if rec.get("not_started"):
+            log.not_run(f"native parity: {rec['framework']} {rec['model']} b{rec['batch']}",
+                        "the stage's cap left no time for another pair")
