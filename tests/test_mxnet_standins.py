@@ -85,10 +85,12 @@ def state(step):  # weights (backbone, head), momentum buffers, gradients
     grads = [p.grad() for p in step.params] + [h.grad for h in step.heads]
     return weights, moms, grads
 
-for case, change in CASES.items():
+for (case, change), kernel in [(c, k) for c in CASES.items() for k in ("per_array", "multi")]:
+    case = case if kernel == "per_array" else f"{case}-multi"
     wl = Workload(backbone="iresnet_tiny", num_classes=10, batch_size=4, embedding_size=8,
                   input_size=16, dropout=0.0, lr_steps=(1,), lr_scales=(0.1,), **change)
     native, standin = TrainStep(wl, Comm()), TrainStep(wl, Comm())
+    native.update_kernel = kernel  # a CPU's kernel, and a GPU's run here on the CPU
     standin.fused = False
     for step in (native, standin):
         step.keep_grad_norm = True  # the norm even where nothing clips
@@ -304,11 +306,13 @@ def close_after_update(runs, prefix: str, i: int, extra: float = 0.0) -> int:
     return count
 
 
-@pytest.mark.parametrize("case", ["clipped", "unclipped"])
+@pytest.mark.parametrize("case", ["clipped", "unclipped", "clipped-multi", "unclipped-multi"])
 def test_update_stand_in_is_the_fused_update(runs, case):
     """Each of three steps of TrainStep's float64-path update (``momentum_sgd``, and
-    ``global_norm`` without ``multi_sum_sq``) equals the fused ``preloaded_multi_sgd_mom_update``
-    path in float32 from the same weights, momentum and gradients: every momentum buffer and
+    ``global_norm`` without ``multi_sum_sq``) equals the native path in float32 (a CPU's
+    ``sgd_mom_update`` per array with the gradients scaled in place, and, ``-multi``, a GPU's
+    fused ``preloaded_multi_sgd_mom_update``) from the same weights, momentum and gradients:
+    every momentum buffer and
     weight, the gradient norm before clipping and the rate, across the rate change (where each
     side rescales its momentum) with weight decay, clipping acting or off. A clipped update is
     linear in ``max_norm / norm``, so there the two norms' own difference (the native sum's
@@ -319,13 +323,14 @@ def test_update_stand_in_is_the_fused_update(runs, case):
         norm_gap = abs(standin - native) / native
         bound = sequential_sum_bound(int(runs[f"{case}/longest"])) / 2 + 4 * ROUNDING
         assert norm_gap <= bound, f"step {i}: the norms differ by {norm_gap:.2e}"
-        compared = close_after_update(runs, case, i, norm_gap if case == "clipped" else 0.0)
+        compared = close_after_update(runs, case, i,
+                                      norm_gap if case.startswith("clipped") else 0.0)
         assert compared == int(runs[f"{case}/moms"]) > 20
         assert float(runs[f"{case}/standin/{i}/lr"]) == float(runs[f"{case}/native/{i}/lr"])
     rates = [float(runs[f"{case}/native/{i}/lr"]) for i in range(3)]
     assert rates == pytest.approx([0.1, 0.01, 0.01], rel=1e-15)
-    if case == "clipped":  # the tiny norm clips every step
-        assert all(float(runs[f"clipped/native/{i}/norm"][0]) > 0.05 for i in range(3))
+    if case.startswith("clipped"):  # the tiny norm clips every step
+        assert all(float(runs[f"{case}/native/{i}/norm"][0]) > 0.05 for i in range(3))
 
 
 def test_update_stand_in_is_sgd_mom_update(runs):

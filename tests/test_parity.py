@@ -85,6 +85,17 @@ def test_a_budget_starts_no_new_pair_and_says_which(tmp_path, stand_in_sides):
     assert "| torch | face | 2 | - | | | 0 | | | not run |" in (tmp_path / "parity.md").read_text()
 
 
+def test_what_trainperf_does_not_run_is_said_and_not_timed(tmp_path, stand_in_sides):
+    calls, _ = stand_in_sides
+    doc = parity.campaign([parity.Row("oneflow", "rn50", 8), parity.Row("torch", "rn50", 8)],
+                          parity.Settings(), tmp_path, pairs=1)
+    oneflow, torch_row = doc["rows"]
+    assert oneflow["pairs"] == [] and "has no backbone 'resnet50_v1b'" in oneflow["unsupported"]
+    assert {fw for _, fw in calls} == {"torch"} and torch_row["summary"]["pairs_ok"] == 1
+    assert "| oneflow | rn50 | 8 | - | | | 0 | | | trainperf: the oneflow backend has no " \
+           "backbone" in (tmp_path / "parity.md").read_text()
+
+
 def test_bad_cases_and_frameworks_are_one_line_errors(tmp_path):
     for text in ("rn50", "rn50:0", "vit:8", "face:x"):
         with pytest.raises(ValueError, match="expected MODEL:BATCH"):

@@ -31,7 +31,7 @@ from . import envs, parities
 from .config import Measure, Topology
 from .progress import QuietProgress
 from .recipes import get_recipe
-from .runner import Case as RunnerCase, Plan, Runner
+from .runner import Case as RunnerCase, Plan, Runner, check_plan
 
 SCHEMA = "trainperf.native_parity/v1"
 RECIPES = {"rn50": "rn50-v1b-imagenet", "face": "r50-arcface-plsc"}
@@ -278,7 +278,8 @@ def markdown(doc: dict) -> str:
     for r in doc["rows"]:
         s = r.get("summary") or {}
         if not s.get("pairs_ok"):
-            why = next((p.get("error") for p in r["pairs"] if p.get("error")), "not run")
+            why = r.get("unsupported") or next((p.get("error") for p in r["pairs"]
+                                                if p.get("error")), "not run")
             lines.append(f"| {r['framework']} | {r['model']} | {r['batch']} | - | | | 0 | | | "
                          f"{why} |")
             continue
@@ -308,9 +309,17 @@ def campaign(rows: list[Row], settings: Settings, out: Path, pairs: int = 3,
                      "pairs": [], "summary": {"pairs_ok": 0}} for r in rows],
            "machine": {"device_name": device_name(settings.device), "cpus": os.cpu_count(),
                        "platform": platform.platform(), "python": sys.version.split()[0]}}
+    for row, rec in zip(rows, doc["rows"]):
+        try:  # what trainperf's backend does not run has no pair to time
+            check_plan(trainperf_plan(row, settings, out / "unused"))
+        except ValueError as exc:
+            rec["unsupported"] = f"trainperf: {str(exc).splitlines()[0]}"
+    write(doc, out)
     start = time.monotonic()
     for k in range(pairs):
         for row, rec in zip(rows, doc["rows"]):
+            if rec.get("unsupported"):
+                continue
             if budget_s is not None and time.monotonic() - start > budget_s:
                 rec.setdefault("not_started", []).append(k)
                 continue
