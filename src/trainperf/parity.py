@@ -29,6 +29,7 @@ from typing import Callable
 
 from . import envs, parities
 from .config import Measure, Topology
+from .env import cpu_model
 from .progress import QuietProgress
 from .recipes import get_recipe
 from .runner import Case as RunnerCase, Plan, Runner, check_plan
@@ -167,6 +168,9 @@ def run_native(row: Row, s: Settings) -> dict:
     if proc.returncode != 0:
         raise SideFailed(f"native {row.framework} exited {proc.returncode}: {last_line(proc)}")
     doc = last_json(proc.stdout)
+    script = native_script(row.framework)
+    if script.is_relative_to(native_dir().parents[1]):
+        cmd[1] = str(script.relative_to(native_dir().parents[1]))
     return {**doc, "command": " ".join(["python", *cmd[1:]])}
 
 
@@ -220,7 +224,7 @@ def device_name(device: str) -> str:
             return out.strip().splitlines()[0]
         except (OSError, IndexError, subprocess.TimeoutExpired):
             return "cuda"
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def run_pair(row: Row, s: Settings, k: int, work: Path | None) -> dict:
