@@ -26,12 +26,12 @@ PACKAGE = "trainperf"
 FLOORS: list[tuple[str, set[str]]] = [
     ("foundation", {"__init__", "config", "protocol", "faults", "stats", "devices", "outcome",
                     "recipes", "references", "results", "env", "procs", "bench",
-                    "alignments"}),
+                    "alignments", "records", "parities"}),
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
     ("launch", {"envs", "rendezvous", "runner", "progress"}),
     ("report", {"report", "ingest"}),
-    ("scenarios", {"plans", "search", "align", "train", "scale", "gpucheck"}),
+    ("scenarios", {"plans", "search", "align", "train", "scale", "gpucheck", "parity"}),
     ("cli", {"cli"}),
 ]
 FRAMEWORKS = {"torch", "mxnet", "paddle", "paddlepaddle", "jax", "jaxlib", "flax", "optax",
