@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import NoReturn
 
@@ -66,7 +67,12 @@ def shape(a: argparse.Namespace) -> tuple[int, int]:
 
 def report(framework: str, a: argparse.Namespace, window_s: float, **fields) -> None:
     """The result line, last on stdout: the window's rate, the run's shape and ``fields``
-    (threads, settings, versions, params, loss_first, loss_last)."""
+    (threads, settings, versions, params, loss_first, loss_last). A loss that is not finite
+    gives no figure: one line on stderr and exit code 1."""
+    last = fields.get("loss_last")
+    if last is not None and not math.isfinite(last):
+        print(f"native {framework}: the loss is {last}", file=sys.stderr)
+        raise SystemExit(1)
     doc = {"framework": framework, "case": a.case,
            "samples_per_s": a.batch * a.iters / window_s, "window_s": window_s,
            "iters": a.iters, "warmup": a.warmup, "batch": a.batch, "threads": a.threads,
