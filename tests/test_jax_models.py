@@ -93,8 +93,25 @@ try:
     report["unknown_error"] = None
 except ValueError as e:
     report["unknown_error"] = str(e)
+
+# BatchNorm's moments by every mode, on channels whose mean is far from zero against their
+# spread, with a sane and a non-finite running mean; and the gradient of the variance.
+bn = np.load(f"{work}/bn.npz")
+x, sane = jnp.asarray(bn["x"]), jnp.asarray(bn["running"])
+axes = (0, 1, 2)
+moments = {}
+for mode in models.BN_MOMENTS_CHOICES:
+    models.BN_MOMENTS = mode
+    for label, running in (("sane", sane), ("nan", jnp.full_like(sane, jnp.nan))):
+        mean, var = jax.jit(lambda x, r: models.batch_moments(x, axes, r))(x, running)
+        moments[f"{mode}/{label}/mean"] = np.asarray(mean)
+        moments[f"{mode}/{label}/var"] = np.asarray(var)
+    grad = jax.grad(lambda x: jnp.sum(models.batch_moments(x, axes, sane)[1] * jnp.arange(3.0)))
+    moments[f"{mode}/grad"] = np.asarray(jax.jit(grad)(x))
+np.savez(f"{work}/bn_moments.npz", **moments)
 json.dump(report, open(f"{work}/report.json", "w"))
 """
+BN_MODES = ("two_pass", "one_pass", "shifted", "running_shift")
 
 
 def _torch_case(case: str, name: str, kwargs: dict, side: int, work: Path) -> dict:
@@ -118,12 +135,17 @@ def runs(tmp_path_factory, jax_python):
     work = tmp_path_factory.mktemp("jax_models")
     torch_side = {case: _torch_case(case, *args, work) for case, args in TINY.items()}
     (work / "spec.json").write_text(json.dumps({"full": FULL_SIZE, "tiny": TINY}))
+    rng = np.random.default_rng(7)
+    bn_x = (rng.standard_normal((8, 5, 5, 3)) * [1.0, 0.5, 2.0] + [3000.0, -500.0, 0.0])
+    np.savez(work / "bn.npz", x=bn_x.astype(np.float32),
+             running=np.array([2990.0, -480.0, 0.1], np.float32))
     env = dict(os.environ, PYTHONPATH=str(REPO_SRC), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
     proc = subprocess.run([jax_python, "-c", JAX_SIDE, str(work)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((work / "report.json").read_text())
     jax_side = {case: dict(np.load(work / f"{case}.jax.npz")) for case in TINY}
+    report["bn"] = {"x": np.load(work / "bn.npz")["x"], **np.load(work / "bn_moments.npz")}
     return torch_side, jax_side, report
 
 
@@ -174,3 +196,28 @@ def test_load_errors_and_unknown_name(runs):
     assert "conv1.weight: shape (1, 2, 3, 3), expected (8, 3, 3, 3)" in err
     assert "features.weight: a fixed BatchNorm gamma must be all ones" in err
     assert "the jax backend has no backbone 'no_such_net'" in report["unknown_error"]
+
+
+def test_batchnorm_moments_every_mode(runs):
+    """Every mode gives the batch's mean and biased variance and the variance's true gradient
+    (the shift is a constant for autodiff); the default ``shifted`` keeps the digits on
+    channels whose mean is 3,000 times their spread, and its result does not depend on the
+    running mean, so a non-finite one (left by a skipped fp16 step) changes nothing, where
+    ``running_shift`` turns it into a non-finite variance."""
+    _, _, report = runs
+    bn = report["bn"]
+    x = bn["x"].astype(np.float64)
+    mean, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))
+    grad = 2.0 * (x - mean) / (x.size / 3) * np.arange(3.0)
+    assert set(BN_MODES) == {k.split("/")[0] for k in bn if k != "x"}
+    for mode in BN_MODES:
+        np.testing.assert_allclose(bn[f"{mode}/sane/mean"], mean, rtol=1e-6,
+                                   atol=1e-6 * np.abs(x).max(), err_msg=mode)
+        np.testing.assert_allclose(bn[f"{mode}/grad"], grad, rtol=1e-3, atol=1e-4,
+                                   err_msg=mode)
+    for mode in ("two_pass", "shifted", "running_shift"):
+        np.testing.assert_allclose(bn[f"{mode}/sane/var"], var, rtol=2e-3, err_msg=mode)
+    for mode in ("two_pass", "one_pass", "shifted"):
+        for part in ("mean", "var"):
+            np.testing.assert_array_equal(bn[f"{mode}/nan/{part}"], bn[f"{mode}/sane/{part}"])
+    assert not np.isfinite(bn["running_shift/nan/var"]).any()

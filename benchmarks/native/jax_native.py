@@ -21,6 +21,7 @@ import functools
 import os
 import sys
 import time
+import types
 
 import native_cli
 
@@ -36,13 +37,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
-    # Read once, when JAX starts its backends.
+def configure(a: argparse.Namespace) -> None:
+    """What JAX reads once, when it starts its backends: set before it is imported."""
     os.environ["JAX_PLATFORMS"] = a.device
     if a.threads == 1:
         os.environ["XLA_FLAGS"] = " ".join(
             [*os.environ.get("XLA_FLAGS", "").split(), SINGLE_THREAD_FLAG])
+
+
+def build(a: argparse.Namespace) -> types.SimpleNamespace:
+    """The reference's jitted step and its first state, batch and keys (also timed in process
+    by ``benchmarks/jax_step_ablation.py``): ``step(state, images, labels, key)`` returns
+    ``(state, loss)``."""
     import flax
     import flax.linen as nn
     import jax
@@ -176,7 +182,22 @@ def main(argv: list[str] | None = None) -> int:
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), stats, opt_state), loss
 
-    keys = jax.random.split(key, a.warmup + a.iters)
+    return types.SimpleNamespace(
+        step=train_step, state=state, images=images, labels=labels, params=counted,
+        keys=jax.random.split(key, a.warmup + a.iters),
+        versions={"jax": jax.__version__, "flax": flax.__version__,
+                  "optax": optax.__version__, "numpy": np.__version__})
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    configure(a)
+    import jax
+
+    ref = build(a)
+    rn50 = a.case == "rn50"
+    train_step, state, images, labels, keys = (ref.step, ref.state, ref.images, ref.labels,
+                                               ref.keys)
     first = None
     for i in range(a.warmup):
         state, loss = train_step(state, images, labels, keys[i])
@@ -197,9 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                   "compute_dtype": a.precision, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                   "threads_reported": ("1 (eigen single-threaded)" if a.threads == 1
                                        else "XLA's default pool")},
-        versions={"jax": jax.__version__, "flax": flax.__version__,
-                  "optax": optax.__version__, "numpy": np.__version__},
-        params=counted, loss_first=first if first is not None else last, loss_last=last)
+        versions=ref.versions, params=ref.params,
+        loss_first=first if first is not None else last, loss_last=last)
     return 0
 
 

@@ -19,9 +19,10 @@ The layers are written here (not flax's ``nn.Conv`` / ``nn.BatchNorm``) for thre
 their variables carry torch's leaf names (``weight``, ``bias``, ``running_mean``,
 ``running_var``), so a variable's path joined with dots *is* its torch name; BatchNorm keeps
 torch's semantics exactly (momentum 0.1 on the new value, i.e. flax's 0.9, running variance
-updated with the *unbiased* batch variance, batch variance computed in two passes as torch does,
-where flax's default ``E[x^2] - E[x]^2`` loses digits); and a compute dtype (bf16, fp16)
-applies to convolutions and dense layers only, BatchNorm statistics staying fp32.
+updated with the *unbiased* batch variance, batch moments in one read of the input shifted
+by the running mean, where flax's default ``E[x^2] - E[x]^2`` loses digits: see
+:data:`BN_MOMENTS`); and a compute dtype (bf16, fp16) applies to convolutions and dense layers
+only, BatchNorm statistics staying fp32.
 
 float64 (a strict alignment run, ``jax_enable_x64`` on): the variables are float64 as loaded,
 the compute dtype is float64, and every place that lifts a narrow value to fp32 (BatchNorm,
@@ -68,6 +69,28 @@ __all__ = [
 BN_EPS = 1e-5
 BN_MOMENTUM = 0.1
 """torch's convention: running = (1 - momentum) * running + momentum * batch (flax's 0.9)."""
+BN_MOMENTS = "shifted"
+"""How training-mode BatchNorm takes its batch mean and variance in a float32 / bf16 / fp16
+run (a float64 alignment run always takes ``two_pass``):
+
+- ``two_pass``: the mean, then the mean of the squared deviations (three reads of the input
+  with the normalisation);
+- ``one_pass``: ``E[x^2] - E[x]^2`` in float32, as flax's ``nn.BatchNorm`` (XLA fuses both
+  sums into one read; loses digits where the mean is large against the spread);
+- ``shifted``: the same single read of ``x - s``, with ``s`` the batch's first sample at its
+  first position, per channel (held constant for autodiff; the variance does not depend on
+  it). ``s`` lies within a few standard deviations of the mean, so the cancellation costs no
+  more than a few digits' worth of rounding. It comes from the batch, not from the running
+  statistics, so the forward pass stays a function of the batch and the weights alone, as in
+  torch: running statistics that a skipped fp16 step left non-finite change nothing;
+- ``running_shift``: shifted by the running mean instead (kept to reproduce the measurement
+  below: after a step that left the running mean non-finite, every later step is too).
+
+``shifted`` is the default. On an H200 (JAX 0.11.2, batch 128) ``two_pass`` held trainperf's
+ResNet50 step at 0.927 of flax's own in fp32 and 0.911 in bf16; one read, unshifted or shifted
+by the running mean, brought it to 0.98-1.01 (``benchmarks/jax_step_ablation.py``,
+``benchmarks/results/gpu-h200-2026-11-26/jax_bn_ablation/``)."""
+BN_MOMENTS_CHOICES = ("two_pass", "one_pass", "shifted", "running_shift")
 COLLECTIONS = ("params", "frozen", "batch_stats")
 
 Dtype = Any
@@ -194,18 +217,34 @@ class BatchNorm(nn.Module):
         running_mean = _variable(self, "batch_stats", "running_mean", ZEROS, (c,))
         running_var = _variable(self, "batch_stats", "running_var", ONES, (c,))
         xf = at_least_fp32(x)
-        axes = tuple(range(x.ndim - 1))
-        mean = jnp.mean(xf, axis=axes)
-        centered = xf - mean
-        var = jnp.mean(jnp.square(centered), axis=axes)
+        mean, var = batch_moments(xf, tuple(range(x.ndim - 1)), running_mean.value)
         if not self.is_initializing():
             n = math.prod(x.shape[:-1])
             m = self.momentum
             unbiased = jax.lax.stop_gradient(var) * (n / max(n - 1, 1))
             running_mean.value = (1 - m) * running_mean.value + m * jax.lax.stop_gradient(mean)
             running_var.value = (1 - m) * running_var.value + m * unbiased
-        y = centered * (jax.lax.rsqrt(var + self.eps) * weight) + bias
+        y = (xf - mean) * (jax.lax.rsqrt(var + self.eps) * weight) + bias
         return y.astype(x.dtype)
+
+
+def batch_moments(xf: jax.Array, axes: tuple[int, ...], running_mean: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """(mean, biased variance) of ``xf`` over ``axes`` (all but the last) by
+    :data:`BN_MOMENTS`; two passes always for float64."""
+    mode = "two_pass" if xf.dtype == jnp.float64 else BN_MOMENTS
+    if mode not in BN_MOMENTS_CHOICES:
+        raise ValueError(f"BN_MOMENTS must be one of {BN_MOMENTS_CHOICES}, not {mode!r}")
+    if mode == "two_pass":
+        mean = jnp.mean(xf, axis=axes)
+        return mean, jnp.mean(jnp.square(xf - mean), axis=axes)
+    shift = {"one_pass": jnp.zeros((), xf.dtype), "shifted": xf[(0,) * len(axes)],
+             "running_shift": running_mean.astype(xf.dtype)}[mode]
+    shift = jax.lax.stop_gradient(shift)
+    d = xf - shift
+    m1 = jnp.mean(d, axis=axes)
+    var = jnp.maximum(jnp.mean(jnp.square(d), axis=axes) - jnp.square(m1), 0.0)
+    return m1 + shift, var
 
 
 class PReLU(nn.Module):
