@@ -6,9 +6,10 @@ round to round, so that every variant sees the same device, clocks and allocator
 A variant changes one module constant of trainperf's JAX backend before its step is traced:
 
 - ``two_pass`` / ``one_pass`` / ``shifted`` / ``running_shift``: BatchNorm's batch moments
-  (``trainperf.backends.jax.models.BN_MOMENTS``, whose docstring says what each computes);
+  (``trainperf.backends.jax.models.BN_MOMENTS_CHOICES`` says what each computes; trainperf
+  runs ``BN_MOMENTS_BY_DEVICE``'s for the device);
 - ``threefry``: JAX's default generator instead of ``rbg`` (``step.RNG_IMPL``), with the
-  module's BatchNorm setting;
+  device's BatchNorm moments;
 - ``native``: the flax reference itself.
 
 Run it with JAX's Python (``$TRAINPERF_JAX_PYTHON`` or trainperf's JAX environment):
@@ -66,7 +67,7 @@ def trainperf_runner(a: argparse.Namespace, variant: str):
     compile seconds)."""
     import jax
 
-    from trainperf.backends.jax import models, step
+    from trainperf.backends.jax import step
     from trainperf.backends.jax.dist import local_mesh
     from trainperf.recipes import get_recipe
 
@@ -76,20 +77,20 @@ def trainperf_runner(a: argparse.Namespace, variant: str):
     if a.classes:
         changes["num_classes"] = a.classes
     workload = get_recipe(RECIPES[a.case]).workload.replace(**changes)
-    saved = models.BN_MOMENTS, step.RNG_IMPL
+    saved = step.RNG_IMPL
     try:
-        if variant in BN_VARIANTS:
-            models.BN_MOMENTS = variant
         if variant == "threefry":
             step.RNG_IMPL = "threefry2x32"
         layout = local_mesh(1)
         train_step = step.TrainStep(workload, layout)
+        if variant in BN_VARIANTS:
+            train_step.bn_moments = variant
         images, labels = layout.per_rank(lambda r: step.synthetic_batch(workload, r))
         t0 = time.perf_counter()
         train_step.compile(images, labels)
         compile_s = time.perf_counter() - t0
     finally:
-        models.BN_MOMENTS, step.RNG_IMPL = saved
+        step.RNG_IMPL = saved
 
     def run(n: int):
         loss = None
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"jax_step_ablation: {variant}: the loss is not finite", file=sys.stderr)
             rates[variant].append(a.batch * a.iters / window)
         print(f"round {r + 1}/{a.rounds}: " + ", ".join(
-            f"{v} {rates[v][-1]:.1f}" for v in order), flush=True)
+            f"{v} {rates[v][-1]:.4g}" for v in order), flush=True)
 
     native = statistics.median(rates["native"]) if "native" in rates else None
     rows = []
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
              "|---|---|---|---|---|"]
     for row in rows:
         ratio = f"{row['vs_native']:.3f}" if row["vs_native"] else "-"
-        lines.append(f"| {row['variant']} | {row['median_samples_per_s']:.1f} | "
-                     f"{row['min']:.1f}-{row['max']:.1f} | {ratio} | {row['compile_s']:.1f} |")
+        lines.append(f"| {row['variant']} | {row['median_samples_per_s']:.5g} | "
+                     f"{row['min']:.5g}-{row['max']:.5g} | {ratio} | {row['compile_s']:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

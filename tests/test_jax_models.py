@@ -101,13 +101,19 @@ x, sane = jnp.asarray(bn["x"]), jnp.asarray(bn["running"])
 axes = (0, 1, 2)
 moments = {}
 for mode in models.BN_MOMENTS_CHOICES:
-    models.BN_MOMENTS = mode
-    for label, running in (("sane", sane), ("nan", jnp.full_like(sane, jnp.nan))):
-        mean, var = jax.jit(lambda x, r: models.batch_moments(x, axes, r))(x, running)
-        moments[f"{mode}/{label}/mean"] = np.asarray(mean)
-        moments[f"{mode}/{label}/var"] = np.asarray(var)
-    grad = jax.grad(lambda x: jnp.sum(models.batch_moments(x, axes, sane)[1] * jnp.arange(3.0)))
-    moments[f"{mode}/grad"] = np.asarray(jax.jit(grad)(x))
+    with models.bn_moments(mode):
+        for label, running in (("sane", sane), ("nan", jnp.full_like(sane, jnp.nan))):
+            mean, var = jax.jit(lambda x, r: models.batch_moments(x, axes, r))(x, running)
+            moments[f"{mode}/{label}/mean"] = np.asarray(mean)
+            moments[f"{mode}/{label}/var"] = np.asarray(var)
+        grad = jax.grad(lambda x: jnp.sum(models.batch_moments(x, axes, sane)[1]
+                                          * jnp.arange(3.0)))
+        moments[f"{mode}/grad"] = np.asarray(jax.jit(grad)(x))
+try:
+    with models.bn_moments("welford"):
+        pass
+except ValueError as e:
+    moments["bad_mode"] = np.asarray(str(e))
 np.savez(f"{work}/bn_moments.npz", **moments)
 json.dump(report, open(f"{work}/report.json", "w"))
 """
@@ -209,7 +215,8 @@ def test_batchnorm_moments_every_mode(runs):
     x = bn["x"].astype(np.float64)
     mean, var = x.mean(axis=(0, 1, 2)), x.var(axis=(0, 1, 2))
     grad = 2.0 * (x - mean) / (x.size / 3) * np.arange(3.0)
-    assert set(BN_MODES) == {k.split("/")[0] for k in bn if k != "x"}
+    assert set(BN_MODES) == {k.split("/")[0] for k in bn if k not in ("x", "bad_mode")}
+    assert "must be one of" in str(bn["bad_mode"])
     for mode in BN_MODES:
         np.testing.assert_allclose(bn[f"{mode}/sane/mean"], mean, rtol=1e-6,
                                    atol=1e-6 * np.abs(x).max(), err_msg=mode)

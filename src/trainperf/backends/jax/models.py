@@ -19,10 +19,10 @@ The layers are written here (not flax's ``nn.Conv`` / ``nn.BatchNorm``) for thre
 their variables carry torch's leaf names (``weight``, ``bias``, ``running_mean``,
 ``running_var``), so a variable's path joined with dots *is* its torch name; BatchNorm keeps
 torch's semantics exactly (momentum 0.1 on the new value, i.e. flax's 0.9, running variance
-updated with the *unbiased* batch variance, batch moments in one read of the input shifted
-by the running mean, where flax's default ``E[x^2] - E[x]^2`` loses digits: see
-:data:`BN_MOMENTS`); and a compute dtype (bf16, fp16) applies to convolutions and dense layers
-only, BatchNorm statistics staying fp32.
+updated with the *unbiased* batch variance, batch moments exact to float32 rounding, where
+flax's default ``E[x^2] - E[x]^2`` loses digits: see :data:`BN_MOMENTS_CHOICES`); and a
+compute dtype (bf16, fp16) applies to convolutions and dense layers only, BatchNorm statistics
+staying fp32.
 
 float64 (a strict alignment run, ``jax_enable_x64`` on): the variables are float64 as loaded,
 the compute dtype is float64, and every place that lifts a narrow value to fp32 (BatchNorm,
@@ -46,10 +46,11 @@ as usual and :func:`init_variables` draws on the host instead (no compilation).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -69,28 +70,50 @@ __all__ = [
 BN_EPS = 1e-5
 BN_MOMENTUM = 0.1
 """torch's convention: running = (1 - momentum) * running + momentum * batch (flax's 0.9)."""
-BN_MOMENTS = "shifted"
-"""How training-mode BatchNorm takes its batch mean and variance in a float32 / bf16 / fp16
+BN_MOMENTS_CHOICES = ("two_pass", "one_pass", "shifted", "running_shift")
+"""How training-mode BatchNorm can take its batch mean and variance in a float32 / bf16 / fp16
 run (a float64 alignment run always takes ``two_pass``):
 
 - ``two_pass``: the mean, then the mean of the squared deviations (three reads of the input
   with the normalisation);
 - ``one_pass``: ``E[x^2] - E[x]^2`` in float32, as flax's ``nn.BatchNorm`` (XLA fuses both
-  sums into one read; loses digits where the mean is large against the spread);
+  sums into one read on a GPU; loses digits where the mean is large against the spread);
 - ``shifted``: the same single read of ``x - s``, with ``s`` the batch's first sample at its
   first position, per channel (held constant for autodiff; the variance does not depend on
   it). ``s`` lies within a few standard deviations of the mean, so the cancellation costs no
   more than a few digits' worth of rounding. It comes from the batch, not from the running
   statistics, so the forward pass stays a function of the batch and the weights alone, as in
   torch: running statistics that a skipped fp16 step left non-finite change nothing;
-- ``running_shift``: shifted by the running mean instead (kept to reproduce the measurement
-  below: after a step that left the running mean non-finite, every later step is too).
+- ``running_shift``: shifted by the running mean instead (kept to reproduce the GPU
+  measurement below: after a step that left the running mean non-finite, every later step is
+  too).
 
-``shifted`` is the default. On an H200 (JAX 0.11.2, batch 128) ``two_pass`` held trainperf's
-ResNet50 step at 0.927 of flax's own in fp32 and 0.911 in bf16; one read, unshifted or shifted
-by the running mean, brought it to 0.98-1.01 (``benchmarks/jax_step_ablation.py``,
-``benchmarks/results/gpu-h200-2026-11-26/jax_bn_ablation/``)."""
-BN_MOMENTS_CHOICES = ("two_pass", "one_pass", "shifted", "running_shift")
+Which one a step traces with is :data:`BN_MOMENTS_BY_DEVICE`'s choice for its device (set
+with :func:`bn_moments` around the tracing)."""
+BN_MOMENTS_BY_DEVICE = {"cuda": "shifted", "cpu": "two_pass"}
+"""The faster, measured with ``benchmarks/jax_step_ablation.py`` against flax's own step
+(``benchmarks/results/gpu-h200-2026-11-26/jax_bn_ablation/``, ``native_parity-cpu/``). On an
+H200 (JAX 0.11.2, batch 128) ``two_pass`` held trainperf's ResNet50 step at 0.927 of flax's in
+fp32 and 0.911 in bf16, where one read (unshifted, or shifted by the running mean) gave
+0.98-1.01. On the 2-core CPU (JAX 0.10.2, ResNet50 at batch 2) XLA's CPU code went the other
+way: ``two_pass`` 0.981, ``running_shift`` 0.946, ``shifted`` 0.912."""
+_MOMENTS: contextvars.ContextVar[str] = contextvars.ContextVar("trainperf_bn_moments",
+                                                                 default="two_pass")
+
+
+@contextlib.contextmanager
+def bn_moments(mode: str) -> Iterator[None]:
+    """BatchNorms traced inside take their moments by ``mode`` (one of
+    :data:`BN_MOMENTS_CHOICES`)."""
+    if mode not in BN_MOMENTS_CHOICES:
+        raise ValueError(f"BatchNorm moments must be one of {BN_MOMENTS_CHOICES}, not {mode!r}")
+    token = _MOMENTS.set(mode)
+    try:
+        yield
+    finally:
+        _MOMENTS.reset(token)
+
+
 COLLECTIONS = ("params", "frozen", "batch_stats")
 
 Dtype = Any
@@ -231,10 +254,8 @@ class BatchNorm(nn.Module):
 def batch_moments(xf: jax.Array, axes: tuple[int, ...], running_mean: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
     """(mean, biased variance) of ``xf`` over ``axes`` (all but the last) by
-    :data:`BN_MOMENTS`; two passes always for float64."""
-    mode = "two_pass" if xf.dtype == jnp.float64 else BN_MOMENTS
-    if mode not in BN_MOMENTS_CHOICES:
-        raise ValueError(f"BN_MOMENTS must be one of {BN_MOMENTS_CHOICES}, not {mode!r}")
+    the mode :func:`bn_moments` set (``two_pass`` outside one, and always for float64)."""
+    mode = "two_pass" if xf.dtype == jnp.float64 else _MOMENTS.get()
     if mode == "two_pass":
         mean = jnp.mean(xf, axis=axes)
         return mean, jnp.mean(jnp.square(xf - mean), axis=axes)

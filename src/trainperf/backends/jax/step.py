@@ -228,6 +228,9 @@ class TrainStep:
                 straight_through=straight_through)
             self.head.check_batch(workload.batch_size * self.world)
         self.sharded = self.head is not None and self.head.sharded
+        self.bn_moments = models.BN_MOMENTS_BY_DEVICE.get(layout.device_type, "two_pass")
+        """How the step's BatchNorms take their batch moments (``models.BN_MOMENTS_CHOICES``;
+        float64 always takes two passes): read when the step is traced."""
         self.sparse = self.head is not None and self.head.update == "sparse"
         self.tx = optax.chain(optax.add_decayed_weights(workload.weight_decay),
                               optax.trace(decay=workload.momentum))
@@ -420,7 +423,8 @@ class TrainStep:
     def compile(self, images: jax.Array, labels: jax.Array) -> None:
         """Lower and compile the step for these batch shapes (ahead of the first call); a
         float64 step's program is checked first (:meth:`check_program`)."""
-        lowered = self._jitted.lower(self.state, self.frozen, images, labels)
+        with models.bn_moments(self.bn_moments):
+            lowered = self._jitted.lower(self.state, self.frozen, images, labels)
         if self.dtype == jnp.float64:
             self.check_program(lowered.as_text())
         self._compiled = lowered.compile()
@@ -451,8 +455,12 @@ class TrainStep:
         return float(flops) if flops and flops > 0 else None
 
     def __call__(self, images: jax.Array, labels: jax.Array) -> jax.Array:
-        fn = self._compiled if self._compiled is not None else self._jitted
-        self.state, loss, skipped, grads, recorded = fn(self.state, self.frozen, images, labels)
+        if self._compiled is not None:
+            out = self._compiled(self.state, self.frozen, images, labels)
+        else:
+            with models.bn_moments(self.bn_moments):  # the first call traces
+                out = self._jitted(self.state, self.frozen, images, labels)
+        self.state, loss, skipped, grads, recorded = out
         if self.fp16:
             self.skipped.append(skipped)
         if self.expose_grads:
