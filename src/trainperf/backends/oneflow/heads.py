@@ -20,8 +20,12 @@ where it runs:
 
 Per step, with e the embeddings, w the class rows, s the scale, y the labels::
 
-    e_hat = e / max(|e|, 1e-12)            inv_j = 1 / max(|w_j|, 1e-12)
-    cos   = (e_hat @ w.T) * inv            (no normalised copy of the class matrix)
+    e_hat = e / max(|e|, 1e-12)            w_hat_j = w_j / max(|w_j|, 1e-12)
+    cos   = e_hat @ w_hat.T                (F.normalize's copy of the class matrix: scaling
+                                            the [N, C] product by 1 / |w_j| instead saves that
+                                            copy, but OneFlow's backward of it took 1,270 ms a
+                                            step against 340 ms, 85,742 x 512 on 2 CPU threads,
+                                            and held the face step at 0.92 of OneFlow's own)
     t_i   = cos[i, y_i]                    (a masked row sum: the one-hot of y against the
                                             shard's class ids)
     z     = s * cos, with z[i, y_i] = s * margin(t_i)
@@ -320,8 +324,7 @@ class MarginSoftmaxHead(nn.Module):
         w, classes, real = self.weight, self.classes, None
         if self.sampling:
             w, classes, real = self._sampled_columns(labels, scores)
-        inv = 1.0 / flow.clamp(flow.linalg.vector_norm(w, dim=1), min=NORM_EPS)
-        cos = F.linear(e_hat, w) * inv.unsqueeze(0)                       # [N, C]
+        cos = F.linear(e_hat, F.normalize(w, p=2.0, dim=1, eps=NORM_EPS))  # [N, C]
         onehot = classes == labels.unsqueeze(1)                           # [N, C] bool
         target = (cos * onehot.to(cos.dtype)).sum(dim=1)                  # [N]
         if self.sharded:
