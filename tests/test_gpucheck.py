@@ -119,7 +119,8 @@ def test_cpu_mode_folder_comes_back_whole(cpu_check):
 def test_cpu_mode_correctness_stage(cpu_check):
     _, doc, _, _, _ = cpu_check
     found = checks(stage(doc, "2"))
-    for fc in ("dp", "mp", "pfc 1.0"):
+    assert not any(name.startswith(("mp", "pfc")) for name in found)  # the GPU's only
+    for fc in ("dp",):
         c = found[f"{fc}: losses on cpu match the CPU's"]
         assert c["status"] == "pass", c["detail"]
         # Both sides ran on the CPU from one start: the same arithmetic, the same numbers.
@@ -131,7 +132,7 @@ def test_cpu_mode_correctness_stage(cpu_check):
     timing = found["window: CUDA events vs host clock"]
     assert timing["status"] == "not run" and "only on a GPU" in timing["detail"]
     memory = [c for name, c in found.items() if name.startswith("peak memory vs model")]
-    assert len(memory) == 6
+    assert len(memory) == 4  # the alignment's run and the three precisions'
     assert all(c["status"] == "recorded" and c["numbers"]["peak_bytes"] > 0 for c in memory)
 
 
