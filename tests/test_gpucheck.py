@@ -145,7 +145,10 @@ def test_cpu_mode_ceiling_and_seeds(cpu_check):
     assert items(stage(doc, "1"), "copy")[0]["bytes_per_s"] > 0
     assert set(doc["ceiling"]["measured"]) == {"bf16", "fp16", "fp32"}
     cases = [c for sid in ("3a", "3b", "3c") for c in items(stage(doc, sid), "case")]
-    assert len(cases) == sum(len(v) for v in gpu_cases.SEEDS_GPU.values())
+    assert [c["label"] for c in cases] == [
+        gpu_cases.tiny(gpu_cases.SEEDS_GPU[sid][i]).label
+        for sid, picked in gpu_cases.CPU_SEEDS.items() for i in picked]
+    assert {c["precision"] for c in cases} == {"fp32", "bf16", "fp16"}
     for c in cases:
         assert c["label"].endswith("(tiny)")
         assert c["runs"] and c["runs"][0]["status"] == "ok", c
