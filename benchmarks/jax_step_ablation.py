@@ -38,7 +38,6 @@ sys.path[:0] = [str(HERE / "native"), str(HERE.parent / "src")]
 import jax_native  # noqa: E402  (benchmarks/native: stdlib until build() imports JAX)
 import native_cli  # noqa: E402
 
-RECIPES = {"rn50": "rn50-v1b-imagenet", "face": "r50-arcface-plsc"}
 BN_VARIANTS = ("two_pass", "one_pass", "shifted", "running_shift")
 VARIANTS = ("native", *BN_VARIANTS, "threefry")
 
@@ -69,14 +68,10 @@ def trainperf_runner(a: argparse.Namespace, variant: str):
 
     from trainperf.backends.jax import step
     from trainperf.backends.jax.dist import local_mesh
-    from trainperf.recipes import get_recipe
+    from trainperf.parity import row_workload
 
-    changes = {"batch_size": a.batch, "precision": a.precision, "fc": "dp"}
-    if a.case == "rn50" and a.input_size:
-        changes["input_size"] = a.input_size
-    if a.classes:
-        changes["num_classes"] = a.classes
-    workload = get_recipe(RECIPES[a.case]).workload.replace(**changes)
+    workload = row_workload(a.case, a.batch, a.precision, input_size=a.input_size,
+                            classes=a.classes)
     saved = step.RNG_IMPL
     try:
         if variant == "threefry":

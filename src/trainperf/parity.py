@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import envs, parities
-from .config import Measure, Topology
+from .config import Measure, Topology, Workload
 from .env import cpu_model
 from .progress import QuietProgress
 from .recipes import get_recipe
@@ -174,13 +174,23 @@ def run_native(row: Row, s: Settings) -> dict:
     return {**doc, "command": " ".join(["python", *cmd[1:]])}
 
 
+def row_workload(model: str, batch: int, precision: str, *, channels_last: bool = False,
+                 input_size: int | None = None, classes: int | None = None) -> Workload:
+    """trainperf's side of a row: the case's recipe at ``batch`` with the ``dp`` head, as the
+    references train; ``input_size`` applies to ResNet50 only (the face input is fixed)."""
+    changes = {"batch_size": batch, "precision": precision, "fc": "dp",
+               "channels_last": channels_last}
+    if input_size and model == "rn50":
+        changes["input_size"] = input_size
+    if classes:
+        changes["num_classes"] = classes
+    return get_recipe(RECIPES[model]).workload.replace(**changes)
+
+
 def trainperf_plan(row: Row, s: Settings, out: Path) -> Plan:
     recipe = get_recipe(row.recipe)
-    changes = {"batch_size": row.batch, "precision": s.precision, "fc": "dp",
-               "channels_last": s.channels_last}
-    if s.input_size and row.model == "rn50":
-        changes["input_size"] = s.input_size
-    workload = recipe.workload.replace(**changes)
+    workload = row_workload(row.model, row.batch, s.precision, channels_last=s.channels_last,
+                            input_size=s.input_size)
     # trainperf's iters count the warm-up steps too
     measure = Measure(runs=1, iters=s.warmup + s.iters, warmup=s.warmup,
                       timeout_s=s.timeout_s, threads=s.threads)

@@ -259,9 +259,12 @@ def batch_moments(xf: jax.Array, axes: tuple[int, ...], running_mean: jax.Array
     if mode == "two_pass":
         mean = jnp.mean(xf, axis=axes)
         return mean, jnp.mean(jnp.square(xf - mean), axis=axes)
-    shift = {"one_pass": jnp.zeros((), xf.dtype), "shifted": xf[(0,) * len(axes)],
-             "running_shift": running_mean.astype(xf.dtype)}[mode]
-    shift = jax.lax.stop_gradient(shift)
+    if mode == "shifted":
+        shift = jax.lax.stop_gradient(xf[(0,) * len(axes)])
+    elif mode == "running_shift":
+        shift = jax.lax.stop_gradient(running_mean).astype(xf.dtype)
+    else:
+        shift = jnp.zeros((), xf.dtype)
     d = xf - shift
     m1 = jnp.mean(d, axis=axes)
     var = jnp.maximum(jnp.mean(jnp.square(d), axis=axes) - jnp.square(m1), 0.0)
