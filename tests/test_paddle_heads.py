@@ -146,6 +146,8 @@ for name, wl in cases.items():
         for j, (b, g, a) in enumerate(zip(before, grads, after)):
             out[f"{i}/{j}/before"], out[f"{i}/{j}/grad"], out[f"{i}/{j}/after"] = b, g, a
     out["arrays"] = len(before)
+    held = step(images, labels)
+    out["held_loss_keeps_graph"] = held.grad_fn is not None or not held.stop_gradient
     np.savez(f"{folder}/{name}.npz", **out)
 
 # (5) what the backend refuses, and the message.
@@ -288,6 +290,12 @@ def test_update_is_torch_sgd_with_clipping_and_rate_changes(one_process, case, c
     rate."""
     got = np.load(one_process / f"{case}.npz")
     check_recorded_sgd_steps(got, int(got["arrays"]), int(got["backbone_count"]), rates, clip)
+
+
+@pytest.mark.parametrize("case", ["face", "classification"])
+def test_the_step_hands_back_its_loss_without_the_graph(one_process, case):
+    # The measured loop holds every step's loss until the window ends.
+    assert not np.load(one_process / f"{case}.npz")["held_loss_keeps_graph"]
 
 
 def test_half_precision_on_cpu_is_refused(one_process):

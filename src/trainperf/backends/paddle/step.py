@@ -142,7 +142,8 @@ def _global_norm(grads: list[paddle.Tensor]) -> paddle.Tensor:
 
 
 class TrainStep:
-    """Call with (images, labels); returns the step's loss as a device tensor, not waited on.
+    """Call with (images, labels); returns the step's loss as a detached device tensor, not
+    waited on.
 
     ``align``: an alignment run's spec (module doc): its dtype (float64: Paddle's rule with
     exact constants where a kernel holds float32 ones), the gradient norm kept every step where
@@ -335,10 +336,15 @@ class TrainStep:
                                    head_mean / self._grad_scale)
         else:
             self.skipped_steps.append(self.step_index)
-        self.opt.clear_grad(set_to_zero=False)
+        # Paddle's default: zeroed in place. Freeing them instead (set_to_zero=False) made the
+        # next backward fault in ~100 MB of fresh pages on a CPU, 4% of a ResNet50 step at
+        # batch 2 (benchmarks/results/native_parity-cpu/README.md).
+        self.opt.clear_grad()
         self.step_index += 1
 
     def __call__(self, images: paddle.Tensor, labels: paddle.Tensor) -> paddle.Tensor:
         loss = self.compute_gradients(images, labels)
         self.apply()
-        return loss
+        # The loop keeps every step's loss until its window ends: an attached one would keep
+        # its step's autograd graph (and the memory it holds) alive with it.
+        return loss.detach()
