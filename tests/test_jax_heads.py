@@ -205,7 +205,20 @@ for text in ("%0 = stablehlo.convert %a : (tensor<8x64xf64>) -> tensor<8x64xf32>
         refused.append("accepted")
     except RuntimeError as exc:
         refused.append(str(exc))
-json.dump({"rates": rates, "refused": refused, "fp16": fp16}, open(f"{folder}/misc.json", "w"))
+# BatchNorm's moments: the CPU's mode by default, and a mode set on a step after construction
+# (as jax_step_ablation.py sets it) reaches its trace. A fresh step each: jit keeps a trace.
+programs, default_mode = {}, None
+for mode in ("default", "two_pass", "shifted"):
+    s32 = TrainStep(wl16.replace(precision="fp32"), one)
+    if mode == "default":
+        default_mode = s32.bn_moments
+    else:
+        s32.bn_moments = mode
+    programs[mode] = s32._jitted.lower(s32.state, s32.frozen, images, labels).as_text()
+bn = {"default_mode": default_mode, "default_is_two_pass": programs["default"] == programs["two_pass"],
+      "shifted_differs": programs["shifted"] != programs["two_pass"]}
+json.dump({"rates": rates, "refused": refused, "fp16": fp16, "bn": bn},
+          open(f"{folder}/misc.json", "w"))
 """
 
 
@@ -364,6 +377,12 @@ def test_rate_schedule_and_refusals(jax_side):
     assert to_f32.startswith("a float64 step computes in f32: ")
     assert bf16.startswith("a float64 step computes in bf16: ")
     assert f64 == "accepted"
+
+
+def test_the_devices_batchnorm_moments_reach_the_traced_step(jax_side):
+    bn = json.loads((jax_side / "misc.json").read_text())["bn"]
+    assert bn["default_mode"] == "two_pass"  # BN_MOMENTS_BY_DEVICE["cpu"]
+    assert bn["default_is_two_pass"] and bn["shifted_differs"]
 
 
 def test_fp16_loss_scaling_skips_on_the_device(jax_side):

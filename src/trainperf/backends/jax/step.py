@@ -334,9 +334,11 @@ class TrainStep:
                 trainable["rows"] = rows
 
             def loss_fn(tr: dict):
-                out, updates = model.apply(
-                    {"params": tr["backbone"], "frozen": frozen, "batch_stats": stats}, images,
-                    rngs={"dropout": dropout_key}, mutable=["batch_stats"])
+                # Read when traced, so that a mode set after construction still applies.
+                with models.bn_moments(self.bn_moments):
+                    out, updates = model.apply(
+                        {"params": tr["backbone"], "frozen": frozen, "batch_stats": stats},
+                        images, rngs={"dropout": dropout_key}, mutable=["batch_stats"])
                 if head is None:
                     logits = models.at_least_fp32(out)
                     picked = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
@@ -423,8 +425,7 @@ class TrainStep:
     def compile(self, images: jax.Array, labels: jax.Array) -> None:
         """Lower and compile the step for these batch shapes (ahead of the first call); a
         float64 step's program is checked first (:meth:`check_program`)."""
-        with models.bn_moments(self.bn_moments):
-            lowered = self._jitted.lower(self.state, self.frozen, images, labels)
+        lowered = self._jitted.lower(self.state, self.frozen, images, labels)
         if self.dtype == jnp.float64:
             self.check_program(lowered.as_text())
         self._compiled = lowered.compile()
@@ -455,12 +456,8 @@ class TrainStep:
         return float(flops) if flops and flops > 0 else None
 
     def __call__(self, images: jax.Array, labels: jax.Array) -> jax.Array:
-        if self._compiled is not None:
-            out = self._compiled(self.state, self.frozen, images, labels)
-        else:
-            with models.bn_moments(self.bn_moments):  # the first call traces
-                out = self._jitted(self.state, self.frozen, images, labels)
-        self.state, loss, skipped, grads, recorded = out
+        fn = self._compiled if self._compiled is not None else self._jitted
+        self.state, loss, skipped, grads, recorded = fn(self.state, self.frozen, images, labels)
         if self.fp16:
             self.skipped.append(skipped)
         if self.expose_grads:
