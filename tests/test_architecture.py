@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, set[str]]] = [
                     "alignments", "records", "parities"}),
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
-    ("launch", {"envs", "rendezvous", "runner", "progress"}),
+    ("launch", {"envs", "rendezvous", "runner", "progress", "breakdown"}),
     ("report", {"report", "ingest"}),
     ("scenarios", {"plans", "search", "align", "train", "scale", "gpucheck", "parity"}),
     ("cli", {"cli"}),
@@ -43,7 +43,8 @@ WORKER_SHARED = {"trainperf.protocol", "trainperf.config", "trainperf.faults",
                  "trainperf.backends.workerkit", "trainperf.backends.loop",
                  "trainperf.backends.base", "trainperf.backends.catalog",
                  "trainperf.backends.scaling", "trainperf.backends.layouts",
-                 "trainperf.backends.spawn", "trainperf.data.feed", "trainperf.data.loading",
+                 "trainperf.backends.spawn", "trainperf.backends.phases",
+                 "trainperf.data.feed", "trainperf.data.loading",
                  "trainperf.data.shared_batches", "trainperf.data.layout",
                  "trainperf.data.recordio"}
 """What any framework's folder may import of trainperf besides itself (``spawn``: its

@@ -453,6 +453,29 @@ class Measure:
         return _from_dict(cls, d, "measure")
 
 
+@dataclass(frozen=True)
+class ProfileSpec:
+    """A profiled run (``run --breakdown`` / ``--trace``): after a case's timed runs, one more
+    run whose steps are split into phases (``trainperf.backends.phases``). It is never one of
+    the runs that the statistics are taken over."""
+
+    steps: int = 10
+    """Profiled steps, after ``Measure.warmup`` unprofiled ones."""
+    trace_dir: str | None = None
+    """Where the framework's own trace of the profiled steps goes (None: no trace)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 2:
+            raise ValueError(f"a breakdown needs at least 2 profiled steps, got {self.steps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ProfileSpec":
+        return _from_dict(cls, d, "profile")
+
+
 def _from_dict(cls, d: dict[str, Any], what: str):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known
@@ -498,6 +521,6 @@ def parse_bytes(text: str) -> int:
 
 
 __all__ = [
-    "Workload", "Tuning", "DataSpec", "TrainSpec", "AlignSpec", "Topology", "Measure", "FC_MODES",
+    "Workload", "Tuning", "DataSpec", "TrainSpec", "AlignSpec", "ProfileSpec", "Topology", "Measure", "FC_MODES",
     "PRECISIONS", "MARGINS", "parse_int_list", "parse_list", "parse_bytes", "parse_accuracy",
 ]

@@ -24,6 +24,8 @@ How a run goes
      real data (``spec.data``) also ``data_wait_s``, the host seconds it waited for its batch.
    - ``eval`` (:class:`Eval`, rank 0, training runs only, after every evaluation): the
      verification accuracies and how long the run has trained so far.
+   - ``phases`` (:class:`Phases`, rank 0, once, profiled runs only, before ``end``): the
+     profiled steps split into phases (see "Profiled runs").
    - ``end`` (:class:`End`, rank 0, once, after the last step): the window's figures.
    - ``error`` (:class:`Error`, any rank, when it fails): ``kind`` is ``oom`` for an
      out-of-memory, else ``exception``; ``message`` one line; ``traceback`` a list of lines.
@@ -56,6 +58,15 @@ except that the device is also synchronised around each evaluation and checkpoin
 outside every step's time. ``end`` then carries ``train``: the outcome and the whole curve.
 Training time is the sum of the step times, over every attempt of a resumed run.
 
+Profiled runs
+-------------
+A spec with ``profile`` (``trainperf.config.ProfileSpec``) asks for ``measure.warmup`` steps as
+usual, then ``profile.steps`` steps split into phases (``trainperf.backends.phases``), each
+phase closed by a device fence or a device event, inside the framework's own profiler. Its
+``step`` events carry the profiled steps' times; rank 0 writes one ``phases`` event
+(:class:`Phases`) before ``end``. The runner keeps such a run apart from the timed runs: the
+fences change the step, so its rate is never a result.
+
 Status
 ------
 The runner alone decides a run's status, from the events and how the processes ended: ``oom``
@@ -82,7 +93,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .config import AlignSpec, DataSpec, Measure, TrainSpec, Tuning, Workload
+from .config import AlignSpec, DataSpec, Measure, ProfileSpec, TrainSpec, Tuning, Workload
 
 PROTOCOL = "trainperf.protocol/v1"
 ERROR_KINDS = ("oom", "exception")
@@ -115,6 +126,8 @@ class RunSpec:
     ``step`` event carries ``data_wait_s``."""
     train: TrainSpec | None = None
     """Train to a verification accuracy (see "Training to accuracy"); None: a throughput run."""
+    profile: ProfileSpec | None = None
+    """A profiled run (see "Profiled runs"); None: a timed run."""
     protocol: str = PROTOCOL
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,7 +136,8 @@ class RunSpec:
                 "device": self.device, "threads": self.threads,
                 "align": self.align.to_dict() if self.align else None,
                 "data": self.data.to_dict() if self.data else None,
-                "train": self.train.to_dict() if self.train else None}
+                "train": self.train.to_dict() if self.train else None,
+                "profile": self.profile.to_dict() if self.profile else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunSpec":
@@ -138,7 +152,8 @@ class RunSpec:
                        d.get("threads"),
                        AlignSpec.from_dict(d["align"]) if d.get("align") else None,
                        DataSpec.from_dict(d["data"]) if d.get("data") else None,
-                       TrainSpec.from_dict(d["train"]) if d.get("train") else None)
+                       TrainSpec.from_dict(d["train"]) if d.get("train") else None,
+                       ProfileSpec.from_dict(d["profile"]) if d.get("profile") else None)
         except KeyError as exc:
             raise ProtocolError(f"spec lacks {exc.args[0]!r}") from None
 
@@ -252,6 +267,32 @@ class End(Event):
 
 
 @dataclass(kw_only=True)
+class Phases(Event):
+    """Written by rank 0 of a profiled run, before ``end``."""
+
+    KIND: ClassVar[str] = "phases"
+    method: str
+    """How the phases were told apart (the framework's profiler, fences, device events)."""
+    steps: list[dict[str, Any]]
+    """Every profiled step: ``seconds`` (the whole step), ``phases`` ({phase: seconds}, in the
+    order they ran) and ``variant`` (``""``; ``no_comm`` for a step run without the gradient
+    all-reduce, which tells how much of it the backward hides)."""
+    merged: dict[str, str] = field(default_factory=dict)
+    """{phase name joining several with ``+``: why the framework cannot split them}."""
+    head_has_backward: bool | None = None
+    """Whether ``head`` holds the head's backward (else ``backward`` does); None: no head."""
+    matmul_flops_per_s: float | None = None
+    """The framework's own square GEMM on this device, in the run's precision."""
+    matmul_what: str | None = None
+    collectives: dict[str, list[str]] | None = None
+    """{phase: the collectives the framework's profiler saw inside it}, where it tells."""
+    trace: str | None = None
+    """The framework's trace of the profiled steps (``profile.trace_dir``)."""
+    trace_open: str | None = None
+    """How to open ``trace``."""
+
+
+@dataclass(kw_only=True)
 class Eval(Event):
     """Written by rank 0 of a training run after each evaluation."""
 
@@ -323,7 +364,7 @@ class Exit(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {c.KIND: c
-                                       for c in (Start, Step, Eval, End, Error, Exit)}
+                                       for c in (Start, Step, Phases, Eval, End, Error, Exit)}
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

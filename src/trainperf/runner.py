@@ -17,16 +17,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import envs, outcome, protocol, results
+from . import breakdown, envs, outcome, protocol, results
 from .backends import get_backend
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
-from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, AlignSpec, DataSpec, Measure, Topology,
-                     TrainSpec, Tuning, Workload)
+from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, AlignSpec, DataSpec, Measure,
+                     ProfileSpec, Topology, TrainSpec, Tuning, Workload)
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
 from .progress import Progress, QuietProgress
-from .protocol import Event, ProtocolError, RunSpec, Start, Step
+from .protocol import Event, Phases, ProtocolError, RunSpec, Start, Step
 from .rendezvous import NodeGroup, RendezvousError, interface_of
 
 PEER_POLL_S = 1.0
@@ -74,6 +74,12 @@ class Plan:
     keeps its checkpoints in its own folder, so ``--resume`` goes on from them."""
     variant: str | None = None
     """What sets this plan apart in a training matrix (``mp fp32``, ``pfc0.1 bf16``)."""
+    profile_steps: int | None = None
+    """``--breakdown``: after each case's timed runs, one profiled run of this many steps
+    (``RunSpec.profile``), kept apart from the runs; None: none. Not a setting of the runs
+    (``settings``): a folder measured without it can be resumed with it."""
+    trace: bool = False
+    """``--trace``: the profiled run also writes the framework's trace into its folder."""
 
     def data_record(self) -> dict[str, Any]:
         """What the results say of the data: its source, and the loader settings asked for."""
@@ -152,6 +158,8 @@ class Runner:
         self.out = plan.out_dir
         self.events_path = self.out / "events.jsonl"
         self.records: dict[tuple[str, int], list[dict]] = {}
+        self.breakdowns: dict[tuple[str, int], dict] = {}
+        """Each case's profiled run, summarized (``breakdown.summarize``)."""
         self.start_events: dict[tuple[str, int], Start] = {}
         self.env: dict[str, Any] = {}
         self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
@@ -183,6 +191,8 @@ class Runner:
             key = (e.get("case"), e.get("batch"))
             if e.get("event") == "run_end":
                 self.records.setdefault(key, []).append(e["record"])
+            elif e.get("event") == "profile_end":
+                self.breakdowns[key] = e["breakdown"]
             elif e.get("event") == "start" and key not in self.start_events:
                 self.start_events[key] = protocol.decode(e)
             elif e.get("event") == "runner_start":
@@ -212,6 +222,8 @@ class Runner:
             cases.append(results.case_record(case.key, w.precision, runs,
                                              self.start_events.get(key),
                                              head=(w.num_classes, w.fc, w.sample_ratio)))
+            if key in self.breakdowns:
+                cases[-1]["breakdown"] = self.breakdowns[key]
         env = dict(self.env)
         if self.start_events:
             env.update(next(iter(self.start_events.values())).env)
@@ -283,6 +295,10 @@ class Runner:
                     runs.append(record)
                     self.write_results()
                     yield
+                if self.plan.profile_steps and key not in self.breakdowns:
+                    self.breakdowns[key] = self._run_one(case, 0, profile=True)
+                    self.write_results()
+                    yield
         finally:
             if self.group is not None:
                 self.group.close()
@@ -327,15 +343,25 @@ class Runner:
         self.progress.run_finished(label, record)
         return record
 
-    def _run_one(self, case: Case, run: int) -> dict:
+    def _run_one(self, case: Case, run: int, profile: bool = False) -> dict:
+        """Run ``run`` of ``case`` and return its record; with ``profile``, the case's profiled
+        run instead (outside the runs), and return its breakdown."""
+        what = "profile" if profile else f"run {run}"
         label = " ".join(filter(None, (self.plan.variant, case.key.name,
-                                      f"b{case.batch_size} run {run}")))
-        run_dir = self.out / "runs" / f"{case.key.name}_b{case.batch_size}_run{run}"
+                                      f"b{case.batch_size} {what}")))
+        run_dir = self.out / "runs" / (f"{case.key.name}_b{case.batch_size}_"
+                                       f"{'profile' if profile else f'run{run}'}")
         run_dir.mkdir(parents=True, exist_ok=True)
         spec_path, worker_events, log_path = (run_dir / "spec.json", run_dir / "events.jsonl",
                                               run_dir / "worker.log")
         worker_events.unlink(missing_ok=True)
         measure = self.plan.measure
+        profile_spec = None
+        if profile:
+            steps = self.plan.profile_steps or ProfileSpec().steps
+            profile_spec = ProfileSpec(steps, str((run_dir / "trace").resolve())
+                                       if self.plan.trace else None)
+            measure = replace(measure, runs=1, iters=measure.warmup + steps)
         train = self.plan.train
         if train is not None:
             train = train.replace(checkpoint_dir=str((run_dir / "checkpoints").resolve()))
@@ -343,14 +369,19 @@ class Runner:
                        self.plan.tuning, case.topology.device,
                        measure.threads or cpu_threads_per_process(case.topology.devices_per_node),
                        self.plan.align,
-                       self.plan.data, train)
+                       self.plan.data, train, profile_spec)
         results.write_json_atomic(spec_path, spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
+        if profile:
+            tags["profile"] = True
         cluster, cluster_path = None, None
         if case.topology.nnodes > 1:
             try:
                 cluster = self._meet(case, run_dir.name)
             except RendezvousError as exc:
+                if profile:
+                    return breakdown.summarize({}, results.run_record(run, [], "failed",
+                                                                      str(exc)))
                 return self._not_run(label, tags, str(exc))
             cluster_path = run_dir / "cluster.json"
             cluster_path.write_text(cluster.to_json(), encoding="utf-8")
@@ -436,8 +467,17 @@ class Runner:
             warnings.append(f"processes exited with code {proc.returncode} after the "
                             f"measurement: {log_tail(log_path, 3)}")
         record["warnings"] += warnings
-        self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
         self.progress.run_finished(label, record)
+        if profile:
+            phases = next((e for e in seen if isinstance(e, Phases)), None)
+            summary = breakdown.summarize(phases.to_dict() if phases else {}, record)
+            summary["folder"] = str(run_dir.relative_to(self.out))
+            if summary.get("trace"):  # the folder may move: where it lies inside it
+                summary["trace"] = os.path.relpath(summary["trace"], self.out.resolve())
+            self._append_event({"event": "profile_end", "t": time.time(), **tags,
+                                "breakdown": summary})
+            return summary
+        self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
         return record
 
     def _failed_peers(self, meeting: str) -> dict[int, dict]:

@@ -7,6 +7,7 @@ GPU names, and the way out."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import subprocess
@@ -17,9 +18,10 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from ..config import AlignSpec, Measure, Workload
 from ..faults import inject, parse_faults
-from ..protocol import End, Error, EventWriter, RunSpec, Start, Step
+from ..protocol import End, Error, EventWriter, Phases, RunSpec, Start, Step
 from .base import Backend, require
 from .loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop, use_short_switch_interval
+from .phases import NO_COMM, PhaseClock, delays_from_env, matmul_rate
 
 OOM_TEXTS = ("out of memory", "std::bad_alloc", "failed to allocate", "cannot allocate memory",
              "memory allocation failed", "cudaerrormemoryallocation", "resource_exhausted",
@@ -237,8 +239,62 @@ class FrameworkRun:
         return is_oom(exc)
 
     def run(self, events: EventWriter) -> None:
-        """The scenario the spec asks for: a measured run."""
+        """The scenario the spec asks for: a measured run (or a profiled one)."""
         measured_run(self, events)
+
+    # -- profiled runs (``RunSpec.profile``, ``phases``) --------------------------------------
+    phase_method = "phases closed by a device fence (the framework's sync) and the host clock"
+    """How this framework's phases are told apart (``Phases.method``)."""
+    merged_phases: dict[str, str] = {
+        "data+backbone_forward+head+backward+grad_comm+optimizer":
+            "this framework's worker does not split its step into phases"}
+    """{merged phase: why} for the phases ``profiled_step`` cannot split."""
+
+    def phase_stamp(self) -> Any:
+        """A point in the device's time (``phases.PhaseClock``): by default the device is
+        fenced and the host clock read."""
+        self.sync()
+        return time.perf_counter()
+
+    def phase_elapsed(self, begin: Any, end: Any) -> float:
+        return end - begin
+
+    def annotate(self, name: str) -> contextlib.AbstractContextManager:
+        """The framework profiler's named range for phase ``name``."""
+        return contextlib.nullcontext()
+
+    def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
+        """The framework's profiler around the profiled steps; with ``trace_dir`` it writes its
+        trace there and sets ``trace`` (the file) and ``trace_open`` (how to open it)."""
+        return contextlib.nullcontext()
+
+    trace: str | None = None
+    trace_open: str | None = None
+
+    def head_has_backward(self) -> bool | None:
+        """Whether the ``head`` phase holds the head's backward (``Phases.head_has_backward``)."""
+        return None
+
+    def can_skip_comm(self) -> bool:
+        """Whether ``profiled_step`` can run a step without the gradient all-reduce (``NO_COMM``)
+        to measure how much of it the backward hides."""
+        return False
+
+    def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> Any:
+        """Step ``index`` split into phases with ``clock.phase``; by default one merged phase."""
+        with clock.phase(next(iter(self.merged_phases))):
+            return self.step(index)
+
+    def matmul_rate(self) -> tuple[float, str] | None:
+        """(FLOP/s, what ran) of the framework's own square GEMM on this device."""
+        import numpy as np
+
+        a = np.ones((1024, 1024), dtype=np.float32)
+        return matmul_rate(lambda: a @ a, 2 * 1024**3, lambda: None), "numpy float32 1024^3"
+
+    def collectives_by_phase(self) -> dict[str, list[str]] | None:
+        """{phase: collectives the framework's profiler saw inside it}, after the profiled steps."""
+        return None
 
     def close(self) -> None:
         """After the run, failed or not (a process group to take down, say)."""
@@ -379,13 +435,12 @@ class RealData:
             feed.close()
 
 
-def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
-    """A throughput run (``trainperf.protocol``): the baseline memory and the CPU memory cap,
-    the framework's model and step, rank 0's ``start``, ``measure.iters`` steps in the
-    measured loop with each step's event as its time is known, the losses and memory read
-    after the window, rank 0's ``end``, and a last barrier so that no rank leaves while
-    another still talks to it. A fault planned at step ``iters`` strikes after ``end``, as a
-    crash at teardown."""
+def _prepare(fw: FrameworkRun, events: EventWriter) -> tuple[int, int, Callable[[], None],
+                                                               Callable[[], bool]]:
+    """What every run does before its steps: the spec checked against the framework's
+    declaration, the baseline memory and the CPU memory cap, the model and step, and rank 0's
+    ``start`` (now, or later through the returned ``write_start``). Returns (baseline, global
+    batch, write_start, started)."""
     spec = fw.spec
     workload, measure = spec.workload, spec.measure
     if fw.backend is not None:
@@ -396,11 +451,12 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
         limit_cpu_memory(measure.memory_limit_bytes)
     fw.build()
     global_batch = workload.batch_size * fw.world_size
-    started = False
+    state = {"started": False}
 
     def write_start() -> None:
-        nonlocal started
-        started = True
+        if state["started"]:
+            return
+        state["started"] = True
         if fw.rank != 0:
             return
         fields = fw.start_fields(baseline)
@@ -413,6 +469,77 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
 
     if not fw.start_after_first_step:
         write_start()
+    return baseline, global_batch, write_start, lambda: state["started"]
+
+
+def profiled_run(fw: FrameworkRun, events: EventWriter) -> None:
+    """A profiled run (``RunSpec.profile``): ``measure.warmup`` plain steps, then
+    ``profile.steps`` steps split into phases inside the framework's profiler, alternating with
+    steps that skip the gradient all-reduce where the framework can (``NO_COMM``). Every step
+    gets its ``step`` event; rank 0 writes ``phases`` and then ``end``, whose rate covers the
+    profiled steps (fenced: never a result)."""
+    spec = fw.spec
+    measure, profile = spec.measure, spec.profile
+    assert profile is not None
+    baseline, global_batch, write_start, _ = _prepare(fw, events)
+    faults = parse_faults(fw.world_size)
+    report = StepReporter(events, fw.rank, measure, global_batch, data_wait=fw.data_wait)
+    outputs: list[Any] = []
+    clock = PhaseClock(fw.phase_stamp, fw.phase_elapsed, fw.annotate, delays_from_env())
+    skip = fw.can_skip_comm()
+    try:
+        last = time.perf_counter()
+        for index in range(measure.warmup):
+            inject(faults, index, fw.rank, fw.oom_error)
+            outputs.append(fw.step(index))
+            fw.sync()
+            write_start()
+            now = time.perf_counter()
+            report([(index, now - last)])
+            last = now
+        fw.barrier()
+        with fw.profiler(profile.trace_dir):
+            for j in range(profile.steps):
+                index = measure.warmup + j
+                inject(faults, index, fw.rank, fw.oom_error)
+                variant = NO_COMM if skip and j % 2 else ""
+                with clock.step(variant):
+                    outputs.append(fw.profiled_step(index, clock, variant))
+        fw.sync()
+    finally:
+        write_start()
+    clock.check_delays()
+    records = clock.records()
+    report([(measure.warmup + j, r["seconds"]) for j, r in enumerate(records)])
+    report.check_complete()
+    losses = fw.read_losses(outputs)
+    memory = fw.memory_over_ranks()
+    rate = fw.matmul_rate() if fw.rank == 0 else None
+    if fw.rank == 0:
+        events.emit(Phases(method=fw.phase_method, steps=records, merged=dict(fw.merged_phases),
+                           matmul_flops_per_s=rate[0] if rate else None,
+                           matmul_what=rate[1] if rate else None,
+                           head_has_backward=fw.head_has_backward(),
+                           collectives=fw.collectives_by_phase(), trace=fw.trace,
+                           trace_open=fw.trace_open))
+        events.emit(End.of_window(sum(r["seconds"] for r in records), measure, global_batch,
+                                  losses, fw.skipped_steps(), final_loss_scale=fw.loss_scale(),
+                                  baseline_memory_bytes=baseline, **memory))
+    fw.barrier()
+
+
+def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
+    """A throughput run (``trainperf.protocol``): the baseline memory and the CPU memory cap,
+    the framework's model and step, rank 0's ``start``, ``measure.iters`` steps in the
+    measured loop with each step's event as its time is known, the losses and memory read
+    after the window, rank 0's ``end``, and a last barrier so that no rank leaves while
+    another still talks to it. A fault planned at step ``iters`` strikes after ``end``, as a
+    crash at teardown."""
+    spec = fw.spec
+    if spec.profile is not None:
+        return profiled_run(fw, events)
+    measure = spec.measure
+    baseline, global_batch, write_start, started = _prepare(fw, events)
     faults = parse_faults(fw.world_size)
 
     dump = spec.align.dump if spec.align is not None else None
@@ -430,12 +557,11 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
         return out
 
     on_steps = StepReporter(events, fw.rank, measure, global_batch,
-                            first=None if started else write_start, data_wait=fw.data_wait)
+                            first=None if started() else write_start, data_wait=fw.data_wait)
     try:
         window_s, outputs = fw.timed_loop(one_step, on_steps)
     except BaseException:
-        if not started:
-            write_start()
+        write_start()
         raise
     on_steps.check_complete()
     losses = fw.read_losses(outputs)

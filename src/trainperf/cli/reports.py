@@ -15,6 +15,9 @@ def register(sub) -> None:
     rep = sub.add_parser("report", help="tables and plots of one or more result folders")
     rep.add_argument("dirs", nargs="+")
     rep.add_argument("--out", help="folder for report.md and plots (default: the first DIR)")
+    rep.add_argument("--fabric", action="append", metavar="COMMBENCH",
+                     help="commbench.json (or its folder): set each breakdown's exposed "
+                          "communication against the fabric's prediction")
     rep.add_argument("--references", action="store_true",
                      help="add the matching published DLPerf rows beside each result")
     rep.set_defaults(handler=cmd_report)
@@ -41,7 +44,10 @@ def register(sub) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from ..report.assemble import write_report
 
-    path = write_report(args.dirs, Path(args.out or args.dirs[0]), args.references)
+    from ..scale.bottleneck import analyser
+
+    path = write_report(args.dirs, Path(args.out or args.dirs[0]), args.references,
+                        analyser(args.fabric))
     print(path.read_text(encoding="utf-8"))
     print(f"report: {path}")
     return EXIT_OK

@@ -65,6 +65,18 @@ def add_run_command_arguments(run: argparse.ArgumentParser) -> None:
     add_loader_options(run, "--data: ")
     run.add_argument("--no-synthetic-baseline", action="store_true",
                      help="--data: skip the synthetic (compute-only) twin of each case")
+    run.add_argument("--breakdown", action="store_true",
+                     help="after each case's runs, one more, profiled and outside the "
+                          "statistics: where the step's time goes, phase by phase, and what "
+                          "bounds it")
+    run.add_argument("--breakdown-steps", type=int, default=10, metavar="N",
+                     help="profiled steps of that run, after --warmup plain ones (default 10)")
+    run.add_argument("--fabric", action="append", metavar="COMMBENCH",
+                     help="--breakdown: commbench.json (or its folder) whose prediction the "
+                          "exposed communication is set against in the report")
+    run.add_argument("--trace", action="store_true",
+                     help="the profiled run (implies --breakdown) also writes the "
+                          "framework's own trace into its run folder")
 
 
 def _register_train(sub) -> None:
@@ -158,11 +170,14 @@ def print_frameworks(markdown: bool) -> int:
     return EXIT_OK
 
 
-def _report_and_exit(plans: list, docs: list[dict], out: Path, with_references: bool) -> int:
+def _report_and_exit(plans: list, docs: list[dict], out: Path, with_references: bool,
+                     fabric: list[str] | None = None) -> int:
     from ..report.assemble import write_report
     from ..results import all_runs_ok
+    from ..scale.bottleneck import analyser
 
-    path = write_report([str(p.out_dir) for p in plans], out, with_references=with_references)
+    path = write_report([str(p.out_dir) for p in plans], out, with_references=with_references,
+                        analyse=analyser(fabric))
     print(path.read_text(encoding="utf-8"))
     return EXIT_OK if all_runs_ok(docs) else EXIT_RUN_FAILED
 
@@ -172,6 +187,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..results import all_runs_ok
 
     plans = plan_from_args(args)
+    if args.fabric:
+        from ..scale.commbench import load_fabric
+
+        for path in args.fabric:  # a bad file is told now, not after the runs
+            load_fabric(path)
+    if args.breakdown or args.trace:
+        if args.breakdown_steps < 2:
+            raise ValueError(f"--breakdown-steps must be >= 2, got {args.breakdown_steps}")
+        for plan in plans:
+            plan.profile_steps, plan.trace = args.breakdown_steps, args.trace
     # With --data the real-data runs and their synthetic twin take turns.
     docs = run_plans(plans, bool(args.resume), take_turns=bool(args.data))
     if docs and all(doc.get("role") == "follower" for doc in docs):
@@ -184,7 +209,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               "holds the figures and the report")
         return EXIT_OK if ok else EXIT_RUN_FAILED
     code = _report_and_exit(plans, docs, report_dir(plans, args.resume),
-                            with_references=len({p.framework for p in plans}) > 1)
+                            with_references=len({p.framework for p in plans}) > 1,
+                            fabric=args.fabric)
     for plan in plans:
         print(f"results: {plan.out_dir / 'results.json'}")
     return code

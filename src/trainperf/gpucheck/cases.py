@@ -57,6 +57,12 @@ SEEDS_GPU: dict[str, list[Case]] = {
 }
 
 
+BREAKDOWN_CASES = ("R100 emore mp fp32", "R100 emore pfc 0.1 fp32", "RN50 v1b fp32")
+"""Cases that also get a profiled run (``run --breakdown``) on a GPU: where their step's time
+goes. The CPU mode leaves it out (its tiny steps say nothing a GPU's would)."""
+BREAKDOWN_STEPS = 10
+
+
 def tiny(case: Case) -> Case:
     """The CPU mode's stand-in for a GPU case: the same shape at a size a CPU runs in
     seconds."""

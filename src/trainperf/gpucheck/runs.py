@@ -102,4 +102,5 @@ def summarise(doc: dict, out_dir: Path, sampler: PowerSampler | None = None) -> 
                                       if r.get("predicted_peak_bytes")), None),
         "memory_model_error": c.get("memory_model_error"),
         "results_dir": str(out_dir), "runs": runs,
+        "breakdown": c.get("breakdown"),
     }

@@ -49,6 +49,8 @@ def run(log: StageLog, mode: str, work: Path, stage_id: str) -> None:
                      "nor nvidia-smi is available)")
         for case in cases.seeds(stage_id, mode):
             plan = plan_for(case, work, cases.measure(mode), device)
+            if mode == "gpu" and case.label in cases.BREAKDOWN_CASES:
+                plan.profile_steps = cases.BREAKDOWN_STEPS
             got = summarise(run_plan(plan), plan.out_dir, sampler)
             per_joule = [r["samples_per_j"] for r in got["runs"] if r.get("samples_per_j")]
             got.update(label=case.label, recipe=case.recipe, changes=case.changes,

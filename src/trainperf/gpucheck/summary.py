@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .. import references
+from ..backends.phases import label
 from ..devices import TFLOPS, effective_peak
 from ..report.markdown import fmt, gib, pct, table
 from ..results import write_json_atomic
@@ -181,6 +182,23 @@ def _tflops(value: float | None) -> str:
     return "-" if not value else f"{value / TFLOPS:.3g}"
 
 
+def breakdown_lines(s: dict) -> list[str]:
+    """Where the profiled cases' step time went (``run --breakdown``), one line per case."""
+    out = []
+    for c in items(s, "case"):
+        bd = c.get("breakdown")
+        if not bd:
+            continue
+        if bd.get("status") != "ok" or not bd.get("phases_s"):
+            out.append(f"- {c['label']}: no breakdown ({bd.get('error') or bd.get('status')})")
+            continue
+        parts = ", ".join(f"{label(n)} {1000 * v:.1f} ms ({pct(bd['shares'][n])})"
+                          for n, v in bd["phases_s"].items())
+        out.append(f"- {c['label']}: profiled step {1000 * bd['step_s']:.1f} ms: {parts}")
+    return (["", "Where the time goes (one profiled run per case, outside the statistics):", "",
+             *out]) if out else []
+
+
 def seeds_section(s: dict, cases_by_label: dict[str, dict], peers: list[dict]) -> list[str]:
     rows = []
     for item in items(s, "case"):
@@ -333,7 +351,7 @@ def render(doc: dict, files: list[str], left_out: list[str]) -> str:
         if sid == "1":
             body = ceiling_section(s)
         elif sid.startswith("3"):
-            body = seeds_section(s, cases, peers)
+            body = seeds_section(s, cases, peers) + breakdown_lines(s)
             if body and ceiling["measured"] and ceiling["from"] != "this check":
                 body += ["", f"MFU against the ceiling measured by stage 1 in {ceiling['from']}."]
             elif body and not ceiling["measured"]:

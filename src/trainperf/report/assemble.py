@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .. import results
+from .breakdown import Analyse, breakdown_section
 from .capacity import capacity_section
 from .classes import classes_section, plot_classes
 from .input import input_section
@@ -21,8 +22,10 @@ def is_search_dir(path: str | Path) -> bool:
     return (p / "search.json").exists() and not (p / "results.json").exists()
 
 
-def write_report(dirs: list[str], out: Path, with_references: bool = False) -> Path:
-    """Write ``out/report.md`` (and plots beside it) for result and search folders."""
+def write_report(dirs: list[str], out: Path, with_references: bool = False,
+                 analyse: Analyse | None = None) -> Path:
+    """Write ``out/report.md`` (and plots beside it) for result and search folders;
+    ``analyse``: what bounds a case with a breakdown (``scale.bottleneck.analyser``)."""
     searches = [d for d in dirs if is_search_dir(d)]
     docs = [results.load(d) for d in dirs if d not in searches]
     labels = unique_labels(docs)
@@ -38,6 +41,9 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False) -> P
     if training:
         extra.insert(0, training)
         plots = plot_training(docs, out) + plots
+    phases = breakdown_section(docs, labels, out, analyse) if docs else None
+    if phases:
+        extra.insert(0, phases)
     for d in searches:
         extra.append(capacity_section(json.loads((Path(d) / "search.json").read_text())))
     if with_references:

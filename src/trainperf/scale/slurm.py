@@ -382,9 +382,10 @@ def all_runs_ok(folder: Path) -> bool:
 def collect(out_dir: Path) -> tuple[Path, Path]:
     """Write ``out_dir/report.md`` from the leader's folder: (leader folder, report path)."""
     from ..report.assemble import write_report
+    from .bottleneck import analyser
 
     leader = find_leader(out_dir)
-    return leader, write_report([str(leader)], Path(out_dir), False)
+    return leader, write_report([str(leader)], Path(out_dir), False, analyser())
 
 
 def main(argv: list[str] | None = None) -> int:

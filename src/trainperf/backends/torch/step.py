@@ -44,9 +44,17 @@ class FaceModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.phase_clock = None
+        """A profiled step's ``PhaseClock`` while one runs through DDP (``dp``)."""
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(images), labels)
+        clock = self.phase_clock
+        if clock is None:
+            return self.head(self.backbone(images), labels)
+        with clock.phase("backbone_forward"):
+            embeddings = self.backbone(images)
+        with clock.phase("head"):
+            return self.head(embeddings, labels)
 
 
 def build_head(workload: Workload, ctx: DistContext) -> MarginSoftmaxHead:
@@ -153,14 +161,24 @@ class TrainStep:
             return self.model(images, labels)
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self._begin()
+        loss = self.forward_loss(images, labels)
+        scaler = self.scaler
+        (loss if scaler is None else scaler.scale_loss(loss)).backward()
+        self._update()
+        return loss.detach()
+
+    def _begin(self) -> None:
+        """Clear the gradients and set this step's rate."""
         lr = self.workload.lr_at(self.step_index)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
             for group in opt.param_groups:
                 group["lr"] = lr
-        loss = self.forward_loss(images, labels)
+
+    def _update(self) -> None:
+        """After the backward: loss scaling's check, clipping, the updates; the step is done."""
         scaler = self.scaler
-        (loss if scaler is None else scaler.scale_loss(loss)).backward()
         if scaler is not None:
             # Every gradient any optimizer applies, before clipping reads the backbone's.
             scaler.unscale_and_check_(self.optimizers)
@@ -178,6 +196,58 @@ class TrainStep:
         if scaler is not None:
             scaler.update()
         self.step_index += 1
+
+    def _ddp(self) -> DDP | None:
+        """The DDP module whose all-reduce carries the replicated gradients (None: one process)."""
+        if isinstance(self.model, DDP):
+            return self.model
+        backbone = getattr(self.model, "backbone", None)
+        return backbone if isinstance(backbone, DDP) else None
+
+    def profiled(self, images: torch.Tensor, labels: torch.Tensor, clock,
+                 skip_comm: bool = False) -> torch.Tensor:
+        """The same step as ``__call__``, phase by phase on ``clock`` (``backends.phases``);
+        ``skip_comm`` runs it under DDP's ``no_sync`` (no gradient all-reduce). Where the head
+        is outside DDP (one process, ``mp``, ``pfc``), its backward to the embeddings runs
+        inside ``head``, through a detached copy of them, and the backbone's backward after it
+        from their gradient; under DDP ``dp`` it runs with the backbone's in ``backward``."""
+        ddp = self._ddp()
+        # A context per use: no_sync's is a generator, good for one ``with``.
+        comm = ddp.no_sync if skip_comm and ddp is not None else contextlib.nullcontext
+        scaler = self.scaler
+        with clock.phase("optimizer"):
+            self._begin()
+        with comm(), self._autocast():
+            if self.head is None:
+                with clock.phase("backbone_forward"):
+                    logits = self.model(images)
+                with clock.phase("head"):
+                    loss = F.cross_entropy(at_least_fp32(logits), labels)
+                scaled = loss if scaler is None else scaler.scale_loss(loss)
+            elif self.model is ddp:
+                face = ddp.module
+                face.phase_clock = clock
+                try:
+                    loss = self.model(images, labels)
+                finally:
+                    face.phase_clock = None
+                scaled = loss if scaler is None else scaler.scale_loss(loss)
+            else:
+                with clock.phase("backbone_forward"):
+                    embeddings = self.model.backbone(images)
+                with clock.phase("head"):
+                    cut = embeddings.detach().requires_grad_()
+                    loss = self.model.head(cut, labels)
+                    (loss if scaler is None else scaler.scale_loss(loss)).backward()
+                scaled = None
+        with comm():
+            with clock.phase("backward"):
+                if scaled is not None:
+                    scaled.backward()
+                else:
+                    embeddings.backward(cut.grad)
+        with clock.phase("optimizer"):
+            self._update()
         return loss.detach()
 
     @property

@@ -10,14 +10,17 @@ TRAINPERF_FAULT injects failures at steps (``trainperf.faults``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from ..phases import NO_COMM, PhaseClock
 from ..workerkit import (FrameworkRun, StepState, StepTimes, align_dtype, breaks_margin,
                          dumps_state, leave, measured_run, worker_entry)
+from . import profiling
 from .alignment import load_start, step_state
 from .backend import BACKEND
 from .data import real_feed, synthetic_batch
@@ -109,6 +112,51 @@ class TorchRun(FrameworkRun):
 
     def read_losses(self, outputs: list) -> list[float]:
         return torch.stack(outputs).double().tolist()
+
+    # -- profiled runs ------------------------------------------------------------------------
+    merged_phases: dict[str, str] = {}
+
+    @property
+    def phase_method(self) -> str:
+        return profiling.method(self.ctx, self.train_step)
+
+    def phase_stamp(self) -> Any:
+        return profiling.stamp(self.ctx.device)
+
+    def phase_elapsed(self, begin: Any, end: Any) -> float:
+        return profiling.elapsed(begin, end)
+
+    def annotate(self, name: str) -> contextlib.AbstractContextManager:
+        return torch.profiler.record_function(f"trainperf/{name}")
+
+    def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
+        return profiling.Profiler(self, trace_dir)
+
+    def can_skip_comm(self) -> bool:
+        return self.distributed
+
+    def head_has_backward(self) -> bool | None:
+        step = self.train_step
+        if step.head is None:
+            return None
+        return step._ddp() is not step.model  # dp under DDP: the backward runs in backward
+
+    def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> torch.Tensor:
+        with clock.phase("data"):
+            if self.feed is None:
+                images, labels = self.images, self.labels
+            else:
+                images, labels = next(self.feed)
+                self.waits.append(self.feed.last_wait_s)
+        return self.train_step.profiled(images, labels, clock, skip_comm=variant == NO_COMM)
+
+    def matmul_rate(self) -> tuple[float, str]:
+        return profiling.matmul_rate(self.ctx.device, self.spec.workload.precision)
+
+    def collectives_by_phase(self) -> dict[str, list[str]] | None:
+        return self.collectives
+
+    collectives: dict[str, list[str]] | None = None
 
     def align_state(self) -> StepState:
         return step_state(self.train_step)
