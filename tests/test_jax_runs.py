@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -26,12 +27,18 @@ from trainperf import results
 from trainperf.cli import main
 from trainperf.envs import state
 from align_checks import align, assert_one_rank_with_controls, assert_strictly_aligned
-from run_util import left_behind
+from run_util import BREAKDOWN, assert_delay_lands, left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 ALIGN_COMPILE = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+COMPILED = {1: "backbone_forward+head+backward+optimizer",
+            2: "backbone_forward+head+backward+grad_comm+optimizer"}
+"""The phase a profiled run times its compiled step as, by world size."""
+DELAY_S = 1.0
+"""The sleep put in the compiled step of each profiled step: longer than run_util's, because
+two JAX ranks on a two-core machine take up to 1 s a step when other tests run."""
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +61,13 @@ def align_env(compile_env, monkeypatch):
 @pytest.fixture(scope="module")
 def mp_run(tmp_path_factory, jax_python, compile_env):
     out = tmp_path_factory.mktemp("jax_runs") / "tiny"
-    code = main(["run", "tiny-arcface", "--framework", "jax", "--devices", "1,2", "--fc", "mp",
-                 *SHORT, "--out", str(out)])
+    os.environ["TRAINPERF_PHASE_DELAY"] = ",".join(f"{name}={DELAY_S}"
+                                                   for name in COMPILED.values())
+    try:
+        code = main(["run", "tiny-arcface", "--framework", "jax", "--devices", "1,2", "--fc",
+                     "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
+    finally:
+        del os.environ["TRAINPERF_PHASE_DELAY"]
     return code, out
 
 
@@ -87,8 +99,27 @@ def test_mp_on_one_and_two_ranks_gives_results(mp_run):
     # Two ranks: the second rank ran with one intra-op thread, as the spec asked.
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     starts = [e for e in events if e.get("event") == "start"]
-    assert starts[1]["env"]["threads"] == 1
-    assert "--xla_cpu_multi_thread_eigen=false" in starts[1]["env"]["xla_flags"]
+    # Each case's timed run, then its profiled one (--breakdown).
+    assert [(s["world_size"], bool(s.get("profile"))) for s in starts] == [
+        (1, False), (1, True), (2, False), (2, True)]
+    assert starts[2]["env"]["threads"] == 1
+    assert "--xla_cpu_multi_thread_eigen=false" in starts[2]["env"]["xla_flags"]
+
+
+def test_breakdown_times_the_compiled_step_as_one_phase(mp_run):
+    """One XLA program per step: the profiled run tells apart only the batch (``data``) and
+    the compiled step, which holds the delay put in it. On 2 ranks the gradient psum is inside
+    the program, so it is named in the merged phase, never timed or measured on its own."""
+    _, out = mp_run
+    for case in results.load(out)["cases"]:
+        name = COMPILED[case["world_size"]]
+        bd = assert_delay_lands(case, name, DELAY_S)
+        assert list(bd["phases_s"]) == ["data", name, "other"]
+        assert list(bd["merged"]) == [name] and "one XLA program" in bd["merged"][name]
+        assert "jax.jit" in bd["method"] and bd["head_has_backward"] is True
+        assert bd["no_comm_steps"] == 0 and not bd["hidden_comm_measured"]
+        assert bd["matmul_flops_per_s"] > 0 and bd["matmul_what"].startswith("jnp.dot")
+        assert bd["trace"].endswith("perfetto_trace.json.gz") and (out / bd["trace"]).is_file()
 
 
 def test_strict_alignment_with_torch_and_its_controls(tmp_path, jax_python, align_env, capsys):

@@ -4,12 +4,14 @@ recorded as results with no process of the run left behind, the scheduler and se
 
 from __future__ import annotations
 
+import json
 
 import pytest
 
 from trainperf import results
+from trainperf.backends.phases import DELAY_ENV
 from trainperf.cli import main
-from run_util import left_behind
+from run_util import BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "6", "--warmup", "2", "--device", "cpu"]
@@ -108,3 +110,34 @@ def test_mxnet_refuses_what_it_does_not_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "kvstore device runs data parallel only (--fc dp); use dist_sync for --fc pfc" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_breakdown_splits_an_mp_step_into_phases(tmp_path, monkeypatch, mxnet_python):
+    """One profiled run (the fixture above runs torch too, and data parallel only): the
+    hand-written mp head runs its own backward and its collectives in ``head``; the gradient
+    pushpull runs in ``backward``, as the engine overlaps it there, and every other step skips
+    it to tell how much of it is not hidden. Every profiled step sleeps in its head: the sleep
+    must land there and in no timed run."""
+    out = tmp_path / "bd"
+    monkeypatch.setenv(DELAY_ENV, f"head={PHASE_DELAY_S}")
+    code = main(["run", "tiny-arcface", "--framework", "mxnet", "--devices", "2", "--fc", "mp",
+                 "--runs", "1", "--iters", "2", "--warmup", "1", "--device", "cpu", *BREAKDOWN,
+                 "--trace", "--out", str(out)])
+    assert code == 0
+    bd = assert_delay_lands(results.load(out)["cases"][0], "head")
+    assert bd["merged"] == {} and bd["head_has_backward"] is True
+    assert bd["method"].startswith("mx.profiler Task ranges")
+    assert list(bd["phases_s"]) == ["data", "backbone_forward", "head", "backward", "grad_comm",
+                                    "optimizer", "other"]
+    assert bd["hidden_comm_measured"] and bd["steps"] == bd["no_comm_steps"] == 2
+    push = ["KVStoreDistDefaultStoragePushPull"]
+    assert bd["collectives"] == {"head": push, "backward": push}
+    assert bd["matmul_what"] == "mx.nd.dot float32 1024^3"
+    trace = out / bd["folder"] / "trace"
+    assert sorted(f.name for f in trace.iterdir()) == ["mxnet-trace-rank0.json",
+                                                       "mxnet-trace-rank1.json"]
+    assert out / bd["trace"] == trace / "mxnet-trace-rank0.json"
+    events = json.loads((trace / "mxnet-trace-rank0.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("cat") == "trainperf"} == {
+        "data", "backbone_forward", "head", "backward", "optimizer"}
+    assert left_behind(tmp_path) == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from trainperf import envs, results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
 from align_checks import align, assert_strictly_aligned
-from run_util import left_behind
+from run_util import BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
@@ -32,8 +33,12 @@ SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, paddle_python):
     out = tmp_path_factory.mktemp("paddle_run") / "tiny"
-    code = main(["run", "tiny-arcface", "--framework", "paddle", "--devices", "1,2", "--fc",
-                 "mp", *SHORT, "--out", str(out)])
+    os.environ["TRAINPERF_PHASE_DELAY"] = f"head={PHASE_DELAY_S}"
+    try:
+        code = main(["run", "tiny-arcface", "--framework", "paddle", "--devices", "1,2", "--fc",
+                     "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
+    finally:
+        del os.environ["TRAINPERF_PHASE_DELAY"]
     return code, out
 
 
@@ -67,14 +72,36 @@ def test_events_say_what_ran(measured):
     _, out = measured
     starts = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
               if '"event": "start"' in line]
-    assert [s["world_size"] for s in starts] == [1, 2]
+    # Each case's timed run, then its profiled one (--breakdown).
+    assert [(s["world_size"], bool(s.get("profile"))) for s in starts] == [
+        (1, False), (1, True), (2, False), (2, True)]
     torch_params = sum(p.numel() for p in build_backbone(
         "iresnet_tiny", embedding_size=starts[0]["workload"]["embedding_size"]).parameters())
     for s in starts:
         assert s["backbone_params"] == torch_params
         assert s["pfc_update"] == "full" and s["workload"]["fc"] == "mp"
-    assert starts[1]["settings"]["gradient_allreduce"]["backend"] == "gloo"
-    assert starts[1]["env"]["collective_backend"] == "gloo"
+    assert starts[2]["settings"]["gradient_allreduce"]["backend"] == "gloo"
+    assert starts[2]["env"]["collective_backend"] == "gloo"
+
+
+def test_breakdown_splits_every_phase(measured):
+    """The profiled run splits the step without merging anything: the head (with its
+    hand-written backward) holds the delay put in it, and on 2 ranks the gradient all-reduce,
+    an explicit call after the backward, is timed as grad_comm rather than measured as hidden."""
+    _, out = measured
+    for case in results.load(out)["cases"]:
+        bd = assert_delay_lands(case, "head")
+        assert bd["merged"] == {} and bd["head_has_backward"] is True
+        assert "paddle.profiler RecordEvent" in bd["method"]
+        assert bd["no_comm_steps"] == 0 and not bd["hidden_comm_measured"]
+        expected = ["data", "backbone_forward", "head", "backward", "optimizer", "other"]
+        if case["world_size"] == 2:
+            expected.insert(4, "grad_comm")
+            assert bd["phases_s"]["grad_comm"] > 0
+        assert list(bd["phases_s"]) == expected
+        trace = json.loads((out / bd["trace"]).read_text())
+        ranges = {e.get("name", "").split("[")[0] for e in trace["traceEvents"]}
+        assert {f"trainperf/{name}" for name in expected[:-1]} <= ranges
 
 
 def test_aligned_in_float64_with_torch_on_two_ranks(tmp_path, paddle_python, capsys):

@@ -9,6 +9,7 @@ module-scoped run whose results several tests read, one alignment, one run of fa
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,18 +17,26 @@ import pytest
 from trainperf import results
 from trainperf.cli import main
 from align_checks import align, assert_strictly_aligned
-from run_util import left_behind
+from run_util import BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, left_behind
 
 pytestmark = pytest.mark.slow
 ITERS, WARMUP = 4, 1
 SHORT = ["--runs", "1", "--iters", str(ITERS), "--warmup", str(WARMUP), "--device", "cpu"]
+GRAPH = {1: "backbone_forward+head+backward+optimizer",
+         2: "backbone_forward+head+backward+grad_comm+optimizer"}
+"""The phase a profiled run times its step's graph as, by world size."""
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tf_python):
     out = tmp_path_factory.mktemp("tf_run") / "tiny"
-    code = main(["run", "tiny-arcface", "--framework", "tf", "--devices", "1,2", *SHORT,
-                 "--out", str(out)])
+    os.environ["TRAINPERF_PHASE_DELAY"] = ",".join(f"{name}={PHASE_DELAY_S}"
+                                                   for name in GRAPH.values())
+    try:
+        code = main(["run", "tiny-arcface", "--framework", "tf", "--devices", "1,2", *SHORT,
+                     *BREAKDOWN, "--trace", "--out", str(out)])
+    finally:
+        del os.environ["TRAINPERF_PHASE_DELAY"]
     return code, out
 
 
@@ -59,6 +68,23 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
     assert env["device_type"] == "cpu"
     assert doc["cases"][1]["speedup"] is not None
     assert left_behind(out) == []
+
+
+def test_breakdown_times_the_graph_as_one_phase(tiny_run):
+    """One tf.function graph per step: the profiled run tells apart only the batch (``data``)
+    and the graph, which holds the delay put in it. On 2 ranks the gradient all-reduce is
+    inside the graph, so it is named in the merged phase, never timed or measured on its
+    own."""
+    _, out = tiny_run
+    for case in results.load(out)["cases"]:
+        name = GRAPH[case["world_size"]]
+        bd = assert_delay_lands(case, name)
+        assert list(bd["phases_s"]) == ["data", name, "other"]
+        assert list(bd["merged"]) == [name] and "one tf.function graph" in bd["merged"][name]
+        assert "tf.profiler" in bd["method"] and bd["head_has_backward"] is True
+        assert bd["no_comm_steps"] == 0 and not bd["hidden_comm_measured"]
+        assert bd["matmul_flops_per_s"] > 0 and bd["matmul_what"].startswith("tf.linalg")
+        assert bd["trace"].endswith(".xplane.pb") and (out / bd["trace"]).is_file()
 
 
 def test_aligned_in_float64_on_two_ranks(tmp_path, tf_python):

@@ -31,6 +31,7 @@ inside the window: the losses (device arrays) are read after it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ...protocol import RunSpec
+from ..phases import PhaseClock, compiled_step_phase
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
                          dumps_state, environment, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
@@ -221,11 +223,15 @@ class JaxRun(FrameworkRun):
         return {"env": framework_env(self.layout, self.spec.threads), "settings": settings,
                 "backbone_params": step.param_count, "pfc_update": step.pfc_update}
 
+    def batch(self) -> tuple[Any, Any]:
+        """This step's (images, labels), global arrays over the ranks."""
+        if self.real is None:
+            return self.images, self.labels
+        batches = dict(zip(self.layout.local_ranks, self.real.next()))
+        return self.layout.per_rank(batches.__getitem__)
+
     def step(self, index: int) -> Any:
-        if self.real is not None:
-            batches = dict(zip(self.layout.local_ranks, self.real.next()))
-            return self.train_step(*self.layout.per_rank(batches.__getitem__))
-        return self.train_step(self.images, self.labels)
+        return self.train_step(*self.batch())
 
     def wait(self, markers) -> None:
         import jax
@@ -248,6 +254,50 @@ class JaxRun(FrameworkRun):
     def read_losses(self, outputs: list) -> list[float]:
         """This rank's losses (device arrays until now)."""
         return [float(self.layout.local_value(loss)[0]) for loss in outputs]
+
+    # -- profiled runs (``profiling.py``) -------------------------------------------------------
+    @property
+    def phase_method(self) -> str:  # type: ignore[override]
+        from .profiling import METHOD
+
+        return METHOD
+
+    @property
+    def merged_phases(self) -> dict[str, str]:  # type: ignore[override]
+        from .profiling import merged_phases
+
+        return merged_phases(self.world_size)
+
+    def annotate(self, name: str) -> contextlib.AbstractContextManager:
+        from .profiling import annotate
+
+        return annotate(name)
+
+    def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
+        from .profiling import profiler
+
+        return profiler(self, trace_dir)
+
+    def head_has_backward(self) -> bool | None:
+        # The compiled phase holds the head and its backward alike.
+        return None if self.train_step.head is None else True
+
+    def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> Any:
+        import jax
+
+        with clock.phase("data"):
+            batch = self.batch()
+            # A real batch's copy and normalisation are queued on the device: finish them
+            # here, or they would count in the compiled step.
+            jax.block_until_ready(batch)
+        with clock.phase(compiled_step_phase(self.world_size)):
+            loss = self.train_step(*batch)
+        return loss
+
+    def matmul_rate(self) -> tuple[float, str]:
+        from .profiling import matmul_rate
+
+        return matmul_rate(self.layout.devices[self.rank], self.spec.workload.precision)
 
     def align_state(self) -> StepState:
         from .alignment import step_state

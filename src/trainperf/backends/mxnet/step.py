@@ -323,27 +323,46 @@ class TrainStep:
                                                  dtype="float32")
         return arr
 
-    def _forward_backward(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]],
-                          grad_scale: float) -> list[mx.nd.NDArray]:
+    def _check(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]]) -> None:
         if len(batches) != len(self.contexts):
             raise ValueError(f"{len(batches)} batches for {len(self.contexts)} contexts")
+
+    def _class_loss(self, outs: list[mx.nd.NDArray], batches: Sequence[tuple],
+                    grad_scale: float) -> tuple[list[mx.nd.NDArray], list[mx.nd.NDArray]]:
+        """Classification's losses and the scaled ones to differentiate (inside the record)."""
+        # The loss in float32 from fp16 logits, in the run's dtype otherwise.
+        losses = [-mx.nd.mean(mx.nd.pick(mx.nd.log_softmax(out.astype(self.dtype), axis=1),
+                                         labels, axis=1))
+                  for out, (_, labels) in zip(outs, batches)]
+        return losses, [loss * grad_scale for loss in losses] if grad_scale != 1.0 else losses
+
+    def _face_head(self, outs: list[mx.nd.NDArray], batches: Sequence[tuple],
+                   grad_scale: float) -> tuple[list[mx.nd.NDArray], list[mx.nd.NDArray]]:
+        """The face heads' losses and the embeddings' gradients (their own backward included)."""
+        results = [head.forward_backward(out, labels, grad_scale)
+                   for head, out, (_, labels) in zip(self.heads, outs, batches)]
+        return [loss for loss, _ in results], [grad for _, grad in results]
+
+    def _backward(self, outs: list[mx.nd.NDArray], upstream: list[mx.nd.NDArray]) -> None:
+        """The backbone's backward from the face head's embedding gradients, or from the
+        scaled classification losses."""
+        if self.heads:
+            autograd.backward(outs, head_grads=upstream)
+        else:
+            autograd.backward(upstream)
+        if self.running is not None:
+            self.running.update()  # after the backward pass that left the batch statistics
+
+    def _forward_backward(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]],
+                          grad_scale: float) -> list[mx.nd.NDArray]:
+        self._check(batches)
         with autograd.record():
             outs = [self.net(images) for images, _ in batches]
             if not self.heads:
-                # The loss in float32 from fp16 logits, in the run's dtype otherwise.
-                losses = [-mx.nd.mean(mx.nd.pick(mx.nd.log_softmax(out.astype(self.dtype),
-                                                                   axis=1), labels, axis=1))
-                          for out, (_, labels) in zip(outs, batches)]
-                scaled = [loss * grad_scale for loss in losses] if grad_scale != 1.0 else losses
+                losses, upstream = self._class_loss(outs, batches, grad_scale)
         if self.heads:
-            results = [head.forward_backward(out, labels, grad_scale)
-                       for head, out, (_, labels) in zip(self.heads, outs, batches)]
-            autograd.backward(outs, head_grads=[grad for _, grad in results])
-            losses = [loss for loss, _ in results]
-        else:
-            autograd.backward(scaled)
-        if self.running is not None:
-            self.running.update()  # after the backward pass that left the batch statistics
+            losses, upstream = self._face_head(outs, batches, grad_scale)
+        self._backward(outs, upstream)
         return losses
 
     def _all_finite(self) -> bool:
@@ -489,4 +508,31 @@ class TrainStep:
                  ) -> mx.nd.NDArray:
         losses = self.compute_gradients(batches)
         self.apply(losses)
+        return losses[0]
+
+    def profiled(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]], clock: Any,
+                 skip_comm: bool = False) -> mx.nd.NDArray:
+        """The same step as ``__call__``, phase by phase on ``clock`` (``backends.phases``),
+        whose stamps fence the engine. The face head computes its own backward to the
+        embeddings, so ``head`` holds it. The gradient sum is queued right after the backward,
+        as ``__call__`` queues it, inside ``backward``: the engine starts a gradient's pushpull
+        as soon as the backward has written it. ``skip_comm`` leaves the sum out, to measure
+        how much of it the backward hides (``phases.NO_COMM``)."""
+        self._check(batches)
+        grad_scale = self.loss_scale if self.fp16 else 1.0
+        with autograd.record():
+            with clock.phase("backbone_forward"):
+                outs = [self.net(images) for images, _ in batches]
+            if not self.heads:
+                with clock.phase("head"):
+                    losses, upstream = self._class_loss(outs, batches, grad_scale)
+        if self.heads:
+            with clock.phase("head"):
+                losses, upstream = self._face_head(outs, batches, grad_scale)
+        with clock.phase("backward"):
+            self._backward(outs, upstream)
+            if not skip_comm:
+                self.comm.sum_(self._keys, self._reduced_grads)
+        with clock.phase("optimizer"):
+            self.apply(losses)
         return losses[0]

@@ -8,13 +8,19 @@ Timing: ``trainperf.backends.loop`` (MXNet runs every operation asynchronously o
 a step's markers are small arrays that become ready when the step's last update has run
 (``TrainStep.markers``), waited on with ``wait_to_read``, which releases the GIL.
 
+Profiled runs (``spec.profile``, ``--breakdown``): ``TrainStep.profiled`` runs the same step
+phase by phase, each phase fenced by ``mx.nd.waitall`` and named in MXNet's profiler
+(``profiling.py``).
+
 Strict alignment (``spec.align``): the start file's weights and batches, the run in the spec's
 dtype, and after every step the state ``workerkit`` dumps (``align_state``, ``alignment.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 import sys
 
@@ -24,7 +30,8 @@ from ...config import Tuning
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment,
                          cudnn_version, load_init, memory_fields, rss_now_bytes, rss_peak_bytes,
                          worker_entry)
-from . import models
+from ..phases import NO_COMM, PhaseClock
+from . import models, profiling
 from .alignment import step_state
 from .backend import BACKEND
 from .comm import Comm, comm_from_env
@@ -180,6 +187,42 @@ class MXNetRun(FrameworkRun):
     def gather_floats(self, values: list[float]) -> list[list[float]]:
         mine = mx.nd.array([values], ctx=mx.cpu(), dtype="float64")
         return self.comm.all_gather("worker/floats", mine).asnumpy().tolist()
+
+    # -- profiled runs ------------------------------------------------------------------------
+    merged_phases: dict[str, str] = {}
+    collectives: dict[str, list[str]] | None = None
+
+    @property
+    def phase_method(self) -> str:
+        return profiling.method(self.comm.world_size > 1, bool(self.train_step.heads))
+
+    @functools.cached_property
+    def ranges(self) -> profiling.Ranges:
+        return profiling.Ranges()
+
+    def annotate(self, name: str) -> contextlib.AbstractContextManager:
+        return self.ranges(name)
+
+    def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
+        return profiling.Profiler(self, trace_dir)
+
+    def head_has_backward(self) -> bool | None:
+        return True if self.train_step.heads else None
+
+    def can_skip_comm(self) -> bool:
+        return self.comm.world_size > 1
+
+    def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> mx.nd.NDArray:
+        with clock.phase("data"):
+            batches = self.real.next() if self.real is not None else self.batches
+        return self.train_step.profiled(batches, clock, skip_comm=variant == NO_COMM)
+
+    def matmul_rate(self) -> tuple[float, str]:
+        step = self.train_step
+        return profiling.matmul_rate(self.comm.contexts[0], "float16" if step.fp16 else "float32")
+
+    def collectives_by_phase(self) -> dict[str, list[str]] | None:
+        return self.collectives
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,9 @@ momentum, rate and weight decay as 32-bit floats, and its DDP takes float32 para
 ``keep_grad_norm`` keeps each step's gradient norm before clipping
 (:attr:`TrainStep.last_grad_norm`), also where the workload does not clip.
 
+Profiled steps (``run --breakdown``): :meth:`TrainStep.profiled` runs the same step split into
+phases (``backends.phases``); ``profiling.py`` says how they are timed.
+
 Precision: fp32 only; ``fp16`` and ``bf16`` are refused (the backend's declaration,
 :func:`check_workload`). OneFlow's eager mode has autocast but no dynamic loss scaler (its
 ``GradScaler`` serves ``nn.Graph`` only), and a hand-written one could not be run here (no
@@ -98,9 +101,23 @@ class FaceModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.phase_clock = None
+        """A profiled step's ``PhaseClock`` while one runs through DDP (``dp`` on several
+        ranks): DDP's hooks belong to this module's call, so the split must happen inside it."""
 
     def forward(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
-        return self.head(self.backbone(images), labels)
+        clock = self.phase_clock
+        if clock is None:
+            return self.head(self.backbone(images), labels)
+        with clock.phase("backbone_forward"):
+            embeddings = self.backbone(images)
+        with clock.phase("head"):
+            return self.head(embeddings, labels)
+
+
+def _local(loss: flow.Tensor) -> flow.Tensor:
+    """A step's result: this rank's copy of the loss, out of the graph."""
+    return (loss.to_local() if loss.is_global else loss).detach()
 
 
 DTYPE_NAMES = {flow.float32: "float32", flow.float64: "float64"}
@@ -213,26 +230,34 @@ class TrainStep:
                 "sgd_fused": self.optimizers[0].param_groups[0]["fused"],
                 "amp": None, "loss_scaling": None}
 
+    def _summed(self, grad: flow.Tensor) -> flow.Tensor:
+        """The embeddings' gradient times the world size: DDP's average of the backbone's
+        gradient is then the sum the sharded head's loss needs (module docstring)."""
+        return grad * float(self.dist.world_size)
+
     def forward_loss(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
         if not self.sharded:
             return self.model(images, labels)
         emb = self.embedding_model(images)
         if self.dist.distributed:
-            world = float(self.dist.world_size)
-            emb.register_hook(lambda grad: grad * world)
+            emb.register_hook(self._summed)
         return self.head(emb, labels)
 
-    def compute_gradients(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
-        """Forward and backward with this step's rate set; returns the loss tensor (global in
-        mp and pfc). Afterwards every gradient is reduced over ranks (or queued to be: OneFlow
-        orders the all-reduces before anything that reads them); :meth:`apply` clips and
-        steps."""
+    def _begin(self) -> None:
+        """Zero the gradients and set this step's rate."""
         lr = self.workload.lr_at(self.step_index)
         for opt in self.optimizers:
             # In place, not None: DDP's gradients are views into its all-reduce buckets.
             opt.zero_grad(set_to_none=False)
             for group in opt.param_groups:
                 group["lr"] = lr
+
+    def compute_gradients(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
+        """Forward and backward with this step's rate set; returns the loss tensor (global in
+        mp and pfc). Afterwards every gradient is reduced over ranks (or queued to be: OneFlow
+        orders the all-reduces before anything that reads them); :meth:`apply` clips and
+        steps."""
+        self._begin()
         loss = self.forward_loss(images, labels)
         loss.backward()
         if self.data_parallel is not None:
@@ -257,7 +282,67 @@ class TrainStep:
     def __call__(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
         loss = self.compute_gradients(images, labels)
         self.apply()
-        return (loss.to_local() if loss.is_global else loss).detach()
+        return _local(loss)
+
+    # -- profiled steps (``backends.phases``) -------------------------------------------------
+    @property
+    def ddp(self) -> nn.Module | None:
+        """The module under OneFlow's DDP, whose hooks all-reduce the replicated gradients
+        during the backward (None: one process, or a float64 run's ``exact.DataParallel``)."""
+        module = self.model if not self.sharded else self.embedding_model
+        return module if getattr(module, "_is_ddp_module", False) else None
+
+    @property
+    def head_in_backward(self) -> bool:
+        """Whether the head's backward runs with the backbone's (``dp`` under DDP)."""
+        return self.model is not None and self.dist.distributed
+
+    def _skip_all_reduce(self) -> None:
+        """Let the coming backward reduce nothing. OneFlow 0.9's DDP has no ``no_sync``: its
+        hooks skip every bucket they find marked reduced (the second flag of each parameter's
+        state, which every forward clears), and still scale each gradient by 1 / world size."""
+        for state in self.ddp._ddp_state_for_reversed_params.values():
+            state[1] = True
+
+    def profiled(self, images: flow.Tensor, labels: flow.Tensor, clock: Any,
+                 skip_comm: bool = False) -> flow.Tensor:
+        """The same step as ``__call__``, phase by phase on ``clock`` (``backends.phases``);
+        ``skip_comm`` runs its backward without DDP's all-reduce. Where the head is outside DDP
+        (one process, ``mp``, ``pfc``) its backward to the embeddings runs inside ``head``,
+        through a detached copy of them, and the backbone's backward after it from their
+        gradient; under DDP (``dp`` on several ranks) it runs with the backbone's in
+        ``backward``."""
+        with clock.phase("optimizer"):
+            self._begin()
+        if self.head_in_backward:
+            face = self.model.module if self.data_parallel is not None else self.model
+            face.phase_clock = clock
+            try:
+                loss = self.model(images, labels)
+            finally:
+                face.phase_clock = None
+        else:
+            with clock.phase("backbone_forward"):
+                emb = self.embedding_model(images)
+            with clock.phase("head"):
+                cut = emb.detach().requires_grad_()
+                loss = self.head(cut, labels)
+                loss.backward()
+        if skip_comm:
+            self._skip_all_reduce()
+        with clock.phase("backward"):
+            if self.head_in_backward:
+                loss.backward()
+            else:
+                # OneFlow runs no hook of the tensor a backward starts from: the scaling
+                # that forward_loss hooks on the embeddings is applied here.
+                emb.backward(self._summed(cut.grad) if self.dist.distributed else cut.grad)
+        if self.data_parallel is not None:
+            with clock.phase("grad_comm"):
+                self.data_parallel.average_gradients()
+        with clock.phase("optimizer"):
+            self.apply()
+        return _local(loss)
 
     @property
     def pfc_update(self) -> str:

@@ -13,6 +13,7 @@ machine (``Dist.sync``). Losses stay on the device until the window has ended.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -28,7 +29,8 @@ import oneflow as flow  # noqa: E402
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
                          cudnn_version, dumps_state, environment, load_init, memory_fields,
                          rss_now_bytes, rss_peak_bytes, worker_entry)
-from . import models
+from ..phases import NO_COMM, PhaseClock
+from . import models, profiling
 from .alignment import step_state
 from .backend import BACKEND
 from .dist import Dist, dist_from_env
@@ -156,6 +158,36 @@ class OneFlowRun(FrameworkRun):
 
     def read_losses(self, outputs: list) -> list[float]:
         return [float(v) for v in flow.stack([loss.reshape(()) for loss in outputs]).numpy()]
+
+    # -- profiled runs (``profiling.py``) ------------------------------------------------------
+    merged_phases: dict[str, str] = {}
+
+    @property
+    def phase_method(self) -> str:
+        return profiling.method(self.dist, self.train_step)
+
+    def annotate(self, name: str) -> contextlib.AbstractContextManager:
+        return profiling.annotate(name)
+
+    def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
+        return profiling.profiler(trace_dir if self.rank == 0 else None)
+
+    def head_has_backward(self) -> bool:
+        return not self.train_step.head_in_backward
+
+    def can_skip_comm(self) -> bool:
+        return self.train_step.ddp is not None
+
+    def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> flow.Tensor:
+        with clock.phase("data"):
+            if self.real is not None:
+                images, labels = self.real.next()[0]
+            else:
+                images, labels = self.images, self.labels
+        return self.train_step.profiled(images, labels, clock, skip_comm=variant == NO_COMM)
+
+    def matmul_rate(self) -> tuple[float, str]:
+        return profiling.matmul_rate(self.dist)
 
     def align_state(self) -> StepState:
         return step_state(self.train_step)

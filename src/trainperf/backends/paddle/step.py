@@ -32,6 +32,9 @@ torch's SGD exactly (the rate is set before every step from ``lr_steps``/``lr_sc
 class matrix is updated by the head itself (``MarginSoftmaxHead.sgd_step``: the same formula,
 or per sampled row).
 
+Profiled steps (``run --breakdown``): :meth:`TrainStep.profiled` runs the same pieces as
+``__call__``, each in its phase (``backends.phases``); none is merged.
+
 Alignment runs (``trainperf.config.AlignSpec``, ``TrainStep(align=...)``) hold and compute
 everything in the asked dtype: the backbone is built with that default dtype (parameters and
 BatchNorm statistics), the batch, the head and its momentum are made in it. Where Paddle's own
@@ -66,6 +69,7 @@ import paddle.nn.functional as F
 
 from ...config import AlignSpec, Tuning, Workload
 from ..base import require
+from ..phases import PhaseClock
 from ..scaling import LossScale
 from ..workerkit import breaks_margin, computes_in, dumps_state, start_batch
 from . import models
@@ -250,17 +254,34 @@ class TrainStep:
                          grad_scale: float = 1.0) -> paddle.Tensor:
         """Forward and backward of this rank's batch (gradients times ``grad_scale``, no
         reduction, no update); returns the loss."""
+        out = self.backbone_forward(images)
+        loss, root, grad = self.head_loss(out, labels, grad_scale)
+        self.backward_from(root, grad)
+        return loss
+
+    def backbone_forward(self, images: paddle.Tensor) -> paddle.Tensor:
         with self._autocast():
-            out = self.net(images)
+            return self.net(images)
+
+    def head_loss(self, out: paddle.Tensor, labels: paddle.Tensor, grad_scale: float
+                  ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor | None]:
+        """(loss, root, gradient): where the backbone's backward starts. A face head runs its
+        forward and its hand-written backward to the embeddings ``out`` (the root, with their
+        gradient); classification's root is the loss itself, times ``grad_scale``."""
         if self.head is None:
             # Half-precision logits go to float32; float64 ones (alignment) stay.
             loss = F.cross_entropy(out if out.dtype == paddle.float64 else out.astype("float32"),
                                    labels)
-            (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+            return loss, (loss * grad_scale if grad_scale != 1.0 else loss), None
+        loss, grad = self.head.forward_backward(out, labels, grad_scale)
+        return loss, out, grad
+
+    @staticmethod
+    def backward_from(root: paddle.Tensor, grad: paddle.Tensor | None) -> None:
+        if grad is None:
+            root.backward()
         else:
-            loss, grad = self.head.forward_backward(out, labels, grad_scale)
-            paddle.autograd.backward([out], [grad])
-        return loss
+            paddle.autograd.backward([root], [grad])
 
     @paddle.no_grad()
     def _reduce(self) -> None:
@@ -347,4 +368,26 @@ class TrainStep:
         self.apply()
         # The loop keeps every step's loss until its window ends: an attached one would keep
         # its step's autograd graph (and the memory it holds) alive with it.
+        return loss.detach()
+
+    def profiled(self, images: paddle.Tensor, labels: paddle.Tensor, clock: PhaseClock
+                 ) -> paddle.Tensor:
+        """The step of ``__call__`` phase by phase on ``clock`` (``backends.phases``). The
+        gradient all-reduce is a call of its own after the backward, so ``grad_comm`` holds all
+        of it; fp16's overflow vote belongs to loss scaling and runs in ``optimizer``, with the
+        clip, the updates and the zeroing of the gradients (which end the step, as in
+        ``apply``)."""
+        self._grad_scale = self.loss_scale if self.fp16 else 1.0
+        with clock.phase("backbone_forward"):
+            out = self.backbone_forward(images)
+        with clock.phase("head"):
+            loss, root, grad = self.head_loss(out, labels, self._grad_scale)
+        with clock.phase("backward"):
+            self.backward_from(root, grad)
+        if self.comm.distributed:
+            with clock.phase("grad_comm"):
+                self._reduce()
+        with clock.phase("optimizer"):
+            self._bad = self._overflow() if self.fp16 else None
+            self.apply()
         return loss.detach()

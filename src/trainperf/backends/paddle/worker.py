@@ -13,21 +13,26 @@ for it by polling ``Event.query()`` between short sleeps (a sleep releases the G
 thread queues the next step meanwhile, whether or not ``Event.synchronize()`` would have); the
 window's edges wait with ``paddle.device.synchronize()``.
 
+Profiled runs (``run --breakdown``): :meth:`TrainStep.profiled` runs the same step phase by
+phase; ``profiling.py`` says how they are timed and traced.
+
 A finished worker leaves with ``os._exit`` once its events are written: Paddle's interpreter
 teardown costs about a second per process and decides nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import numpy as np
 import paddle
 
+from ..phases import PhaseClock
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment, leave,
                          load_init, memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
-from . import models
+from . import models, profiling
 from .alignment import step_state
 from .backend import BACKEND, CUDNN_SEARCH_FLAG
 from .comm import Comm, comm_from_env
@@ -156,6 +161,32 @@ class PaddleRun(FrameworkRun):
     def read_losses(self, outputs: list) -> list[float]:
         # float64 holds a float32 loss exactly and an alignment run's float64 one as it is.
         return [float(v) for v in paddle.stack(outputs).astype("float64").numpy()]
+
+    # -- profiled runs ------------------------------------------------------------------------
+    merged_phases: dict[str, str] = {}
+    # can_skip_comm stays False: the all-reduce never overlaps the backward, grad_comm times it.
+
+    @property
+    def phase_method(self) -> str:
+        return profiling.method(self.comm, self.train_step)
+
+    def annotate(self, name: str) -> contextlib.AbstractContextManager:
+        return profiling.annotate(name)
+
+    def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
+        return profiling.Profiler(self, trace_dir)
+
+    def head_has_backward(self) -> bool | None:
+        return None if self.train_step.head is None else True
+
+    def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> paddle.Tensor:
+        with clock.phase("data"):
+            images, labels = (self.real.next()[0] if self.real is not None
+                              else (self.images, self.labels))
+        return self.train_step.profiled(images, labels, clock)
+
+    def matmul_rate(self) -> tuple[float, str]:
+        return profiling.matmul_rate(self.comm, self.spec.workload.precision)
 
     def align_state(self) -> StepState:
         return step_state(self.train_step)

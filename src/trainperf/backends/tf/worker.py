@@ -26,16 +26,18 @@ gradient norm and rate the step kept on the device (``TrainStep(keep_state=True)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import numpy as np
 import tensorflow as tf
 
+from ..phases import PhaseClock, compiled_step_phase
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
                          dumps_state, environment, leave, load_init, memory_fields, rss_now_bytes,
                          rss_peak_bytes, worker_entry)
-from . import models
+from . import models, profiling
 from .backend import BACKEND
 from .comm import Comm
 from .step import TrainStep, init_batch, synthetic_batch
@@ -157,10 +159,16 @@ class TFRun(FrameworkRun):
                 "backbone_params": models.param_count(step.backbone),
                 "pfc_update": step.pfc_update}
 
+    def batch(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """This step's (images, labels) on the device."""
+        return self.real.next()[0] if self.real is not None else (self.images, self.labels)
+
     def step(self, index: int) -> tuple:
+        return self._run_step(index, self.batch())
+
+    def _run_step(self, index: int, batch: tuple[tf.Tensor, tf.Tensor]) -> tuple:
         t0 = time.perf_counter()
-        out = self.train_step(*(self.real.next()[0] if self.real is not None
-                                else (self.images, self.labels)))
+        out = self.train_step(*batch)
         if index == 0:
             self.compile_s = time.perf_counter() - t0
         self.outputs.append(out)
@@ -189,6 +197,32 @@ class TFRun(FrameworkRun):
 
     def read_losses(self, outputs: list) -> list[float]:
         return [float(v) for v in tf.stack([o[0] for o in outputs]).numpy()]
+
+    # -- profiled runs (``profiling.py``) -------------------------------------------------------
+    phase_method = profiling.METHOD
+
+    @property
+    def merged_phases(self) -> dict[str, str]:  # type: ignore[override]
+        return profiling.merged_phases(self.world_size)
+
+    def annotate(self, name: str) -> contextlib.AbstractContextManager:
+        return profiling.annotate(name)
+
+    def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
+        return profiling.profiler(self, trace_dir)
+
+    def head_has_backward(self) -> bool | None:
+        # The graph's phase holds the head and its backward alike.
+        return None if self.train_step.head is None else True
+
+    def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> tuple:
+        with clock.phase("data"):
+            batch = self.batch()
+        with clock.phase(compiled_step_phase(self.world_size)):
+            return self._run_step(index, batch)
+
+    def matmul_rate(self) -> tuple[float, str]:
+        return profiling.matmul_rate(self.comm.tf_device, self.spec.workload.precision)
 
     def align_state(self) -> StepState:
         step = self.train_step
