@@ -9,12 +9,14 @@ own batch sizes.
 
     python benchmarks/framework_compare.py [--device cpu] [--runs 3] [--iters 12] [--warmup 4]
         [--frameworks torch,mxnet,paddle,jax,tf,oneflow] [--case tiny-arcface:dp:8] ...
-        [--data PREFIX]
+        [--data PREFIX] [--breakdown [--fabric COMMBENCH.json]]
 
 A case is RECIPE:FC:BATCH[:CLASSES]; FC and CLASSES may be lists (``mp,pfc``,
 ``1000,1000000``), which ``run`` sweeps, and the report then plots speed and memory against
 the number of classes. ``--data`` trains every case on a RecordIO dataset beside its synthetic
-twin (the case's folder gets ``-real``).
+twin (the case's folder gets ``-real``). ``--breakdown`` adds each case's profiled run
+(``run --breakdown``) and writes into benchmarks/results/breakdown-<device>/ by default: the
+report then says, per framework and device count, where the step's time goes.
 """
 
 from __future__ import annotations
@@ -61,9 +63,16 @@ def main() -> int:
     parser.add_argument("--frameworks", default=FRAMEWORKS)
     parser.add_argument("--case", action="append", help="RECIPE:FC:BATCH[:CLASSES]")
     parser.add_argument("--data", help="PREFIX of a RecordIO dataset: every case on real data")
-    parser.add_argument("--out", help="default benchmarks/results/framework_compare-<device>")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="one profiled run per case after its timed runs")
+    parser.add_argument("--breakdown-steps", default="6")
+    parser.add_argument("--fabric", help="commbench.json the exposed communication is set "
+                                         "against (with --breakdown)")
+    parser.add_argument("--out", help="default benchmarks/results/framework_compare-<device> "
+                                      "(breakdown-<device> with --breakdown)")
     args = parser.parse_args()
-    out = Path(args.out or Path(__file__).parent / "results" / f"framework_compare-{args.device}")
+    kind = "breakdown" if args.breakdown else "framework_compare"
+    out = Path(args.out or Path(__file__).parent / "results" / f"{kind}-{args.device}")
     summary = {}
     for case in args.case or CPU_CASES:
         recipe, fc, batch, *classes = case.split(":")
@@ -78,6 +87,10 @@ def main() -> int:
             argv += ["--num-classes", classes[0]]
         if args.data:
             argv += ["--data", args.data]
+        if args.breakdown:
+            argv += ["--breakdown", "--breakdown-steps", args.breakdown_steps]
+            if args.fabric:
+                argv += ["--fabric", args.fabric]
         print("trainperf " + " ".join(argv), file=sys.stderr, flush=True)
         trainperf(argv)
         # Per-run specs and worker logs stay out of the record; results and events remain.
@@ -85,7 +98,10 @@ def main() -> int:
             shutil.rmtree(runs, ignore_errors=True)
         summary[case] = {
             str(doc.parent.relative_to(folder)): {
-                f"c{c.get('num_classes')} {c.get('fc')} {c['case']}": c["median_samples_per_s"]
+                f"c{c.get('num_classes')} {c.get('fc')} {c['case']}": (
+                    c["median_samples_per_s"] if not args.breakdown else
+                    {"samples_per_s": c["median_samples_per_s"],
+                     "phases_s": (c.get("breakdown") or {}).get("phases_s")})
                 for c in results.load(doc.parent)["cases"]}
             for doc in sorted(folder.rglob("results.json"))}
     print(json.dumps(summary, indent=1))
