@@ -8,6 +8,20 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 import pytest  # noqa: E402
 
+SLOW_FIRST = ("test_gpucheck.py", "test_jax_runs.py", "test_cli_run.py", "test_rendezvous.py",
+              "test_tf_runs.py", "test_oneflow_runs.py", "test_paddle_runs.py",
+              "test_mxnet_runs.py", "test_align.py", "test_search.py",
+              "test_real_data_frameworks.py", "test_rank_deaths.py")
+"""The files whose runs take longest (measured with ``--durations``), longest first."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # pytest-xdist's loadfile hands files to its workers in collection order: a long file
+    # handed out last would run alone at the end while the other worker idles. Longest first
+    # keeps both busy to the end; within a file the order stays as written.
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_torch_alignment_runs(tmp_path_factory):

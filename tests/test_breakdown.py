@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dist_util import run_ranks
-from run_util import BREAKDOWN, PHASE_DELAY_S, assert_delay_lands
+from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_delay_lands,
+                      assert_timed_runs_unprofiled)
 from trainperf import breakdown, results
 from trainperf.backends.phases import (NO_COMM, PhaseClock, check_phase, delays_from_env,
                                        label)
@@ -105,6 +106,7 @@ def test_the_summary_takes_medians_and_the_exposed_communication():
     assert list(bd["phases_s"]) == ["backbone_forward", "head", "backward", "grad_comm",
                                     "optimizer", "other"]
     assert bd["sum_s"] == pytest.approx(bd["step_s"])
+    assert bd["step_s_range"] == [pytest.approx(2.2), pytest.approx(2.4)]
     assert sum(bd["shares"].values()) == pytest.approx(1.0)
     # One process: nothing to subtract, no grad_comm invented.
     alone = breakdown.summarize({"method": "m", "steps": _steps([1.0, 1.2], [])}, record)
@@ -242,6 +244,7 @@ def test_a_phases_event_survives_the_protocol():
 def test_a_delay_in_the_head_lands_in_the_head_and_never_in_a_timed_run(profiled):
     code, out = profiled
     assert code == 0
+    assert_timed_runs_unprofiled(out)
     doc = results.load(out)
     for case in doc["cases"]:
         bd = assert_delay_lands(case, "head")

@@ -27,7 +27,7 @@ from trainperf import results
 from trainperf.cli import main
 from trainperf.envs import state
 from align_checks import align, assert_one_rank_with_controls, assert_strictly_aligned
-from run_util import BREAKDOWN, assert_delay_lands, left_behind
+from run_util import BREAKDOWN, assert_delay_lands, assert_timed_runs_unprofiled, left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
@@ -111,6 +111,7 @@ def test_breakdown_times_the_compiled_step_as_one_phase(mp_run):
     the compiled step, which holds the delay put in it. On 2 ranks the gradient psum is inside
     the program, so it is named in the merged phase, never timed or measured on its own."""
     _, out = mp_run
+    assert_timed_runs_unprofiled(out)
     for case in results.load(out)["cases"]:
         name = COMPILED[case["world_size"]]
         bd = assert_delay_lands(case, name, DELAY_S)

@@ -11,7 +11,8 @@ import pytest
 from trainperf import results
 from trainperf.backends.phases import DELAY_ENV
 from trainperf.cli import main
-from run_util import BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, left_behind
+from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, assert_timed_runs_unprofiled,
+                      left_behind)
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "6", "--warmup", "2", "--device", "cpu"]
@@ -124,6 +125,7 @@ def test_the_breakdown_splits_an_mp_step_into_phases(tmp_path, monkeypatch, mxne
                  "--runs", "1", "--iters", "2", "--warmup", "1", "--device", "cpu", *BREAKDOWN,
                  "--trace", "--out", str(out)])
     assert code == 0
+    assert_timed_runs_unprofiled(out)
     bd = assert_delay_lands(results.load(out)["cases"][0], "head")
     assert bd["merged"] == {} and bd["head_has_backward"] is True
     assert bd["method"].startswith("mx.profiler Task ranges")

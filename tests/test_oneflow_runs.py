@@ -13,7 +13,7 @@ from trainperf import results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
 from align_checks import align, assert_strictly_aligned
-from run_util import BREAKDOWN, assert_delay_lands, left_behind
+from run_util import BREAKDOWN, assert_delay_lands, assert_timed_runs_unprofiled, left_behind
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "5", "--warmup", "2", "--device", "cpu"]
@@ -77,6 +77,7 @@ def test_breakdown_splits_every_phase(mp_run):
     communication not hidden. OneFlow's profiler cannot run here: no trace, and rank 0 says
     why."""
     _, out = mp_run
+    assert_timed_runs_unprofiled(out)
     for case in results.load(out)["cases"]:
         bd = assert_delay_lands(case, "head", HEAD_DELAY_S)
         assert bd["merged"] == {} and bd["head_has_backward"] is True

@@ -24,7 +24,8 @@ from trainperf import envs, results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
 from align_checks import align, assert_strictly_aligned
-from run_util import BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, left_behind
+from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, assert_timed_runs_unprofiled,
+                      left_behind)
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
@@ -89,6 +90,7 @@ def test_breakdown_splits_every_phase(measured):
     hand-written backward) holds the delay put in it, and on 2 ranks the gradient all-reduce,
     an explicit call after the backward, is timed as grad_comm rather than measured as hidden."""
     _, out = measured
+    assert_timed_runs_unprofiled(out)
     for case in results.load(out)["cases"]:
         bd = assert_delay_lands(case, "head")
         assert bd["merged"] == {} and bd["head_has_backward"] is True

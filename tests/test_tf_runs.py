@@ -17,7 +17,8 @@ import pytest
 from trainperf import results
 from trainperf.cli import main
 from align_checks import align, assert_strictly_aligned
-from run_util import BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, left_behind
+from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, assert_timed_runs_unprofiled,
+                      left_behind)
 
 pytestmark = pytest.mark.slow
 ITERS, WARMUP = 4, 1
@@ -76,6 +77,7 @@ def test_breakdown_times_the_graph_as_one_phase(tiny_run):
     inside the graph, so it is named in the merged phase, never timed or measured on its
     own."""
     _, out = tiny_run
+    assert_timed_runs_unprofiled(out)
     for case in results.load(out)["cases"]:
         name = GRAPH[case["world_size"]]
         bd = assert_delay_lands(case, name)

@@ -2,7 +2,8 @@
 only: the runner writes it into ``results.json``).
 
 Each phase's figure is its median over the profiled steps, so the phases add up to the median
-step only approximately (``sum_s`` against ``step_s`` says how closely). Steps run without the
+step only approximately: ``sum_s`` lies within the range of the profiled steps' times
+(``step_s_range``) up to how the phases vary from step to step. Steps run without the
 gradient all-reduce (``phases.NO_COMM``) do not count as steps: the median backward of the
 normal steps less theirs is the communication the backward does not hide, which moves from
 ``backward`` to ``grad_comm``.
@@ -44,9 +45,11 @@ def summarize(phases: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
         medians["grad_comm"] = medians.get("grad_comm", 0.0) + exposed
         names = sorted(set(names) | {"grad_comm"}, key=_order)
     step_s = statistics.median(s["seconds"] for s in normal)
+    step_range = [min(s["seconds"] for s in normal), max(s["seconds"] for s in normal)]
     ordered = {n: medians[n] for n in names}
     out.update({
         "steps": len(normal), "no_comm_steps": len(quiet), "step_s": step_s,
+        "step_s_range": step_range,
         "phases_s": ordered,
         "shares": {n: v / step_s for n, v in ordered.items()} if step_s > 0 else {},
         "sum_s": sum(ordered.values()),
