@@ -75,10 +75,10 @@ endif
 slurm: install
 	-$(PY) tests/slurm_host.py install
 
-# Three test files at a time: most of the suite waits on subprocesses starting a framework
-# (imports, process groups, compilation), so three files overlap well even on 2 cores. A file's
-# tests stay together in one process, so each module's shared runs are made once.
-TEST_WORKERS ?= 3
+# Two test files at a time: most of the suite waits on subprocesses starting a framework, so
+# two files overlap well even on 2 cores. A file's tests stay together in one process, so each
+# module's shared runs are made once.
+TEST_WORKERS ?= 2
 
 test: envs slurm
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
