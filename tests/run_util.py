@@ -33,7 +33,8 @@ BREAKDOWN = ["--breakdown", "--breakdown-steps", "4"]
 
 def assert_delay_lands(case: dict, phase: str, delay: float = PHASE_DELAY_S) -> dict:
     """The case's profiled run was split into phases that add up to its step, the delay put in
-    ``phase`` shows there and nowhere else, and the case's statistics are its timed runs' alone.
+    ``phase`` shows there (and not in ``other``), and the case's statistics are its timed
+    runs' alone.
     Returns the breakdown."""
     bd = case["breakdown"]
     assert bd["status"] == "ok", bd["error"]
@@ -44,8 +45,9 @@ def assert_delay_lands(case: dict, phase: str, delay: float = PHASE_DELAY_S) -> 
     low, high = bd["step_s_range"]
     assert 0.9 * low <= bd["sum_s"] <= 1.1 * high, (bd["sum_s"], low, high)
     assert times[phase] >= delay
-    assert all(v < delay for name, v in times.items() if name != phase), times
-    assert bd["shares"][phase] == max(bd["shares"].values())
+    # Not in `other`, where a stamp without its fence would leave it; no absolute bound on the
+    # other phases: two ranks on a busy 2-core machine can take longer than the delay itself.
+    assert times["other"] < delay / 2, times
     ok = [r["samples_per_s"] for r in case["runs"] if r["status"] == "ok"]
     assert ok and case["median_samples_per_s"] == statistics.median(ok)
     return bd
