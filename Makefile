@@ -20,20 +20,20 @@ STAMP := .stamp-install-$(subst /,_,$(PY))
 # line saying so, and so are its tests.
 TEST_ENVS ?= mxnet paddle jax tf oneflow
 
-.PHONY: install envs slurm bench test clean gpu-check
+.PHONY: install envs slurm browser bench test clean gpu-check
 
 CORE_STAMP := .stamp-core-$(subst /,_,$(PY))
 
-# What `make bench` needs: trainperf, what it cannot run without (torch, numpy, rich, psutil)
-# and matplotlib for the report's plots. Where the plots' extra cannot be installed (a CUDA
-# image without network) the report goes without plots rather than failing.
+# What `make bench` needs: trainperf, what it cannot run without (torch, numpy, rich, psutil),
+# matplotlib for the report's plots and scipy for its intervals. Where those extras cannot be
+# installed (a CUDA image without network) the report goes without them rather than failing.
 $(CORE_STAMP): pyproject.toml
 ifneq ($(HAVE_TORCH),yes)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 endif
 	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install setuptools
-	$(PY) -m pip install --no-build-isolation -e ".[plot]" || \
+	$(PY) -m pip install --no-build-isolation -e ".[plot,stats]" || \
 		$(PY) -m pip install --no-build-isolation -e .
 	touch $@
 
@@ -75,12 +75,17 @@ endif
 slurm: install
 	-$(PY) tests/slurm_host.py install
 
+# Debian's chromium for tests/test_compare.py's look at the history page in a real browser;
+# best effort like Slurm.
+browser: install
+	-$(PY) tests/browser_host.py install
+
 # Two test files at a time: most of the suite waits on subprocesses starting a framework, so
 # two files overlap well even on 2 cores. A file's tests stay together in one process, so each
 # module's shared runs are made once.
 TEST_WORKERS ?= 2
 
-test: envs slurm
+test: envs slurm browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:

@@ -317,60 +317,10 @@ def slurm_cluster():
 # -- install ---------------------------------------------------------------------------------
 
 def install() -> int:
-    """Install Debian's Slurm and munge where they are missing and apt can: best effort, it
-    always returns 0 (the tests that need them skip and say why)."""
-    missing = missing_programs()
-    if not missing:
-        print("slurm_host: Slurm and munge are installed")
-        return 0
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        print(f"slurm_host: missing {', '.join(missing)}; installing needs root and apt-get "
-              f"(the Slurm test will skip)")
-        return 0
-    started = time.monotonic()
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install_cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    with _no_service_starts():
-        ok = _apt(install_cmd, env)
-        if not ok:  # a stale package list is the usual cause
-            ok = _apt(["apt-get", "update", "-q"], env) and _apt(install_cmd, env)
-    took = time.monotonic() - started
-    if ok and not missing_programs():
-        print(f"slurm_host: installed {' '.join(PACKAGES)} in {took:.0f} s")
-    else:
-        print(f"slurm_host: could not install {' '.join(PACKAGES)} (the Slurm test will skip)")
-    return 0
+    """Install Debian's Slurm and munge where they are missing and apt can (best effort)."""
+    from debian_packages import install as install_packages
 
-
-def _apt(argv: list[str], env: dict[str, str]) -> bool:
-    try:
-        return subprocess.run(argv, env=env, timeout=900).returncode == 0
-    except (OSError, subprocess.SubprocessError) as exc:
-        print(f"slurm_host: {' '.join(argv[:2])}: {exc}")
-        return False
-
-
-class _no_service_starts:
-    """Debian's packages start their daemons on installation unless policy-rc.d says no; the
-    tests start their own, and a host must not be left running a munged nobody asked for."""
-
-    path = Path("/usr/sbin/policy-rc.d")
-
-    def __enter__(self):
-        self.created = False
-        if not self.path.exists():
-            try:
-                self.path.write_text("#!/bin/sh\n# trainperf tests/slurm_host.py: installing\n"
-                                     "exit 101\n")
-                self.path.chmod(0o755)
-                self.created = True
-            except OSError:
-                pass
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.created:
-            self.path.unlink(missing_ok=True)
+    return install_packages("slurm_host", PACKAGES, missing_programs, "the Slurm test")
 
 
 if __name__ == "__main__":

@@ -507,7 +507,9 @@ def test_report_mixes_ingested_and_measured(tmp_path, mxnet_seed_dir):
     assert "| oneflow r100 / mxnet r100 | pytorch tiny-arcface fc=dp / mxnet r100 |" in comparison
     assert "| 1 | 8 | 64 | 756.96 | 3.24 | - | - | - | - | - | - |" in comparison
     # 480.00 / 450.40: OneFlow against MXNet, as the seeds put them
-    assert "| 1 | 2 | 64 | 450.40 | 1.93 | 480.00 | 1.96 | - | - | 1.066 | - |" in comparison
+    # (MXNet's five runs against OneFlow's two, from their logged step times: a tight interval)
+    assert ("| 1 | 2 | 64 | 450.40 | 1.93 | 480.00 | 1.96 | - | - | 1.066 (1.063-1.071) | - |"
+            in comparison)
     assert (rep / "throughput.png").stat().st_size > 1000
     json.loads((tmp_path / "of" / "results.json").read_text())
 

@@ -52,7 +52,7 @@ def test_the_report_compares_the_frameworks(side_by_side):
     assert "| pytorch samples/s | pytorch speedup | mxnet samples/s |" in header
     assert header.endswith("| mxnet / pytorch |")  # the ratio column
     ratio_rows = [line for line in text.splitlines() if line.startswith("| 1 | 1 | 8 |")]
-    ratio = float(ratio_rows[0].strip("| \n").split(" | ")[-1])
+    ratio = float(ratio_rows[0].strip("| \n").split(" | ")[-1].split()[0])
     docs = {n: results.load(out / n) for n in ("torch", "mxnet")}
     expected = (docs["mxnet"]["cases"][0]["median_samples_per_s"]
                 / docs["torch"]["cases"][0]["median_samples_per_s"])

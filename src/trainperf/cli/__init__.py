@@ -4,13 +4,13 @@ handler parses, calls the module that owns the work, and prints:
 - ``run``: list, run, search, train, verify, bench
 - ``data``: data pack, synth, bench
 - ``env``: env create, list; align
-- ``reports``: report, export, ingest, references
+- ``reports``: report, compare, history, export, ingest, references
 - ``scale``: commbench, project; ``slurm``: slurm
 - ``gpucheck``: gpucheck
 
 ``common`` holds the option groups several commands share and the conversion of options into
-plans. Exit status: 0 when every run finished, 1 when some run failed (it is still recorded),
-2 for a usage error, 130 when interrupted.
+plans. Exit status: 0 when every run finished, 1 when some run failed (it is still recorded;
+for ``compare``: some case got slower), 2 for a usage error, 130 when interrupted.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`trainperf report`, `export`, `ingest` and `references`: read results (trainperf's, older
-tools' logs, the published figures) and write them out."""
+"""`trainperf report`, `compare`, `history`, `export`, `ingest` and `references`: read results
+(trainperf's, older tools' logs, the published figures) and write them out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from .common import EXIT_OK
+from .common import EXIT_OK, EXIT_RUN_FAILED
+
+EXIT_SLOWER = EXIT_RUN_FAILED
 
 
 def register(sub) -> None:
@@ -21,6 +23,26 @@ def register(sub) -> None:
     rep.add_argument("--references", action="store_true",
                      help="add the matching published DLPerf rows beside each result")
     rep.set_defaults(handler=cmd_report)
+    cmp = sub.add_parser(
+        "compare", help="is NEW faster or slower than BASE: intervals, a rank test, a verdict",
+        description="Pair the matching cases of result folders and judge each NEW against "
+                    "BASE. Exit status: 0 no slowdown beyond the threshold, 1 at least one "
+                    "(--fail-on any-change: or a speed-up), 2 a usage error.")
+    cmp.add_argument("base", metavar="BASE", help="a results folder (or one holding several)")
+    cmp.add_argument("new", metavar="NEW", nargs="+", help="the folder(s) to judge against BASE")
+    add_judging_options(cmp)
+    cmp.add_argument("--fail-on", choices=["slower", "any-change"], default="slower",
+                     help="what makes the exit status 1 (default: slower)")
+    cmp.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    cmp.add_argument("--out", metavar="FILE", help="also write the comparison as Markdown")
+    cmp.set_defaults(handler=cmd_compare)
+    hist = sub.add_parser("history", help="one self-contained HTML page of throughput over "
+                          "result folders taken over time, regressions marked")
+    hist.add_argument("dirs", nargs="+", metavar="DIR", help="result folders, oldest first")
+    add_judging_options(hist)
+    hist.add_argument("--out", default="history.html", help="the HTML file (default: "
+                      "history.html)")
+    hist.set_defaults(handler=cmd_history)
     refs = sub.add_parser("references", help="list the published figures trainperf carries")
     refs.add_argument("--framework")
     refs.add_argument("--model")
@@ -50,6 +72,67 @@ def cmd_report(args: argparse.Namespace) -> int:
                         analyser(args.fabric))
     print(path.read_text(encoding="utf-8"))
     print(f"report: {path}")
+    return EXIT_OK
+
+
+def threshold_value(text: str) -> float:
+    """``2``, ``2%`` or ``0.5%``: a percentage, returned as a fraction."""
+    try:
+        value = float(text.strip().rstrip("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a percentage: {text!r}") from None
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 100): {text!r}")
+    return value / 100
+
+
+def confidence_value(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.5 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0.5, 1), e.g. 0.95: {text!r}")
+    return value
+
+
+def add_judging_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threshold", type=threshold_value, default=0.02, metavar="PCT",
+                   help="the smallest change that counts, in percent (default: 2)")
+    p.add_argument("--confidence", type=confidence_value, default=0.95,
+                   help="of the intervals; the rank test's level is 1 minus it (default: 0.95)")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .. import significance
+    from ..report.compare import compare_sides, failing, load_side, render
+
+    significance.require()
+    base = load_side(args.base)
+    comparisons = [compare_sides(base, load_side(new), args.threshold, args.confidence)
+                   for new in args.new]
+    text = render(comparisons, args.threshold, args.confidence)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"threshold": args.threshold, "confidence": args.confidence,
+             "comparisons": [c.to_dict() for c in comparisons]}, indent=1) + "\n",
+            encoding="utf-8")
+    bad = failing(comparisons, args.fail_on)
+    for line in bad:
+        print(f"compare: {line}", file=sys.stderr)
+    return EXIT_SLOWER if bad else EXIT_OK
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from .. import significance
+    from ..report.history import write_history
+
+    significance.require()
+    path, flagged = write_history(args.dirs, Path(args.out), args.threshold, args.confidence)
+    print(f"history: {path} ({flagged} regression(s) marked)")
     return EXIT_OK
 
 

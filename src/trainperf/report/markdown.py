@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .. import alignments, parities
+from .. import alignments, parities, significance
+
+SPANS_ONE = "~"
 
 
 def fmt(value, digits: int = 2, suffix: str = "") -> str:
@@ -214,17 +216,41 @@ def comparison_table(docs: list[dict], labels: list[str]) -> str:
     # Each later document against the first, as the seeds put one framework against another.
     header += [f"{label} / {labels[0]}" for label in labels[1:]]
     rows = []
+    with_ci = significance.available()
     for key in keys:
         row = [str(key[0]), str(key[1]), str(key[2])]
-        medians = []
         for cases in by_doc:
             c = cases.get(key)
-            medians.append(c["median_samples_per_s"] if c else None)
-            row += [fmt(medians[-1]), fmt(c["speedup"]) if c else "-"]
-        first = medians[0]
-        row += [fmt(m / first, 3) if m and first else "-" for m in medians[1:]]
+            row += [fmt(c["median_samples_per_s"]) if c else "-",
+                    fmt(c["speedup"]) if c else "-"]
+        first = by_doc[0].get(key)
+        row += [ratio_cell(first, cases.get(key), with_ci) for cases in by_doc[1:]]
         rows.append(row)
     return table(header, rows)
+
+
+def ratio_cell(base: dict | None, case: dict | None, with_ci: bool) -> str:
+    """A case's samples/s over the first document's, with its 95% interval where scipy is
+    there, marked ``SPANS_ONE`` where the interval holds 1.0."""
+    if not base or not case or not base["median_samples_per_s"] \
+            or not case["median_samples_per_s"]:
+        return "-"
+    ratio = case["median_samples_per_s"] / base["median_samples_per_s"]
+    if not with_ci:
+        return fmt(ratio, 3)
+    c = significance.compare_cases(base, case)
+    if c.ratio is None:
+        return fmt(ratio, 3)
+    return f"{c.ratio:.3f} ({c.low:.3f}-{c.high:.3f}){' ' + SPANS_ONE if c.spans_one else ''}"
+
+
+def ratio_legend() -> str:
+    if not significance.available():
+        return ("Ratios are of medians, without intervals: install the `stats` extra (scipy) "
+                "for their 95% intervals.")
+    return ("Ratios are of medians, with their 95% bootstrap interval (over runs, and over "
+            f"blocks of step times where a case has fewer than {significance.FEW_RUNS} runs); "
+            f"`{SPANS_ONE}`: the interval holds 1.0, so these runs do not tell the two apart.")
 
 
 def alignment_lines(docs: list[dict]) -> list[str]:
@@ -285,7 +311,7 @@ def comparisons(docs: list[dict], labels: list[str]) -> list[str]:
         shared = shared_words(group_labels)
         what = " ".join(w for w in group_labels[0].split() if w in shared)
         parts += ["## Comparison" + (f": {what}" if what else ""), "",
-                  comparison_table(group_docs, group_labels), ""]
+                  comparison_table(group_docs, group_labels), "", ratio_legend(), ""]
     return parts
 
 
