@@ -95,8 +95,8 @@ def case_label(key: tuple) -> str:
     parts = [f["recipe"]]
     if f.get("framework"):
         parts.append(f["framework"])
-    if f.get("data"):
-        parts.append(f["data"])
+    if f.get("data") not in (None, "synthetic"):
+        parts.append(f"{f['data']} data" if f["data"] == "real" else f["data"])
     if "fc" in f and f["fc"]:
         parts.append(f"fc={f['fc']}" + (f" r={f['sample_ratio']}" if f["fc"] == "pfc" else ""))
     if f.get("num_classes") is not None:
