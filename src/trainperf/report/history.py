@@ -10,6 +10,8 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
+
 from .. import significance
 from ..stats import iqr, median
 from .compare import case_label, load_side, match, side_description
@@ -18,8 +20,8 @@ from .plots import _pyplot
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; color: #222; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
-th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: right; }
-th:first-child, td:first-child { text-align: left; }
+th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: left; }
+td.num { text-align: right; }
 tr.slower td { background: #fde2e2; }
 figure { margin: 0; }
 .note { color: #555; }
@@ -58,8 +60,9 @@ def case_series(cases: list[dict | None], threshold: float, confidence: float) -
             out.append(None)
             continue
         rates = [r.samples_per_s for r in significance.usable_runs(case)]
-        point = {"median": median(rates), "iqr": iqr(rates), "runs": rates,
-                 "runs_total": len(case["runs"])}
+        q25, q75 = (float(q) for q in np.percentile(rates, [25, 75])) if rates else (None, None)
+        point = {"median": median(rates), "iqr": iqr(rates), "q25": q25, "q75": q75,
+                 "runs": rates, "runs_total": len(case["runs"])}
         if previous is not None:
             c = significance.compare_cases(previous, case, threshold, confidence)
             point["against_previous"] = c.to_dict()
@@ -83,9 +86,10 @@ def plot_svg(label: str, points: list[dict], series: list[dict | None]) -> str |
         ax.plot([i] * len(p["runs"]), p["runs"], ".", color="#9ab", ms=4, zorder=1)
     if xs:
         meds = [series[i]["median"] for i in xs]
-        q = [(series[i]["iqr"] or 0) / 2 for i in xs]
-        ax.errorbar(xs, meds, yerr=q, fmt="o-", color="#246", capsize=3, zorder=2,
-                    label="median (bar: IQR)")
+        below = [series[i]["median"] - series[i]["q25"] for i in xs]
+        above = [series[i]["q75"] - series[i]["median"] for i in xs]
+        ax.errorbar(xs, meds, yerr=[below, above], fmt="o-", color="#246", capsize=3, zorder=2,
+                    label="median (bar: quartiles; dots: runs)")
         slow = [i for i in xs if (series[i].get("against_previous") or {}).get("verdict")
                 == "slower"]
         if slow:
@@ -127,7 +131,9 @@ def row_html(point: dict, entry: dict | None, threshold: float) -> str:
                       f"{c.ratio:.3f} ({c.low:.3f}-{c.high:.3f})",
                       html.escape(verdict_text(c, threshold))]
             cls = c.verdict.replace(" ", "-")
-    tds = "".join(f"<td>{c}</td>" for c in cells)
+    # The point's name and its verdict are words; the rest are figures.
+    tds = "".join(f"<td>{c}</td>" if i in (0, len(cells) - 1) else f'<td class="num">{c}</td>'
+                  for i, c in enumerate(cells))
     return f'<tr class="{cls}">{tds}</tr>'
 
 
