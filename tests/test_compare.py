@@ -33,9 +33,12 @@ def verdict(base_rate: float, new_rate: float, runs: int, seed: int, run_cv: flo
 
 def test_a_5_percent_loss_is_slower_at_enough_runs_and_undecided_at_two():
     # 2% run-to-run spread and 5% step-to-step: what runs of one case do on the CPU.
-    enough = [verdict(100, 95, 12, seed) for seed in range(20)]
-    assert [c.verdict for c in enough] == ["slower"] * 20
-    assert all(c.high < 1 and c.p_value < 0.05 and 0.92 < c.ratio < 0.98 for c in enough)
+    enough = [verdict(100, 95, 20, seed) for seed in range(20)]
+    verdicts = Counter(c.verdict for c in enough)
+    # The interval must lie wholly below 0.98: at 20 runs a side it does in 96% of sets.
+    assert verdicts["slower"] >= 18 and verdicts["slower"] + verdicts["not enough runs"] == 20
+    slower = [c for c in enough if c.verdict == "slower"]
+    assert all(c.high < 0.98 and c.p_value < 0.05 and 0.92 < c.ratio < 0.98 for c in slower)
     assert {c.interval_method for c in enough} == {"bootstrap over runs"}
     two = [verdict(100, 95, 2, seed) for seed in range(20)]
     assert [c.verdict for c in two] == ["not enough runs"] * 20
@@ -48,11 +51,12 @@ def test_a_5_percent_loss_is_slower_at_enough_runs_and_undecided_at_two():
 
 
 def test_the_runs_it_asks_for_mostly_decide():
-    """Where 2 runs a side cannot decide, the runs it says would, drawn afresh, mostly do."""
+    """Where 2 runs a side cannot decide, the runs it says would, drawn afresh, decide more
+    often than not (it aims at 80%, from a spread two runs only roughly show)."""
     asked = verdict(100, 95, 2, seed=3).runs_needed
     assert 4 <= asked <= 40
     decided = Counter(verdict(100, 95, asked, seed).verdict for seed in range(100, 140))
-    assert decided["slower"] >= 0.6 * 40 and decided["faster"] == 0
+    assert decided["slower"] > 0.5 * 40 and decided["faster"] == decided["no change"] == 0
 
 
 def test_identical_distributions_are_no_change_in_95_percent_of_trials():
@@ -82,12 +86,12 @@ def test_no_usable_run_is_no_figure():
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compare")
-    return {"base": sr.folder_of(root / "base", 100, 12, 1),
-            "slower": sr.folder_of(root / "slower", 95, 12, 2, commit="b" * 40),
-            "faster": sr.folder_of(root / "faster", 105, 12, 3, version="2.14.0"),
+    return {"base": sr.folder_of(root / "base", 100, 20, 1),
+            "slower": sr.folder_of(root / "slower", 95, 20, 2, commit="b" * 40),
+            "faster": sr.folder_of(root / "faster", 105, 20, 3, version="2.14.0"),
             "base2": sr.folder_of(root / "base2", 100, 2, 6),
             "two": sr.folder_of(root / "two", 95, 2, 4, commit="b" * 40),
-            "pfc": sr.folder_of(root / "pfc", 100, 12, 5, fc="pfc")}
+            "pfc": sr.folder_of(root / "pfc", 100, 20, 5, fc="pfc")}
 
 
 def test_exit_codes(folders, capsys):
@@ -127,7 +131,7 @@ def test_the_output_names_what_differs_and_each_verdict(folders, capsys, tmp_pat
     assert [c["pairs"][0]["verdict"] for c in doc["comparisons"]][:2] == ["slower", "faster"]
     first = doc["comparisons"][0]["pairs"][0]
     assert first["low"] < first["ratio"] < first["high"] < 1
-    assert first["key"]["fc"] == "dp" and first["base_runs"] == 12
+    assert first["key"]["fc"] == "dp" and first["base_runs"] == 20
 
 
 def test_cases_only_one_side_has_are_listed(tmp_path, capsys):

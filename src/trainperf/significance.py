@@ -171,7 +171,7 @@ def runs_needed(base: list[RunFigure], new: list[RunFigure], ratio: float,
     runs' pooled spread (as if the figures were normal):
 
     - where the change is beyond ``threshold``, enough that the interval of the medians clears
-      1.0, and that the rank test rejects "no difference" (Noether's sample size for it);
+      the threshold, and that the rank test rejects "no difference" (Noether's sample size);
     - where it is within, enough that the interval fits inside the threshold.
 
     Never fewer than the rank test can decide with, nor than one more than now."""
@@ -182,8 +182,8 @@ def runs_needed(base: list[RunFigure], new: list[RunFigure], ratio: float,
         return None
     spread = math.sqrt(sum(s * s for s in spreads) / len(spreads))
     change = abs(ratio - 1)
-    beyond = change >= threshold
-    gap = change if beyond else threshold - change
+    beyond = change > threshold
+    gap = abs(change - threshold)
     floor = max(min_runs_for_rank_test(1 - confidence), max(len(base), len(new)) + 1)
     if spread == 0:
         return floor
@@ -200,12 +200,15 @@ def runs_needed(base: list[RunFigure], new: list[RunFigure], ratio: float,
 
 def compare_runs(base: list[RunFigure], new: list[RunFigure], threshold: float = THRESHOLD,
                  confidence: float = CONFIDENCE) -> Comparison:
-    """The verdict on NEW against BASE.
+    """The verdict on NEW against BASE. The threshold cuts the ratio's line in three: below
+    1 - ``threshold``, within, above 1 + ``threshold``; a verdict needs the whole interval in
+    one of them.
 
-    - ``faster`` / ``slower``: the rank test rejects "no difference" at 1 - ``confidence``,
-      the interval leaves out 1.0, and the ratio is beyond ``threshold``.
-    - ``no change``: the whole interval lies within ``threshold`` of 1.0.
-    - ``not enough runs``: neither, so more runs would be needed to say (``runs_needed``).
+    - ``slower`` / ``faster``: the interval lies wholly below / above, and the rank test
+      rejects "no difference" at 1 - ``confidence``.
+    - ``no change``: the interval lies wholly within.
+    - ``not enough runs``: it straddles a cut, so more runs would be needed to say
+      (``runs_needed``).
     - ``no figure``: a side has no usable run.
     """
     require()
@@ -213,10 +216,10 @@ def compare_runs(base: list[RunFigure], new: list[RunFigure], threshold: float =
         return Comparison("no figure", None, None, None, None, len(base), len(new), "-")
     ratio, low, high, method = ratio_interval(base, new, confidence)
     p = rank_test([r.samples_per_s for r in base], [r.samples_per_s for r in new])
-    changed = p is not None and p < 1 - confidence and (low > 1 or high < 1)
-    if changed and ratio <= 1 - threshold:
+    changed = p is not None and p < 1 - confidence
+    if changed and high < 1 - threshold:
         verdict = "slower"
-    elif changed and ratio >= 1 + threshold:
+    elif changed and low > 1 + threshold:
         verdict = "faster"
     elif 1 - threshold <= low and high <= 1 + threshold:
         verdict = "no change"

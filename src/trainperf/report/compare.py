@@ -223,10 +223,10 @@ def render(comparisons: list[SideComparison], threshold: float, confidence: floa
     level = f"{100 * confidence:g}%"
     lines = ["# trainperf compare", "",
              f"Ratio: NEW's median samples/s over BASE's, with its {level} bootstrap interval; "
-             f"p: two-sided Mann-Whitney U over the runs. A verdict of `faster` or `slower` "
-             f"needs p below {1 - confidence:.2g}, an interval that leaves out 1.0 and a change "
-             f"beyond {100 * threshold:g}%; `no change` needs the whole interval within "
-             f"{100 * threshold:g}% of 1.0.", ""]
+             f"p: two-sided Mann-Whitney U over the runs. `slower` / `faster` needs the whole "
+             f"interval below {1 - threshold:g} / above {1 + threshold:g} (the threshold, "
+             f"{100 * threshold:g}%) and p below {1 - confidence:.2g}; `no change` needs the "
+             f"whole interval between them.", ""]
     for sc in comparisons:
         lines += [f"## {sc.new.name} against {sc.base.name}", ""]
         if sc.differs:

@@ -150,7 +150,8 @@ def render_html(points: list[dict], cases: list[dict], svgs: list[str | None],
              f"<p>{len(points)} result folders, in the order given. Each point is judged "
              f"against the one before it as <code>trainperf compare</code> judges: the ratio "
              f"of medians with its {level} bootstrap interval, and <em>slower</em> where the "
-             f"rank test and the interval agree on a loss beyond {100 * threshold:g}%.</p>",
+             f"whole interval lies below {1 - threshold:g} (a loss beyond "
+             f"{100 * threshold:g}%) and the rank test agrees.</p>",
              "<h2>Folders</h2>", "<table><tr><th>point</th><th>folder</th>"
              "<th>what sets it apart</th></tr>"]
     for p in points:
