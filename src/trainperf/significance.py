@@ -30,8 +30,6 @@ MAX_RUNS_NEEDED = 1000
 # The asymptotic standard error of a sample median over that of a mean, for normal data.
 MEDIAN_SE_FACTOR = math.sqrt(math.pi / 2)
 
-VERDICTS = ("faster", "slower", "no change", "not enough runs", "no figure")
-
 
 @dataclass(frozen=True)
 class RunFigure:

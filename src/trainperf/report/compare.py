@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import results, significance
-from .markdown import device_text, fmt, framework_name, table
+from .markdown import device_text, fmt, framework_name, interval_text, table
 
 ALWAYS_MATCHED = ("recipe", "nodes", "devices_per_node", "batch_size_per_device")
 MATCHED_UNLESS_SUBJECT = ("framework", "data", "num_classes", "fc", "sample_ratio", "precision")
@@ -199,12 +199,6 @@ def compare_sides(base: Side, new: Side, threshold: float = significance.THRESHO
                          f"one matches a case of the other ({'; '.join(only_base[:3])} against "
                          f"{'; '.join(only_new[:3])})")
     return SideComparison(base, new, differences(base, new), pairs, only_base, only_new)
-
-
-def interval_text(c: significance.Comparison) -> str:
-    if c.ratio is None:
-        return "-"
-    return f"{c.ratio:.3f} ({c.low:.3f}-{c.high:.3f})"
 
 
 def verdict_text(c: significance.Comparison, threshold: float) -> str:

@@ -14,7 +14,8 @@ import numpy as np
 
 from .. import significance
 from ..stats import iqr, median
-from .compare import case_label, load_side, match, side_description
+from .compare import case_label, load_side, match, side_description, verdict_text
+from .markdown import interval_text
 from .plots import _pyplot
 
 STYLE = """
@@ -110,8 +111,6 @@ def plot_svg(label: str, points: list[dict], series: list[dict | None]) -> str |
 
 
 def row_html(point: dict, entry: dict | None, threshold: float) -> str:
-    from .compare import verdict_text
-
     cells = [html.escape(point["label"])]
     if entry is None:
         cells += ["-", "-", "-", "-", "not run"]
@@ -127,9 +126,7 @@ def row_html(point: dict, entry: dict | None, threshold: float) -> str:
             cls = ""
         else:
             c = significance.Comparison(**prev)
-            cells += ["-" if c.ratio is None else
-                      f"{c.ratio:.3f} ({c.low:.3f}-{c.high:.3f})",
-                      html.escape(verdict_text(c, threshold))]
+            cells += [interval_text(c), html.escape(verdict_text(c, threshold))]
             cls = c.verdict.replace(" ", "-")
     # The point's name and its verdict are words; the rest are figures.
     tds = "".join(f"<td>{c}</td>" if i in (0, len(cells) - 1) else f'<td class="num">{c}</td>'

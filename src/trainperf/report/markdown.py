@@ -241,7 +241,12 @@ def ratio_cell(base: dict | None, case: dict | None, with_ci: bool) -> str:
     c = significance.compare_cases(base, case)
     if c.ratio is None:
         return fmt(ratio, 3)
-    return f"{c.ratio:.3f} ({c.low:.3f}-{c.high:.3f}){' ' + SPANS_ONE if c.spans_one else ''}"
+    return interval_text(c) + (f" {SPANS_ONE}" if c.spans_one else "")
+
+
+def interval_text(c: significance.Comparison) -> str:
+    """``1.032 (0.981-1.080)``: a ratio and its interval."""
+    return "-" if c.ratio is None else f"{c.ratio:.3f} ({c.low:.3f}-{c.high:.3f})"
 
 
 def ratio_legend() -> str:
