@@ -12,7 +12,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# A test's own torch work takes its share of the cores: all of them, or, where xdist runs several
+# files at a time, the cores over the workers.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)
+                          // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)))
 
 import pytest  # noqa: E402
 

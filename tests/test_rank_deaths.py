@@ -73,6 +73,10 @@ def test_a_rank_that_dies_is_named_with_its_signal_and_its_last_words(
     one, two = deaths_of(framework, SEGV_FIRST, tmp_path / "segv", monkeypatch, *extra)
     check_segv(one["error"], 0, 2, framework)
     check_abort(two["error"], 1, 3, framework)
+    if framework == "paddle":
+        # Each signal is seen above, once each (SIGSEGV alone, SIGABRT in rank 1 of two); the
+        # order the other way round is torch's to show, which saves two Paddle launches.
+        return
     one, two = deaths_of(framework, ABORT_FIRST, tmp_path / "abort", monkeypatch, *extra)
     check_abort(one["error"], 0, 2, framework)
     check_segv(two["error"], 1, 3, framework)
