@@ -284,11 +284,15 @@ def read_json(path: str | Path, name: str) -> tuple[Path, Any]:
 
 def load(path: str | Path) -> dict[str, Any]:
     """Load and validate ``results.json`` from a folder or a file path."""
-    p, doc = read_json(path, "results.json")
+    return checked(*read_json(path, "results.json"))
+
+
+def checked(path: Path, doc: Any) -> dict[str, Any]:
+    """``doc``, read from ``path``, once ``validate`` passes it; ValueError naming the file."""
     try:
         validate(doc)
     except ValueError as exc:
-        raise ValueError(f"{p}: {exc}") from None
+        raise ValueError(f"{path}: {exc}") from None
     return doc
 
 

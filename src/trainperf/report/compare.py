@@ -59,7 +59,7 @@ def load_side(path: str) -> Side:
     if len(schemas) > 1:
         raise ValueError(f"{path}: mixes result schemas ({', '.join(schemas)}); compare "
                          "folders of one schema")
-    return Side(path, [results.load(f) for f in files])
+    return Side(path, [results.checked(f, doc) for f, doc in raw])
 
 
 def case_fields(doc: dict, case: dict) -> dict:
@@ -176,9 +176,6 @@ class SideComparison:
     pairs: list[PairResult]
     only_base: list[str]
     only_new: list[str]
-
-    def verdicts(self) -> list[str]:
-        return [p.comparison.verdict for p in self.pairs]
 
     def to_dict(self) -> dict:
         return {"base": self.base.name, "new": self.new.name,

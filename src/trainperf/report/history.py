@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import significance
-from ..stats import iqr, median
+from ..stats import median
 from .compare import case_label, load_side, match, side_description, verdict_text
 from .markdown import interval_text
 from .plots import _pyplot
@@ -62,14 +62,19 @@ def case_series(cases: list[dict | None], threshold: float, confidence: float) -
             continue
         rates = [r.samples_per_s for r in significance.usable_runs(case)]
         q25, q75 = (float(q) for q in np.percentile(rates, [25, 75])) if rates else (None, None)
-        point = {"median": median(rates), "iqr": iqr(rates), "q25": q25, "q75": q75,
-                 "runs": rates, "runs_total": len(case["runs"])}
+        point = {"median": median(rates), "iqr": q75 - q25 if rates else None, "q25": q25,
+                 "q75": q75, "runs": rates, "runs_total": len(case["runs"])}
         if previous is not None:
             c = significance.compare_cases(previous, case, threshold, confidence)
             point["against_previous"] = c.to_dict()
         out.append(point)
         previous = case
     return out
+
+
+def is_slower(entry: dict | None) -> bool:
+    """Whether a point of a case's series is slower than the one before it."""
+    return bool(entry) and (entry.get("against_previous") or {}).get("verdict") == "slower"
 
 
 def plot_svg(label: str, points: list[dict], series: list[dict | None]) -> str | None:
@@ -91,8 +96,7 @@ def plot_svg(label: str, points: list[dict], series: list[dict | None]) -> str |
         above = [series[i]["q75"] - series[i]["median"] for i in xs]
         ax.errorbar(xs, meds, yerr=[below, above], fmt="o-", color="#246", capsize=3, zorder=2,
                     label="median (bar: quartiles; dots: runs)")
-        slow = [i for i in xs if (series[i].get("against_previous") or {}).get("verdict")
-                == "slower"]
+        slow = [i for i in xs if is_slower(series[i])]
         if slow:
             ax.plot(slow, [series[i]["median"] for i in slow], "v", color="#c22", ms=11,
                     zorder=3, label="slower than the point before")
@@ -140,7 +144,7 @@ def render_html(points: list[dict], cases: list[dict], svgs: list[str | None],
     data = {"points": points, "cases": cases, "threshold": threshold, "confidence": confidence}
     blob = json.dumps(data).replace("</", "<\\/")
     flagged = [(c, points[i]) for c in cases for i, e in enumerate(c["series"])
-               if e and (e.get("against_previous") or {}).get("verdict") == "slower"]
+               if is_slower(e)]
     parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
              "<title>trainperf history</title>", f"<style>{STYLE}</style></head><body>",
              "<h1>trainperf history</h1>",
@@ -199,6 +203,5 @@ def write_history(dirs: list[str], out: Path, threshold: float = significance.TH
     page = render_html(points, cases, svgs, threshold, confidence)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page, encoding="utf-8")
-    flagged = sum(1 for c in cases for e in c["series"]
-                  if e and (e.get("against_previous") or {}).get("verdict") == "slower")
+    flagged = sum(is_slower(e) for c in cases for e in c["series"])
     return out, flagged
