@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
@@ -12,12 +11,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainperf.backends.torch.dist import DistContext
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, outdir: str, fn, args) -> None:

@@ -24,6 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from run_util import reserved_ports
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel", "srun")
 PACKAGES = ("slurm-wlm", "munge")
@@ -38,12 +40,6 @@ class Unavailable(RuntimeError):
 
 def missing_programs() -> list[str]:
     return [p for p in DAEMONS + CLIENTS if shutil.which(p) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 1) -> str:
@@ -137,8 +133,8 @@ class SlurmHost:
             "SlurmUser=root",
             "SlurmdUser=root",
             # Ports of its own, so a Slurm already on the host (6817/6818) is left alone.
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={reserved_ports()[0]}",
+            f"SlurmdPort={reserved_ports()[0]}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",

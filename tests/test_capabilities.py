@@ -57,6 +57,22 @@ def test_each_case_is_checked_with_its_own_layout():
     assert "one node" in mxnet.refusal(mp.replace(fc="dp"), Topology(nnodes=2), tuning, "cpu")
 
 
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_backend_refuses_a_rank_without_classes(name):
+    """``mp`` and ``pfc`` give each rank its own classes: fewer classes than ranks is refused
+    in one line, before a run starts, in every backend alike; ``dp`` and enough classes run."""
+    backend = BACKENDS[name]
+    face = get_recipe("tiny-arcface").workload
+    four = Topology(devices_per_node=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                    master_port=29500)
+    for fc in ("mp", "pfc"):
+        why = backend.refusal(face.replace(fc=fc, num_classes=3), four, Tuning(), "cpu")
+        assert why == (f"--fc {fc} splits the 3 classes over 4 ranks, leaving 1 of them "
+                       f"without a class: use --num-classes 4 or more, fewer ranks, or --fc dp")
+        assert backend.refusal(face.replace(fc=fc, num_classes=4), four, Tuning(), "cpu") is None
+    assert backend.refusal(face.replace(fc="dp", num_classes=3), four, Tuning(), "cpu") is None
+
+
 def test_precisions_are_declared_per_device_kind():
     fp16 = get_recipe("tiny-arcface").workload.replace(precision="fp16")
     for name, backend in BACKENDS.items():

@@ -38,6 +38,17 @@ def test_a_list_of_class_counts_makes_a_plan_per_count_and_head(tmp_path):
                                              "mxnet-c2000"]
 
 
+def test_a_ratio_list_is_pfcs_and_keeps_the_other_heads(tmp_path):
+    """``--fc mp,pfc --sample-ratio 0.2``: the ratio is Partial FC's; mp still runs, at every
+    class."""
+    plans = plans_of("--fc", "mp,pfc", "--sample-ratio", "0.2", "--out", str(tmp_path))
+    assert [(p.workload.fc, p.workload.sample_ratio) for p in plans] == [("mp", 1.0),
+                                                                           ("pfc", 0.2)]
+    plans = plans_of("--fc", "dp,pfc", "--sample-ratio", "0.1,0.5", "--out", str(tmp_path))
+    assert [(p.workload.fc, p.workload.sample_ratio) for p in plans] == [
+        ("dp", 1.0), ("pfc", 0.1), ("pfc", 0.5)]
+
+
 def test_one_value_plans_as_before(tmp_path):
     (plan,) = plans_of("--num-classes", "2000", "--fc", "pfc", "--out", str(tmp_path))
     assert plan.out_dir == tmp_path and plan.variant is None
@@ -51,6 +62,12 @@ def test_one_value_plans_as_before(tmp_path):
     (["--num-classes", "1000,1000"], "names a count twice"),
     (["--fc", "mp,xx"], "--fc takes dp, mp, pfc"),
     (["--sample-ratio", "0.1,x", "--fc", "pfc"], "--sample-ratio takes comma-separated"),
+    (["--fc", "dp,mp", "--sample-ratio", "0.2"], "a ratio below 1 needs --fc pfc"),
+    (["--fc", "mp", "--sample-ratio", "0.2"], "--sample-ratio below 1 needs --fc pfc"),
+    (["--fc", "pfc", "--num-classes", "3", "--devices", "1,4"],
+     "--fc pfc splits the 3 classes over 4 ranks, leaving 1 of them without a class"),
+    (["--fc", "mp", "--num-classes", "2,3", "--devices", "4"],
+     "--fc mp splits the 2 classes over 4 ranks"),
 ])
 def test_bad_lists_are_one_line_usage_errors(argv, words, tmp_path, capsys):
     out = tmp_path / "o"

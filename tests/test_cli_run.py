@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from dist_util import free_port
+from run_util import ports_taken_first, reserved_ports
 from trainperf import results
 from trainperf.cli import main
 
@@ -210,6 +210,9 @@ def test_a_hung_run_is_killed_at_its_timeout(tmp_path, monkeypatch):
     assert rc == 1
     run = results.load(tmp_path / "r")["cases"][0]["runs"][0]
     assert run["status"] == "timeout" and run["samples_per_s"] is None
+    # Since when, and where the rank was when it was stopped (its stack, asked for first).
+    assert run["error"].startswith("run exceeded its timeout and was killed at step 3; where "
+                                   "each rank was: rank 0 in inject (faults.py:"), run["error"]
     assert "timeout" in (tmp_path / "r" / "report.md").read_text()
     assert processes_naming(tmp_path) == []
 
@@ -245,7 +248,10 @@ def test_resume_finishes_only_missing_runs(tmp_path):
 
 
 def test_two_nodes_over_loopback(tmp_path):
-    port = str(free_port())
+    """Two nodes' runners on one machine; the ports node 0 published for the first attempt are
+    taken before its rank binds them: both nodes agree to start the run again, meet afresh, and
+    measure it."""
+    port = str(reserved_ports()[0])
     codes = {}
 
     def node(rank: int) -> None:
@@ -255,10 +261,11 @@ def test_two_nodes_over_loopback(tmp_path):
                             "--warmup", "3", *TINY, "--out", str(tmp_path / f"node{rank}")])
 
     threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ports_taken_first():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert codes == {0: 0, 1: 0}
     doc = results.load(tmp_path / "node0")
     case = doc["cases"][0]
@@ -268,6 +275,10 @@ def test_two_nodes_over_loopback(tmp_path):
     follower = json.loads((tmp_path / "node1" / "results.json").read_text())
     assert follower["role"] == "follower"
     assert follower["cases"][0]["runs"][0]["status"] == "ok"
+    # Whichever node's ports were taken, both started the run again, together.
+    for n in (0, 1):
+        [given_up] = results.load(tmp_path / f"node{n}")["cases"][0]["runs"][0]["retries"]
+        assert given_up["attempt"] == 1 and given_up["reason"]
 
 
 def test_status_rules():

@@ -26,8 +26,11 @@ import pytest
 from trainperf import results
 from trainperf.cli import main
 from trainperf.envs import state
+from trainperf.outcome import names_bind_failure
 from align_checks import align, assert_one_rank_with_controls, assert_strictly_aligned
-from run_util import BREAKDOWN, assert_delay_lands, assert_timed_runs_unprofiled, left_behind
+from run_util import (BREAKDOWN, assert_a_suspended_rank_is_named, assert_delay_lands,
+                      assert_started_again, assert_timed_runs_unprofiled, left_behind,
+                      ports_taken_first)
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
@@ -64,11 +67,22 @@ def mp_run(tmp_path_factory, jax_python, compile_env):
     os.environ["TRAINPERF_PHASE_DELAY"] = ",".join(f"{name}={DELAY_S}"
                                                    for name in COMPILED.values())
     try:
-        code = main(["run", "tiny-arcface", "--framework", "jax", "--devices", "1,2", "--fc",
-                     "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
+        with ports_taken_first():
+            code = main(["run", "tiny-arcface", "--framework", "jax", "--devices", "1,2", "--fc",
+                         "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
     finally:
         del os.environ["TRAINPERF_PHASE_DELAY"]
     return code, out
+
+
+def test_a_launch_whose_ports_were_taken_starts_again(mp_run):
+    """The first 2-rank launch found its ports taken (the coordinator's among them): it failed
+    before its first step and ran again on fresh ports."""
+    _, out = mp_run
+    run = assert_started_again(out)
+    # JAX raises "Failed to start RPC server", or, now and then, dies of SIGSEGV after gRPC's
+    # "Failed to add port": either way in words the runner takes for a failed bind.
+    assert names_bind_failure(run["retries"][0]["error"]), run["retries"][0]["error"]
 
 
 def test_mp_on_one_and_two_ranks_gives_results(mp_run):
@@ -143,6 +157,12 @@ def test_strict_alignment_on_two_ranks(tmp_path, jax_python, align_env, capsys):
     for check in outcome["checks"]:
         assert_strictly_aligned(check)
     assert left_behind(tmp_path) == []
+
+
+def test_a_suspended_rank_is_named_with_where_the_run_stalled(tmp_path, jax_python, compile_env):
+    """Rank 1 stopped with SIGSTOP (rank 0 waits in the step's collective): the run is stopped
+    as hung under --stall-timeout, naming rank 1, since when, and where rank 0 was."""
+    assert_a_suspended_rank_is_named("jax", tmp_path / "r", "--fc", "mp")
 
 
 def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, jax_python,

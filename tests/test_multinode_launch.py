@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from run_util import reserved_ports
 from trainperf.backends import BACKENDS
 from trainperf.backends.base import Cluster, LaunchRequest
 from trainperf.backends.jax import backend as jax_backend
 from trainperf.backends.mxnet import launch as mxnet_launch
 from trainperf.backends.oneflow import backend as oneflow_backend
 from trainperf.backends.paddle import backend as paddle_backend
-from trainperf.backends.spawn import PORTS_PER_RUN, free_ports, local_cluster
+from trainperf.backends.spawn import PORTS_PER_RUN, local_cluster
 from trainperf.backends.tf import backend as tf_backend
 from trainperf.config import Measure, Topology, Tuning
 from trainperf.protocol import RunSpec
@@ -191,7 +192,7 @@ def two_node_run(python: str, launcher: list[str], fc: str, tmp_path: Path
     spec = RunSpec(get_recipe("tiny-arcface").workload.replace(fc=fc),
                    Measure(runs=1, iters=2, warmup=1), device="cpu", threads=1)
     (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
-    ports = (tuple(free_ports(PORTS_PER_RUN + 1)), tuple(free_ports(PORTS_PER_RUN + 1)))
+    ports = (reserved_ports(PORTS_PER_RUN + 1), reserved_ports(PORTS_PER_RUN + 1))
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("TRAINPERF_FAULT", None)
     procs = []

@@ -11,8 +11,9 @@ import pytest
 from trainperf import results
 from trainperf.backends.phases import DELAY_ENV
 from trainperf.cli import main
-from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, assert_timed_runs_unprofiled,
-                      left_behind)
+from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
+                      assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
+                      left_behind, ports_taken_first)
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "6", "--warmup", "2", "--device", "cpu"]
@@ -21,8 +22,9 @@ SHORT = ["--runs", "1", "--iters", "6", "--warmup", "2", "--device", "cpu"]
 @pytest.fixture(scope="module")
 def side_by_side(tmp_path_factory, mxnet_python):
     out = tmp_path_factory.mktemp("frameworks") / "tiny"
-    code = main(["run", "tiny-arcface", "--framework", "torch,mxnet", "--devices", "1,2",
-                 *SHORT, "--out", str(out)])
+    with ports_taken_first():
+        code = main(["run", "tiny-arcface", "--framework", "torch,mxnet", "--devices", "1,2",
+                     *SHORT, "--out", str(out)])
     return code, out
 
 
@@ -42,6 +44,15 @@ def test_torch_and_mxnet_run_side_by_side(side_by_side):
     for t, m in zip(docs["torch"]["cases"], docs["mxnet"]["cases"]):
         assert t["runs"][0]["samples_per_step"] == m["runs"][0]["samples_per_step"]
         assert len(m["runs"][0]["step_times_s"]) == 4 and len(m["runs"][0]["losses"]) == 6
+
+
+@pytest.mark.parametrize("framework", ["torch", "mxnet"])
+def test_a_launch_whose_ports_were_taken_starts_again(side_by_side, framework):
+    """The first 2-rank launch of each framework found its ports taken (the store's, the
+    scheduler's): it failed before its first step and ran again on fresh ports."""
+    _, out = side_by_side
+    error = assert_started_again(out / framework)["retries"][0]["error"]
+    assert {"torch": "EADDRINUSE", "mxnet": "bind failed"}[framework] in error
 
 
 def test_the_report_compares_the_frameworks(side_by_side):
@@ -91,6 +102,12 @@ def test_a_failing_rank_is_a_result_and_leaves_nothing(fault, status, words, tmp
     if words:
         assert words in run["error"]
     assert left_behind(tmp_path) == []
+
+
+def test_a_suspended_rank_is_named_with_where_the_run_stalled(tmp_path, mxnet_python):
+    """Rank 1 stopped with SIGSTOP (rank 0 waits on its parameter server): the run is stopped
+    as hung under --stall-timeout, naming rank 1, since when, and where rank 0 was."""
+    assert_a_suspended_rank_is_named("mxnet", tmp_path / "r", "--fc", "mp")
 
 
 def test_a_hung_rank_times_out_and_leaves_nothing(tmp_path, monkeypatch, mxnet_python):

@@ -13,7 +13,9 @@ from trainperf import results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
 from align_checks import align, assert_strictly_aligned
-from run_util import BREAKDOWN, assert_delay_lands, assert_timed_runs_unprofiled, left_behind
+from run_util import (BREAKDOWN, assert_a_suspended_rank_is_named, assert_delay_lands,
+                      assert_started_again, assert_timed_runs_unprofiled, left_behind,
+                      ports_taken_first)
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "5", "--warmup", "2", "--device", "cpu"]
@@ -27,11 +29,19 @@ def mp_run(tmp_path_factory, oneflow_python):
     out = tmp_path_factory.mktemp("oneflow_run") / "tiny"
     os.environ["TRAINPERF_PHASE_DELAY"] = f"head={HEAD_DELAY_S}"
     try:
-        code = main(["run", "tiny-arcface", "--framework", "oneflow", "--devices", "1,2",
-                     "--fc", "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
+        with ports_taken_first():
+            code = main(["run", "tiny-arcface", "--framework", "oneflow", "--devices", "1,2",
+                         "--fc", "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
     finally:
         del os.environ["TRAINPERF_PHASE_DELAY"]
     return code, out
+
+
+def test_a_launch_whose_ports_were_taken_starts_again(mp_run):
+    """The first 2-rank launch found its ports taken (the master's among them): it failed
+    before its first step and ran again on fresh ports."""
+    _, out = mp_run
+    assert_started_again(out)
 
 
 def test_a_sharded_run_on_one_and_two_ranks(mp_run):
@@ -111,6 +121,12 @@ def test_aligned_in_float64_on_two_ranks(tmp_path, oneflow_python, capsys):
     first = {c["fc"]: c["losses"]["other"][0] for c in outcome["checks"]}
     assert first["dp"] != first["mp"]
     assert left_behind(tmp_path) == []
+
+
+def test_a_suspended_rank_is_named_with_where_the_run_stalled(tmp_path, oneflow_python):
+    """Rank 1 stopped with SIGSTOP (rank 0 waits in the step's collective): the run is stopped
+    as hung under --stall-timeout, naming rank 1, since when, and where rank 0 was."""
+    assert_a_suspended_rank_is_named("oneflow", tmp_path / "r", "--fc", "mp")
 
 
 def test_a_failing_rank_is_a_result_and_leaves_nothing(tmp_path, monkeypatch, oneflow_python):

@@ -24,8 +24,9 @@ from trainperf import envs, results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
 from align_checks import align, assert_strictly_aligned
-from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, assert_timed_runs_unprofiled,
-                      left_behind)
+from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
+                      assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
+                      left_behind, ports_taken_first)
 
 pytestmark = pytest.mark.slow
 SHORT = ["--runs", "1", "--iters", "4", "--warmup", "1", "--device", "cpu"]
@@ -36,11 +37,19 @@ def measured(tmp_path_factory, paddle_python):
     out = tmp_path_factory.mktemp("paddle_run") / "tiny"
     os.environ["TRAINPERF_PHASE_DELAY"] = f"head={PHASE_DELAY_S}"
     try:
-        code = main(["run", "tiny-arcface", "--framework", "paddle", "--devices", "1,2", "--fc",
-                     "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
+        with ports_taken_first():
+            code = main(["run", "tiny-arcface", "--framework", "paddle", "--devices", "1,2", "--fc",
+                         "mp", *SHORT, *BREAKDOWN, "--trace", "--out", str(out)])
     finally:
         del os.environ["TRAINPERF_PHASE_DELAY"]
     return code, out
+
+
+def test_a_launch_whose_ports_were_taken_starts_again(measured):
+    """The first 2-rank launch found its ports taken (the store's among them): it failed
+    before its first step and ran again on fresh ports."""
+    _, out = measured
+    assert_started_again(out)
 
 
 def test_a_measured_run_on_one_and_two_ranks(measured):
@@ -116,6 +125,13 @@ def test_aligned_in_float64_with_torch_on_two_ranks(tmp_path, paddle_python, cap
     for check in outcome["checks"]:
         assert_strictly_aligned(check)
     assert left_behind(tmp_path) == []
+
+
+def test_a_suspended_rank_is_named_with_where_the_run_stalled(tmp_path, paddle_python):
+    """Rank 1 stopped with SIGSTOP (Paddle's gloo would give up on it by itself only after
+    about a minute): the run is stopped as hung under --stall-timeout, naming rank 1, since
+    when, and where rank 0 was."""
+    assert_a_suspended_rank_is_named("paddle", tmp_path / "r", "--fc", "mp")
 
 
 def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, paddle_python):

@@ -6,15 +6,21 @@ aborting after a framework's banner and glibc's complaint (``TRAINPERF_FAULT``).
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from run_util import left_behind
+from run_util import assert_a_suspended_rank_is_named, left_behind
 from trainperf import results
+from trainperf.backends import spawn
 from trainperf.backends.loop import MAX_STEPS_IN_FLIGHT
 from trainperf.cli import main
-from trainperf.outcome import Outcome, agree, how_it_ended, last_words
+from trainperf.outcome import Outcome, agree, decide, how_it_ended, last_words, one_line
+from trainperf.protocol import Error, Exit, Step, decode
 
 BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
 GLIBC = "munmap_chunk(): invalid pointer"
@@ -73,13 +79,72 @@ def test_a_rank_that_dies_is_named_with_its_signal_and_its_last_words(
     one, two = deaths_of(framework, SEGV_FIRST, tmp_path / "segv", monkeypatch, *extra)
     check_segv(one["error"], 0, 2, framework)
     check_abort(two["error"], 1, 3, framework)
-    if framework == "paddle":
-        # Each signal is seen above, once each (SIGSEGV alone, SIGABRT in rank 1 of two); the
-        # order the other way round is torch's to show, which saves two Paddle launches.
-        return
     one, two = deaths_of(framework, ABORT_FIRST, tmp_path / "abort", monkeypatch, *extra)
     check_abort(one["error"], 0, 2, framework)
     check_segv(two["error"], 1, 3, framework)
+
+
+@pytest.mark.slow
+def test_a_suspended_torch_rank_is_named_with_where_the_run_stalled(tmp_path):
+    """Rank 1 stopped with SIGSTOP while rank 0 waits on it in DDP's all-reduce (every other
+    backend's file has the same test)."""
+    error = assert_a_suspended_rank_is_named("torch", tmp_path / "r")
+    assert error.startswith("rank 1 was found suspended (stopped by SIGSTOP or a debugger) at "
+                            "step 1 and never resumed")
+
+
+def test_a_launcher_tells_a_suspended_rank_and_asks_the_others_where_they_are(tmp_path):
+    """What the launcher does when it stops a hung run, on plain processes: the one stopped by
+    SIGSTOP is noted suspended and killed at once (SIGTERM would stay pending); the one still
+    running writes its stack, which says where it was."""
+    sleeper = ("import faulthandler, signal, time; faulthandler.register(signal.SIGUSR1, "
+               "all_threads=True); print('ready', flush=True)\ndef wait_here():\n    "
+               "time.sleep(600)\nwait_here()")
+    members = spawn.Members(str(tmp_path), str(tmp_path / "events.jsonl"))
+    stopped = members.start([sys.executable, "-c", "import os, signal; "
+                             "os.kill(os.getpid(), signal.SIGSTOP)"], dict(os.environ), 1)
+    waiting = members.start([sys.executable, "-c", sleeper], dict(os.environ), 0)
+    for _ in range(300):
+        if (spawn.process_state(stopped.proc.pid) == "T"
+                and "ready" in Path(waiting.log).read_text()):
+            break
+        time.sleep(0.05)
+    spawn.look_before_stopping(members.workers, dump_stacks=True)
+    assert (stopped.suspended, stopped.stack_dumped) == (True, False)
+    assert (waiting.suspended, waiting.stack_dumped) == (False, True)
+    spawn.stop(members.workers, grace_s=5)
+    members.report_ended()
+    events = [decode(json.loads(line))
+              for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    got = decide(events, timed_out=True)
+    assert got.status == "timeout"
+    assert got.error == ("rank 1 was found suspended (stopped by SIGSTOP or a debugger) before "
+                         "the first step and never resumed; then the run exceeded its timeout "
+                         "and was killed; where each rank was: rank 0 in wait_here "
+                         "(<string>:3)"), got.error
+
+
+def test_a_collective_that_gave_up_on_a_suspended_rank_is_a_hang():
+    """Paddle's gloo and TensorFlow's collectives give up on a suspended peer by themselves
+    (after about a minute): the run is a ``timeout`` naming the suspended rank first, then the
+    collective's own one line."""
+    tf = ("UnavailableError: Graph execution error:\n\nDetected at node CollectiveReduceV2 "
+          "defined at (most recent call last):\n  File \"<frozen runpy>\", line 198, in "
+          "_run_module_as_main\n\nCollective ops is aborted by: Error reported from "
+          "/job:worker/task:1: The following tasks are unhealthy (stopped sending "
+          "heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have crashed.")
+    events = [Step(index=i, seconds=0.1, samples=16, warmup=False, t=i) for i in range(3)]
+    events += [Error(kind="exception", message=tf, rank=0, t=60.0),
+               Exit(returncode=1, rank=0, t=61.0),
+               Exit(returncode=-9, stopped=True, suspended=True, rank=1, t=62.0)]
+    got = decide(events, timed_out=False)
+    assert (got.status, got.cause) == ("timeout", True)
+    assert got.error == (
+        "rank 1 was found suspended (stopped by SIGSTOP or a debugger) at step 3 and never "
+        "resumed; then rank 0: UnavailableError: Graph execution error: Collective ops is "
+        "aborted by: Error reported from /job:worker/task:1: The following tasks are unhealthy "
+        "(stopped sending heartbeats): /job:worker/replica:0/task:1")
+    assert one_line("RuntimeError: plain") == "RuntimeError: plain"
 
 
 def test_exit_statuses_in_words():

@@ -16,11 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from run_util import left_behind
+from run_util import left_behind, reserved_ports
 from trainperf.backends import get_backend
 from trainperf.cli import main
 from trainperf.config import Topology
-from trainperf.backends.spawn import free_ports
 from trainperf.rendezvous import parse_endpoint
 
 pytestmark = pytest.mark.slow
@@ -113,8 +112,6 @@ def test_endpoint_and_layout_errors():
     # the store the nodes meet on.
     for name in ("torch", "paddle", "mxnet"):
         assert get_backend(name).capabilities.several_nodes
-    ports = free_ports(5, "127.0.0.1")
-    assert len(set(ports)) == 5
 
 
 def test_cli_rejects_bad_rendezvous_options(tmp_path, capsys):
@@ -127,14 +124,14 @@ def test_cli_rejects_bad_rendezvous_options(tmp_path, capsys):
 
 
 def test_two_nodes_meet_over_loopback(tmp_path):
-    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    endpoint = f"127.0.0.1:{reserved_ports()[0]}"
     procs = [start_node(tmp_path / f"n{n}", endpoint, "--runs", "2", "--iters", "6")
              for n in (0, 1)]
     check_pair(tmp_path, finish(procs))
 
 
 def test_a_node_that_never_comes_is_a_recorded_failure(tmp_path):
-    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    endpoint = f"127.0.0.1:{reserved_ports()[0]}"
     proc = start_node(tmp_path / "n0", endpoint, "--runs", "2", "--iters", "6", timeout_s=3)
     assert finish([proc]) == [1]
     _, runs = runs_of(tmp_path / "n0")
@@ -145,7 +142,7 @@ def test_a_node_that_never_comes_is_a_recorded_failure(tmp_path):
 
 
 def test_a_node_killed_mid_run_is_a_recorded_failure_on_the_other(tmp_path):
-    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    endpoint = f"127.0.0.1:{reserved_ports()[0]}"
     procs = [start_node(tmp_path / f"n{n}", endpoint, "--runs", "1", "--iters", "100000")
              for n in (0, 1)]
     leader = None
@@ -171,7 +168,7 @@ def test_a_rank_that_dies_after_the_last_step_fails_the_run_on_both_nodes(tmp_pa
     on node 0 has written ``end``. Node 0 hears it from node 1 and records each run as failed
     with that cause instead of waiting on its dead peer (which would end in a timeout, not a
     failure), and both nodes go on to the next run."""
-    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    endpoint = f"127.0.0.1:{reserved_ports()[0]}"
     fault = {"TRAINPERF_FAULT": "abort=munmap_chunk(): invalid pointer@6:2/1"}
     procs = [start_node(tmp_path / f"n{n}", endpoint, "--runs", "2", "--iters", "6",
                         "--timeout", "240", env=fault) for n in (0, 1)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_util import free_port
+from run_util import reserved_ports
 from slurm_host import slurm_cluster  # noqa: F401  (the fixture, imported to be found)
 from trainperf import results
 from trainperf.cli import build_parser, main
@@ -302,7 +302,7 @@ def test_a_submitted_two_node_job_completes_and_reports(slurm_cluster, tmp_path,
     started = time.monotonic()
     rc = main(["slurm", "tiny-arcface", "--nodes", "1", "--tasks-per-node", "2",
                "--devices", "1", "--runs", "1", "--iters", "6", "--warmup", "2",
-               "--device", "cpu", "--time", "3", "--rdzv-port", str(free_port()),
+               "--device", "cpu", "--time", "3", "--rdzv-port", str(reserved_ports()[0]),
                "--out", str(out), "--submit"])
     printed = capsys.readouterr().out
     took = time.monotonic() - started

@@ -16,9 +16,11 @@ import pytest
 
 from trainperf import results
 from trainperf.cli import main
+from trainperf.outcome import names_bind_failure
 from align_checks import align, assert_strictly_aligned
-from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_delay_lands, assert_timed_runs_unprofiled,
-                      left_behind)
+from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
+                      assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
+                      left_behind, ports_taken_first)
 
 pytestmark = pytest.mark.slow
 ITERS, WARMUP = 4, 1
@@ -34,11 +36,20 @@ def tiny_run(tmp_path_factory, tf_python):
     os.environ["TRAINPERF_PHASE_DELAY"] = ",".join(f"{name}={PHASE_DELAY_S}"
                                                    for name in GRAPH.values())
     try:
-        code = main(["run", "tiny-arcface", "--framework", "tf", "--devices", "1,2", *SHORT,
-                     *BREAKDOWN, "--trace", "--out", str(out)])
+        with ports_taken_first():
+            code = main(["run", "tiny-arcface", "--framework", "tf", "--devices", "1,2", *SHORT,
+                         *BREAKDOWN, "--trace", "--out", str(out)])
     finally:
         del os.environ["TRAINPERF_PHASE_DELAY"]
     return code, out
+
+
+def test_a_launch_whose_ports_were_taken_starts_again(tiny_run):
+    """The first 2-rank launch found its ports taken (each worker's gRPC server's among them):
+    it failed before its first step and ran again on fresh ports."""
+    _, out = tiny_run
+    run = assert_started_again(out)
+    assert names_bind_failure(run["retries"][0]["error"]), run["retries"][0]["error"]
 
 
 def test_run_on_one_and_two_ranks(tiny_run, tf_python):
@@ -103,6 +114,13 @@ def test_aligned_in_float64_on_two_ranks(tmp_path, tf_python):
     first = {row["rank"]: row["loss"]["other"] for row in check["steps"] if row["step"] == 0}
     assert first[0] != first[1]
     assert left_behind(tmp_path) == []
+
+
+def test_a_suspended_rank_is_named_with_where_the_run_stalled(tmp_path, tf_python):
+    """Rank 1 stopped with SIGSTOP (TensorFlow's collective would give up on it by itself only
+    after about a minute): the run is stopped as hung under --stall-timeout, naming rank 1,
+    since when, and where rank 0 was."""
+    assert_a_suspended_rank_is_named("tf", tmp_path / "r")
 
 
 def test_failing_ranks_are_results_and_leave_nothing(tmp_path, monkeypatch, tf_python):

@@ -421,6 +421,9 @@ class Measure:
     warmup: int = 20
     timeout_s: float = 1800.0
     """Wall-clock limit of one run; past it every process of the run is killed."""
+    stall_timeout_s: float | None = None
+    """A run that has reported its first step and then reports nothing more for this long is
+    stopped as hung, whatever is left of ``timeout_s`` (None: only ``timeout_s``)."""
     memory_limit_bytes: int | None = None
     """Per-process cap of the data segment (RLIMIT_DATA) for CPU runs (None: no cap)."""
     threads: int | None = None
@@ -438,6 +441,8 @@ class Measure:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
+        if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
+            raise ValueError(f"--stall-timeout must be > 0, got {self.stall_timeout_s}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
@@ -446,7 +451,10 @@ class Measure:
         return self.iters - self.warmup
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["stall_timeout_s"] is None:
+            del d["stall_timeout_s"]  # folders measured before it existed resume as before
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Measure":

@@ -4,8 +4,9 @@
 ``raise``, ``oom``, ``hang``, ``kill`` (the process dies at once, as under the kernel's OOM
 killer, writing nothing), ``segv`` (it dies of SIGSEGV, as a native crash), ``abort=TEXT`` (it
 prints TEXT to stderr, ``|`` separating lines, and aborts, as glibc does on a corrupted heap) or
-``sleep=SECONDS``. An item with WORLD applies only to runs of that world size; RANK (default 0)
-is the global rank that acts on it. ARG may hold ``:`` but not ``@`` or ``,``. In the torch
+``sleep=SECONDS``, or ``stop`` (the process suspends itself with SIGSTOP, as when someone
+stops it from outside; it never resumes). An item with WORLD applies only to runs of that world
+size; RANK (default 0) is the global rank that acts on it. ARG may hold ``:`` but not ``@`` or ``,``. In the torch
 worker a STEP equal to the run's iterations strikes after the last step (after ``end``).
 """
 
@@ -57,5 +58,7 @@ def inject(faults: Faults, index: int, rank: int,
         os.abort()
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "sleep":
         time.sleep(float(arg))

@@ -13,19 +13,28 @@ Standard library only; the runner imports it and it imports no framework.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .protocol import End, Error, Event, Exit, Step
 
 LOST_PEER_WORDS = ("connection closed", "connection reset", "broken pipe", "connection refused",
                    "timed out", "timeout")
+BIND_FAILURE_WORDS = ("address already in use", "eaddrinuse", "bind failed", "errno 98",
+                      "failed to bind", "could not bind", "cannot bind", "unable to bind",
+                      "failed to add port", "could not start grpc server",
+                      "failed to start rpc server")
+"""How the frameworks say that a listening socket could not have its port: torch's and Paddle's
+stores, MXNet's ps-lite scheduler (``bind failed``), gRPC under JAX, TensorFlow and OneFlow."""
 
 NOISE = [re.compile(p) for p in (
-    # absl / glog INFO and WARNING lines (TensorFlow, Paddle, JAX's XLA), and absl's banner.
-    r"^[IW]\d{4} \d\d:\d\d:\d\d",
+    # absl / glog INFO and WARNING lines (TensorFlow, Paddle, JAX's XLA; OneFlow's glog puts
+    # the year in: W20261128), and absl's banner.
+    r"^[IW](\d{4})?\d{4} \d\d:\d\d:\d\d",
     r"^WARNING: All log messages before absl::InitializeLog\(\) is called",
     r"^To enable the following instructions: .* rebuild TensorFlow",
     # torch's C++ warnings ("[W1125 13:22:01.12 ...] Warning: ...").
@@ -40,6 +49,8 @@ NOISE = [re.compile(p) for p in (
     r"^FatalError: `.*` is detected by the operating system\.$",
     r"^\s*\[(TimeInfo|SignalInfo): \*\*\*",
     r"^WARNING: OMP_NUM_THREADS set to \d+, not 1", r"^PLEASE USE OMP_NUM_THREADS WISELY",
+    # OneFlow's start-up on a machine without InfiniBand.
+    r"^libibverbs not available, ibv_fork_init skipped",
 )]
 FAULT_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$")
 OWN_CODE = re.compile(r"/trainperf/(backends/|scale/|[a-z_]+\.py$)")
@@ -50,6 +61,30 @@ def is_lost_peer(text: str | None) -> bool:
     """An error that a rank gets when another process of the run went away."""
     low = (text or "").lower()
     return any(w in low for w in LOST_PEER_WORDS)
+
+
+def names_bind_failure(text: str | None) -> bool:
+    low = (text or "").lower()
+    return any(w in low for w in BIND_FAILURE_WORDS)
+
+
+TRACE_LINE = re.compile(r'^(File "|Detected at node |Traceback \(most recent call last\))')
+
+
+def one_line(text: str | None) -> str | None:
+    """An error on one line: its first line, and where that only announces what follows
+    (TensorFlow's "Graph execution error:" before the trace of where the op was defined), the
+    first lines after the trace that say what went wrong."""
+    if text is None:
+        return None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return text.strip()
+    said = [lines[0]]
+    rest = [ln for ln in lines[1:] if not TRACE_LINE.match(ln)]
+    while said[-1].endswith(":") and rest and len(said) < 4:
+        said.append(rest.pop(0))
+    return " ".join(said)
 
 
 def how_it_ended(returncode: int) -> str:
@@ -76,12 +111,42 @@ def last_words(log: str | Path | None, count: int = 3) -> list[str]:
     thread's stack cut to one line: the innermost Python frame of the thread that crashed, or,
     where that thread runs no Python (a framework's own thread), of the main thread, which the
     dump lists last."""
+    return _said(_lines(log), count)
+
+
+def _lines(log: str | Path | None) -> list[str]:
     if not log:
         return []
     try:
-        lines = Path(log).read_text(encoding="utf-8", errors="replace").splitlines()
+        return Path(log).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return []
+
+
+def _in_dump(text: str) -> bool:
+    stripped = text.strip()
+    return (not stripped or bool(FAULT_HEADER.match(stripped)) or bool(FRAME.match(text))
+            or stripped == "<no Python frame>")
+
+
+def dumped_stack(log: str | Path | None) -> str | None:
+    """Where the process's last dump of its threads' stacks (a hung run's, ``spawn.
+    look_before_stopping``) found it, in ``last_words``'s form; None without a dump."""
+    lines = _lines(log)
+    headers = [i for i, ln in enumerate(lines) if FAULT_HEADER.match(ln.strip())]
+    if not headers:
+        return None
+    start = headers[-1]
+    while start > 0 and _in_dump(lines[start - 1]):
+        start -= 1
+    end = headers[-1]
+    while end < len(lines) and _in_dump(lines[end]):
+        end += 1
+    said = _said(lines[start:end], 1)
+    return said[0] if said else None
+
+
+def _said(lines: list[str], count: int) -> list[str]:
     kept: list[str] = []
     dump: list[tuple[bool, list[re.Match]]] = []  # (current thread, its frames) per thread
 
@@ -158,6 +223,9 @@ class Outcome:
     error: str | None
     cause: bool = False
     """The error names a cause (a death, an exception of its own), not only a lost peer."""
+    retry: str | None = None
+    """Why the run should start again on fresh ports (``with_port_retry``); None: it should
+    not."""
 
 
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
@@ -169,24 +237,64 @@ def _crashed(x: Exit) -> bool:
     return code in CRASH_SIGNALS
 
 
+def suspended(events: list[Event], has_rank0: bool = True) -> str | None:
+    """The processes found suspended (SIGSTOP, a debugger) when the run was stopped, and since
+    when the run made no progress; None where none was."""
+    stuck = sorted((x for x in events if isinstance(x, Exit) and x.suspended),
+                   key=lambda x: (x.rank < 0, x.rank))
+    if not stuck:
+        return None
+    names = ", ".join(x.name for x in stuck)
+    where = progress_at(float("inf"), events, has_rank0)
+    return " ".join(filter(None, (names, "was" if len(stuck) == 1 else "were",
+                                  "found suspended (stopped by SIGSTOP or a debugger)", where,
+                                  "and never resumed")))
+
+
+def stacks_at_stop(events: list[Event]) -> str | None:
+    """Where each rank was when a hung run was stopped, from the stacks the ranks still able to
+    answer wrote (``Exit.stack_dumped``)."""
+    wheres = [f"rank {x.rank} {frame}" for x in sorted(
+        (x for x in events if isinstance(x, Exit) and x.stack_dumped), key=lambda x: x.rank)
+        if (frame := dumped_stack(x.log))]
+    return "; ".join(wheres) or None
+
+
 def decide(events: list[Event], timed_out: bool, has_rank0: bool = True,
-           memory_capped: bool = False) -> Outcome:
+           memory_capped: bool = False, stalled_s: float | None = None) -> Outcome:
     """The run's status and error text, from what its processes wrote and how they ended
     (``has_rank0``: this node runs rank 0, whose steps say where a death happened;
-    ``memory_capped``: the processes ran under ``--memory-limit``)."""
+    ``memory_capped``: the processes ran under ``--memory-limit``; ``stalled_s``: the run was
+    stopped for going that long without a step, ``timed_out`` is then set too). A run with a
+    suspended process hung, whichever timeout ended it: the runner's, or a framework's
+    collective that gave up on the suspended peer."""
     errors = [e for e in events if isinstance(e, Error)]
     dead = deaths(events)
     died = "; ".join(death_text(x, events, has_rank0) for x in dead)
+    stuck = suspended(events, has_rank0)
+    stopped = (f"run went {stalled_s:g} s without a step and was stopped as hung"
+               if stalled_s is not None else "run exceeded its timeout and was killed")
+    stacks = stacks_at_stop(events)
+    where_ranks = f"; where each rank was: {stacks}" if stacks else ""
+    if stuck and not dead:
+        errors.sort(key=lambda e: e.rank)
+        then = (f"the {stopped}" if timed_out or not errors
+                else f"rank {errors[0].rank}: {one_line(errors[0].message)}")
+        return Outcome("timeout", f"{stuck}; then {then}{where_ranks}", True)
     if timed_out:
-        text = "run exceeded its timeout and was killed"
+        text = stopped
+        where = progress_at(float("inf"), events, has_rank0)
+        if not died and where:
+            text += f" {where}"
+        text += where_ranks
         return Outcome("timeout", f"{died}; then the {text}" if died else text, bool(died))
     oom = next((e for e in errors if e.kind == "oom"), None)
     if oom is not None:
-        return Outcome("oom", oom.message, True)
+        return Outcome("oom", one_line(oom.message), True)
     # Causes first: a rank's own exception before a peer's broken connection.
     errors.sort(key=lambda e: (is_lost_peer(e.message), e.rank))
     if dead:
-        after = "; ".join(f"then rank {e.rank}: {e.message}" for e in errors)
+        after = "; ".join(f"then rank {e.rank}: {one_line(e.message)}" for e in errors)
         text = "; ".join(filter(None, (died, after)))
         if memory_capped and all(_crashed(x) for x in dead):
             # Under the cap, malloc returns NULL where the machine would have had memory, and
@@ -199,17 +307,39 @@ def decide(events: list[Event], timed_out: bool, has_rank0: bool = True,
         # undo that. The runner records the exit beside the figure.
         return Outcome("ok", None)
     if errors:
-        return Outcome("failed", errors[0].message, not is_lost_peer(errors[0].message))
+        return Outcome("failed", one_line(errors[0].message), not is_lost_peer(errors[0].message))
     return Outcome("failed", None)
+
+
+def with_port_retry(here: Outcome, events: list[Event], taken: Callable[[], list[int]]
+                    ) -> Outcome:
+    """``here`` with ``retry`` set where the run failed for want of a port: it failed before
+    its first step, and ``taken()`` (asked only then, once the run's processes have ended)
+    finds one of its ports held by a process outside the run, or a process of the run said that
+    its bind failed."""
+    if here.status != "failed" or any(isinstance(e, Step) for e in events):
+        return here
+    held = taken()
+    if held:
+        names = ", ".join(str(p) for p in held)
+        why = (f"port{'s' if len(held) > 1 else ''} {names} taken by another process before "
+               "the run's own could bind")
+    else:
+        texts = [here.error] + [f"{e.message} {' '.join(e.traceback)}" for e in events
+                                if isinstance(e, Error)]
+        if not any(names_bind_failure(t) for t in texts):
+            return here
+        why = "a process of the run could not bind its port"
+    return dataclasses.replace(here, retry=why)
 
 
 def agree(node_rank: int, here: Outcome, heard: dict[int, dict], nnodes: int,
           waited_s: float) -> Outcome:
     """One outcome for a run on several nodes, from this node's and what the others told
-    (``{node: {"status", "error", "cause"}}``): it failed on every node if it failed on any,
-    and the error names each failed node's part, causes first."""
-    parts = {node_rank: {"status": here.status, "error": here.error, "cause": here.cause},
-             **heard}
+    (``{node: {"status", "error", "cause", "retry"}}``): it failed on every node if it failed
+    on any, and the error names each failed node's part, causes first."""
+    parts = {node_rank: {"status": here.status, "error": here.error, "cause": here.cause,
+                         "retry": here.retry}, **heard}
     missing = [n for n in range(nnodes) if n not in parts]
     bad = {n: p for n, p in parts.items() if p.get("status") != "ok"}
     if not bad and not missing:
@@ -225,4 +355,9 @@ def agree(node_rank: int, here: Outcome, heard: dict[int, dict], nnodes: int,
     error = "; ".join(texts)
     if not cause and is_lost_peer(error):
         error += " (a peer node stopped or its network failed)"
-    return Outcome(status, error, cause)
+    # Every node starts the run again when a node lost a port and nothing else went wrong
+    # anywhere: the others' failures are then only their lost peer.
+    retry = next((bad[n].get("retry") for n in sorted(bad) if bad[n].get("retry")), None)
+    if missing or any(p.get("cause") and not p.get("retry") for p in bad.values()):
+        retry = None
+    return Outcome(status, error, cause, retry)

@@ -79,22 +79,20 @@ def parse_ratios(text: str) -> list[float]:
 
 
 def head_modes(fcs: list[str], ratios: list[float] | None) -> list[tuple[str, float]]:
-    """Every (head mode, ratio) that means something: a ratio below 1 only with ``pfc``, and
-    ``pfc`` at ratio 1 left out when ``mp`` is there (the same arithmetic). Without
-    ``ratios``, ``pfc`` samples 0.1 and the other modes take every class."""
+    """Every (head mode, ratio) of an ``--fc`` and ``--sample-ratio`` sweep: the ratios are
+    ``pfc``'s (the other modes take every class whatever they are), and ``pfc`` at ratio 1 is
+    left out when ``mp`` is there (the same arithmetic). Without ``ratios``, ``pfc`` samples
+    0.1. Ratios below 1 with no ``pfc`` to take them are refused, never dropped."""
+    if ratios and "pfc" not in fcs and any(r < 1.0 for r in ratios):
+        raise ValueError(f"--fc {','.join(fcs)} with --sample-ratio "
+                         f"{','.join(f'{r:g}' for r in ratios)}: a ratio below 1 needs --fc pfc")
     heads = []
     for fc in fcs:
-        for ratio in ratios or [PFC_DEFAULT_RATIO if fc == "pfc" else 1.0]:
-            if ratio < 1.0 and fc != "pfc":
-                continue
+        for ratio in (ratios or [PFC_DEFAULT_RATIO]) if fc == "pfc" else [1.0]:
             if fc == "pfc" and ratio == 1.0 and "mp" in fcs:
                 continue
             if (fc, ratio) not in heads:
                 heads.append((fc, ratio))
-    if not heads:
-        raise ValueError(f"--fc {','.join(fcs)} with --sample-ratio "
-                         f"{','.join(f'{r:g}' for r in ratios or [])} leaves nothing to run: "
-                         "a ratio below 1 needs --fc pfc")
     return heads
 
 

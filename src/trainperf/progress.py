@@ -26,6 +26,16 @@ class NullProgress:
         pass
 
 
+def finished_text(record: dict) -> str:
+    """A finished run's figure or error, and the attempts it took where it took more."""
+    rate = record.get("samples_per_s")
+    text = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
+    retries = record.get("retries") or []
+    if retries:
+        text += (f" (on attempt {len(retries) + 1}: {retries[-1]['reason']})")
+    return text
+
+
 class QuietProgress(NullProgress):
     """No live display: one line per finished run, for logs and CI."""
 
@@ -33,9 +43,8 @@ class QuietProgress(NullProgress):
         self.stream = stream
 
     def run_finished(self, label: str, record: dict) -> None:
-        rate = record.get("samples_per_s")
-        figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
-        print(f"{label}: {record['status']} {figure}", file=self.stream or sys.stderr, flush=True)
+        print(f"{label}: {record['status']} {finished_text(record)}",
+              file=self.stream or sys.stderr, flush=True)
 
 
 class RichProgress:
@@ -62,11 +71,12 @@ class RichProgress:
             self.bar.advance(self.task, count)
 
     def run_finished(self, label: str, record: dict) -> None:
-        rate = record.get("samples_per_s")
         style = "green" if record["status"] == "ok" else "red"
-        figure = f"{rate:.2f} samples/s" if rate else (record.get("error") or "")[:120]
-        self.console.print(f"[{style}]{label}: {record['status']}[/] {figure}",
-                           highlight=False, markup=True)
+        from rich.markup import escape
+
+        # An error may hold brackets of its own ("[W1125 ...]"), which are not markup.
+        self.console.print(f"[{style}]{escape(label)}: {record['status']}[/] "
+                           f"{escape(finished_text(record))}", highlight=False, markup=True)
 
     def close(self) -> None:
         if self.task is not None:

@@ -30,11 +30,13 @@ How a run goes
    - ``error`` (:class:`Error`, any rank, when it fails): ``kind`` is ``oom`` for an
      out-of-memory, else ``exception``; ``message`` one line; ``traceback`` a list of lines.
 
-3. Every process exits; 0 means it finished cleanly. The **launcher** (not a worker) then
-   appends one ``exit`` event per process it started (:class:`Exit`): how the process ended,
-   whether the launcher stopped it, and the file that holds its output. A launcher gives every
-   process its own output file, so that a crash is told by the lines of the process that
-   crashed.
+3. Every process exits; 0 means it finished cleanly. Before a launcher stops a hung run it may
+   send each live worker ``SIGUSR1``: a worker answers by writing every thread's Python stack
+   to its stderr (``faulthandler.register``), which tells where each rank was. The **launcher**
+   (not a worker) then appends one ``exit`` event per process it started (:class:`Exit`): how
+   the process ended, whether the launcher stopped it (and whether it was suspended then), and
+   the file that holds its output. A launcher gives every process its own output file, so that
+   a crash is told by the lines of the process that crashed.
 
 Timing rules every worker follows
 ---------------------------------
@@ -70,7 +72,10 @@ fences change the step, so its rate is never a result.
 Status
 ------
 The runner alone decides a run's status, from the events and how the processes ended: ``oom``
-if any rank wrote an ``oom`` error; ``timeout`` if the run passed ``--timeout`` and was killed;
+if any rank wrote an ``oom`` error; ``timeout`` if the run passed ``--timeout`` (or went
+``--stall-timeout`` without a step after its first) and was killed, or if a process was found
+suspended (``Exit.suspended``) when the run's processes were stopped, whichever timeout
+stopped them, the runner's or a framework's collective;
 ``failed`` if a process died of a signal that its launcher did not send, or exited non-zero
 without writing an ``error`` (a native crash, the kernel's out-of-memory killer), even after
 ``end``: a process that corrupted its memory may have done so inside the window (under a
@@ -357,6 +362,12 @@ class Exit(Event):
     """What the process was, where not a rank: ``scheduler``, ``server on node 1``."""
     log: str | None = None
     """The file that holds the process's stdout and stderr."""
+    suspended: bool = False
+    """When the launcher came to stop it, the process was suspended (stopped by SIGSTOP or a
+    debugger), so it had not run since."""
+    stack_dumped: bool = False
+    """Before stopping it the launcher asked it to write every thread's Python stack into
+    ``log`` (a hung run)."""
 
     @property
     def name(self) -> str:

@@ -5,11 +5,12 @@ meeting is torch's c10d dynamic rendezvous, which gives each node its rank, and 
 address is HOST hosts the store; with ``--node-rank R --master-addr H --master-port P`` the ranks
 are given by hand and node 0 (at H) hosts a plain TCP store on P. Either way the store lives as
 long as the hosting runner. Before every run the nodes meet again on it under the run's name:
-each publishes ports it has just found free, so that every backend can be told where every rank
-of the run listens (``Cluster``). After every run each node tells the others how its part ended,
-so that a rank that died on one node fails the run on every node, with its cause, and no node
-waits on a dead peer. A node that does not arrive within the timeout, or whose store went away
-with its node, turns into ``RendezvousError``, which the runner records as the run's failure.
+each publishes ports it has reserved (``backends.ports``: held until its next meeting), so that
+every backend can be told where every rank of the run listens (``Cluster``). After every run
+each node tells the others how its part ended, so that a rank that died on one node fails the
+run on every node, with its cause, and no node waits on a dead peer. A node that does not
+arrive within the timeout, or whose store went away with its node, turns into
+``RendezvousError``, which the runner records as the run's failure.
 
 Node ranks stay fixed for the life of the runners, so one node (rank 0) holds every measurement.
 """
@@ -27,8 +28,8 @@ from typing import Any
 
 import psutil
 
+from .backends import ports
 from .backends.base import Cluster
-from .backends.spawn import free_ports
 
 POLL_S = 0.1
 DEFAULT_TIMEOUT_S = 300.0
@@ -115,6 +116,8 @@ class NodeGroup:
     """This node's runner hosts the store."""
     _store: Any = field(default=None, repr=False)
     _handler: Any = field(default=None, repr=False)
+    _held: ports.Reservation | None = field(default=None, repr=False)
+    """The ports this node published at the last meeting, held until the next one."""
 
     def join(self, settings: dict[str, Any]) -> None:
         """Meet the other nodes once: node rank, every node's address, and the check that all
@@ -206,11 +209,13 @@ class NodeGroup:
         self._store, self.node_rank = info.store, info.rank
 
     def meet(self, label: str, nproc_per_node: int, nports: int) -> Cluster:
-        """Meet again before run ``label``: every node's free ports for it."""
+        """Meet again before run ``label``: every node's ports for it, each node's reserved
+        (``ports.reserve``) until its next meeting or ``close``."""
         if self._store is None or self.node_rank is None:
             raise RendezvousError("the nodes have not met yet")
-        ports = free_ports(nports, self.local_addr)
-        self._set(f"run/{label}/{self.node_rank}", json.dumps(ports))
+        self.release_ports()
+        self._held = ports.reserve(nports, self.local_addr)
+        self._set(f"run/{label}/{self.node_rank}", json.dumps(list(self._held.ports)))
         found = [json.loads(v) for v in self._wait_all(f"run/{label}", label)]
         return Cluster(self.node_rank, nproc_per_node, self.addrs,
                        tuple(tuple(p) for p in found))
@@ -240,7 +245,13 @@ class NodeGroup:
                 return heard
             time.sleep(POLL_S)
 
+    def release_ports(self) -> None:
+        if self._held is not None:
+            self._held.release()
+            self._held = None
+
     def close(self) -> None:
+        self.release_ports()
         if self._store is not None and self.node_rank is not None:
             try:
                 # The store goes with this process: the others first read what they need.

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import breakdown, envs, outcome, protocol, results
-from .backends import get_backend
+from .backends import get_backend, ports
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
 from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, AlignSpec, DataSpec, Measure,
@@ -26,16 +26,56 @@ from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, AlignSpec, DataSpec, Me
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
 from .progress import Progress, QuietProgress
-from .protocol import Event, Phases, ProtocolError, RunSpec, Start, Step
+from .protocol import End, Eval, Event, Phases, ProtocolError, RunSpec, Start, Step
 from .rendezvous import NodeGroup, RendezvousError, interface_of
 
 PEER_POLL_S = 1.0
 """Several nodes: how often a running node looks whether another node's part of the run has
 failed (its own ranks would then wait on the lost peer)."""
+MAX_ATTEMPTS = 3
+"""Launches of one run at most: a run whose ports were taken by another process before its own
+processes bound them (``ports``) starts again on fresh ones, twice at most."""
 FAILED_HEAR_S = 10.0
 """Several nodes: how long a node whose own part failed waits to hear the others (a peer
 whose rank died tells within seconds; one that died whole never will). A node whose part
 succeeded waits ``--rdzv-timeout``, as the others may still be finishing theirs."""
+
+
+@dataclass
+class Watched:
+    """What one launch of a run left: its events, the warnings they raised, how it ended."""
+
+    seen: list[Event] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    timed_out: bool = False
+    stalled: bool = False
+    """Stopped for going ``Measure.stall_timeout_s`` without a step (``timed_out`` too)."""
+    peers_failed: dict[int, dict] = field(default_factory=dict)
+    """Several nodes: the other nodes whose part failed while this one ran."""
+    returncode: int | None = None
+
+
+@dataclass
+class Attempt:
+    """One launch of a run and its outcome (agreed with the other nodes)."""
+
+    here: outcome.Outcome
+    seen: list[Event]
+    warnings: list[str]
+    returncode: int | None
+    retry: str | None
+    """Why the run should start again on fresh ports (``outcome.with_port_retry``), or None."""
+
+
+def keep_attempt(run_dir: Path, attempt: int) -> str:
+    """Move what an attempt given up wrote (its events, every process's output, its ports)
+    into ``attempt-N/`` of the run's folder, out of the next attempt's way; the folder's name."""
+    keep = run_dir / f"attempt-{attempt}"
+    keep.mkdir(exist_ok=True)
+    for path in run_dir.iterdir():
+        if path.is_file() and path.name != "spec.json":
+            path.replace(keep / path.name)
+    return keep.name
 
 
 @dataclass(frozen=True)
@@ -335,26 +375,17 @@ class Runner:
             self.group_lost = f"the nodes lost each other before {label}: {exc}"
             raise
 
-    def _not_run(self, label: str, tags: dict, error: str) -> dict:
-        """The record of a run that could not start because the nodes did not meet."""
-        self._append_event({"event": "run_start", "t": time.time(), **tags})
-        record = results.run_record(tags["run"], [], "failed", error)
-        self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
-        self.progress.run_finished(label, record)
-        return record
-
     def _run_one(self, case: Case, run: int, profile: bool = False) -> dict:
         """Run ``run`` of ``case`` and return its record; with ``profile``, the case's profiled
-        run instead (outside the runs), and return its breakdown."""
+        run instead (outside the runs), and return its breakdown. A run whose ports were taken
+        before its processes bound them starts again on fresh ports (``MAX_ATTEMPTS`` in all),
+        and its record lists each attempt given up."""
         what = "profile" if profile else f"run {run}"
         label = " ".join(filter(None, (self.plan.variant, case.key.name,
                                       f"b{case.batch_size} {what}")))
         run_dir = self.out / "runs" / (f"{case.key.name}_b{case.batch_size}_"
                                        f"{'profile' if profile else f'run{run}'}")
         run_dir.mkdir(parents=True, exist_ok=True)
-        spec_path, worker_events, log_path = (run_dir / "spec.json", run_dir / "events.jsonl",
-                                              run_dir / "worker.log")
-        worker_events.unlink(missing_ok=True)
         measure = self.plan.measure
         profile_spec = None
         if profile:
@@ -370,103 +401,45 @@ class Runner:
                        measure.threads or cpu_threads_per_process(case.topology.devices_per_node),
                        self.plan.align,
                        self.plan.data, train, profile_spec)
-        results.write_json_atomic(spec_path, spec.to_dict())
+        results.write_json_atomic(run_dir / "spec.json", spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         if profile:
             tags["profile"] = True
-        cluster, cluster_path = None, None
-        if case.topology.nnodes > 1:
-            try:
-                cluster = self._meet(case, run_dir.name)
-            except RendezvousError as exc:
-                if profile:
-                    return breakdown.summarize({}, results.run_record(run, [], "failed",
-                                                                      str(exc)))
-                return self._not_run(label, tags, str(exc))
-            cluster_path = run_dir / "cluster.json"
-            cluster_path.write_text(cluster.to_json(), encoding="utf-8")
-        launch = self.backend.launch(LaunchRequest(self.python, case.topology, self.plan.tuning,
-                                                   spec_path, worker_events, cluster,
-                                                   cluster_path, run_dir.resolve()))
-        # Every process of the run inherits the tag, helpers such as a parameter server
-        # included, so what a run left behind can be found. The fault handler prints where
-        # Python was when a process dies of a signal, into that process's own output file.
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
-                   TRAINPERF_RUN_ID=str(run_dir.resolve()), **launch.env)
-        # Real data in a framework's own environment: its loader processes run this
-        # interpreter, which has the decoders (``data.feed``), and share this node's cores.
-        env.update({LOADER_PYTHON_ENV: sys.executable,
-                    LOCAL_WORLD_ENV: str(case.topology.devices_per_node)})
-        if measure.threads:
-            env["OMP_NUM_THREADS"] = str(spec.threads)  # asked for: over the caller's own
-        else:
-            env.setdefault("OMP_NUM_THREADS", str(spec.threads))
-        if self.pythonpath:
-            env["PYTHONPATH"] = self.pythonpath
-        if case.topology.nnodes > 1:
-            env.update(multinode_env(case.topology, self.group))
         self._append_event({"event": "run_start", "t": time.time(), **tags})
-        self.progress.run_started(label, measure.iters)
-
-        tail = EventTail(worker_events)
-        seen: list[Event] = []
-        warnings: list[str] = []
-        timed_out = False
-        deadline = time.monotonic() + measure.timeout_s
-        peers_failed: dict[int, dict] = {}
-        next_look = time.monotonic() + PEER_POLL_S
-        meeting = run_dir.name  # what the nodes call this run when they meet
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(launch.argv, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env)
+        retries: list[dict] = []
+        while True:
+            attempt = len(retries) + 1
             try:
-                while True:
-                    exited = proc.poll() is not None
-                    self._take(tail.read(), seen, warnings, tags)
-                    if exited:
-                        break
-                    if time.monotonic() > deadline:
-                        timed_out = True
-                        kill_tree(proc)
-                        self._take(tail.read(), seen, warnings, tags)
-                        break
-                    if self.group is not None and time.monotonic() > next_look:
-                        next_look = time.monotonic() + PEER_POLL_S
-                        peers_failed = self._failed_peers(meeting)
-                        if peers_failed:
-                            # This node's ranks would wait on the lost peer until a collective
-                            # gives up on it: the run has failed already.
-                            kill_tree(proc)
-                            self._take(tail.read(), seen, warnings, tags)
-                            break
-                    time.sleep(POLL_S)
-            except BaseException:
-                kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
-                self._take(tail.read(), seen, warnings, tags)
-                raise
-        here = outcome.decide(seen, timed_out, has_rank0=not self.is_follower,
-                              memory_capped=measure.memory_limit_bytes is not None)
-        if self.is_follower and here.status == "failed" and here.error is None and (
-                proc.returncode == 0):
-            # Rank 0 is on another node: a clean exit is all this node can report.
-            here = outcome.Outcome("ok", None)
-        if here.status == "failed" and here.error is None and peers_failed:
-            here = outcome.Outcome("failed", "its ranks were stopped when another node's "
-                                             "part failed")
-        if here.status == "failed" and here.error is None:
-            words = outcome.last_words(log_path)
-            here = outcome.Outcome("failed", " | ".join(words) if words else
-                                   f"launcher exited with code {proc.returncode}", bool(words))
-        if self.group is not None:
-            wait_s = case.topology.rdzv_timeout_s
-            if here.status != "ok":
-                wait_s = min(wait_s, FAILED_HEAR_S)
-            here = self._agree(meeting, here, peers_failed, wait_s)
-        record = results.run_record(run, seen, here.status, here.error, proc.returncode)
-        if here.status == "ok" and proc.returncode != 0:
-            warnings.append(f"processes exited with code {proc.returncode} after the "
-                            f"measurement: {log_tail(log_path, 3)}")
-        record["warnings"] += warnings
+                done = self._attempt(case, run_dir, spec, label, tags, attempt)
+            except RendezvousError as exc:
+                record = results.run_record(run, [], "failed", str(exc))
+                if retries:
+                    record["retries"] = retries
+                if profile:
+                    return breakdown.summarize({}, record)
+                self._append_event({"event": "run_end", "t": time.time(), **tags,
+                                    "record": record})
+                self.progress.run_finished(label, record)
+                return record
+            if done.retry is None or attempt == MAX_ATTEMPTS:
+                break
+            given_up = {"attempt": attempt, "reason": done.retry,
+                        "error": outcome.one_line(done.here.error),
+                        "folder": str(run_dir.relative_to(self.out) / keep_attempt(run_dir,
+                                                                                attempt))}
+            retries.append(given_up)
+            self._append_event({"event": "run_retry", "t": time.time(), **tags, **given_up})
+        here, seen = done.here, done.seen
+        record = results.run_record(run, seen, here.status, here.error, done.returncode)
+        if here.status == "ok" and done.returncode != 0:
+            done.warnings.append(f"processes exited with code {done.returncode} after the "
+                                 f"measurement: {log_tail(run_dir / 'worker.log', 3)}")
+        record["warnings"] += done.warnings
+        if retries:
+            record["retries"] = retries
+        if done.retry is not None:
+            record["warnings"].append(f"gave up after {MAX_ATTEMPTS} attempts, each stopped by "
+                                      f"a taken port ({done.retry})")
         self.progress.run_finished(label, record)
         if profile:
             phases = next((e for e in seen if isinstance(e, Phases)), None)
@@ -479,6 +452,141 @@ class Runner:
             return summary
         self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
         return record
+
+    def _ports(self, case: Case, meeting: str) -> tuple[Cluster, ports.Reservation | None, str]:
+        """Where this attempt's processes listen: the ports the nodes published when they met
+        (held by the node group until the next meeting), or, on one node, ports reserved here
+        for the attempt. Returns the cluster, the reservation this method made (to release
+        after the attempt) and the address the ports are on."""
+        topo = case.topology
+        if topo.nnodes > 1:
+            cluster = self._meet(case, meeting)
+            return cluster, None, self.group.local_addr
+        held = ports.reserve(PORTS_PER_RUN + topo.devices_per_node, ports.LOOPBACK)
+        return (Cluster(0, topo.devices_per_node, (ports.LOOPBACK,), (held.ports,)), held,
+                ports.LOOPBACK)
+
+    def _attempt(self, case: Case, run_dir: Path, spec: RunSpec, label: str, tags: dict,
+                 attempt: int) -> "Attempt":
+        """One launch of the run, watched to its end: its outcome, agreed with the other nodes
+        where there are some. RendezvousError where the nodes could not meet for it."""
+        measure = spec.measure
+        worker_events, log_path = run_dir / "events.jsonl", run_dir / "worker.log"
+        worker_events.unlink(missing_ok=True)
+        # What the nodes call this attempt when they meet: each attempt meets afresh.
+        meeting = run_dir.name if attempt == 1 else f"{run_dir.name}-attempt{attempt}"
+        cluster, held, addr = self._ports(case, meeting)
+        try:
+            cluster_path = run_dir / "cluster.json"
+            cluster_path.write_text(cluster.to_json(), encoding="utf-8")
+            launch = self.backend.launch(LaunchRequest(
+                self.python, case.topology, self.plan.tuning, run_dir / "spec.json",
+                worker_events, cluster, cluster_path, run_dir.resolve()))
+            env = self._run_env(case, spec, run_dir, launch.env)
+            if attempt > 1:
+                tags = {**tags, "attempt": attempt}
+            self.progress.run_started(label, measure.iters)
+            done = self._watch(launch.argv, env, worker_events, log_path, tags, measure,
+                               meeting)
+            here = outcome.decide(done.seen, done.timed_out, has_rank0=not self.is_follower,
+                                  memory_capped=measure.memory_limit_bytes is not None,
+                                  stalled_s=measure.stall_timeout_s if done.stalled else None)
+            if self.is_follower and here.status == "failed" and here.error is None and (
+                    done.returncode == 0):
+                # Rank 0 is on another node: a clean exit is all this node can report.
+                here = outcome.Outcome("ok", None)
+            if here.status == "failed" and here.error is None and done.peers_failed:
+                here = outcome.Outcome("failed", "its ranks were stopped when another node's "
+                                                 "part failed")
+            if here.status == "failed" and here.error is None:
+                words = outcome.last_words(log_path)
+                here = outcome.Outcome("failed", " | ".join(words) if words else
+                                       f"launcher exited with code {done.returncode}",
+                                       bool(words))
+            own = (held.ports if held else cluster.ports[cluster.node_rank])
+            here = outcome.with_port_retry(here, done.seen, lambda: ports.taken(own, addr))
+        finally:
+            if held is not None:
+                held.release()
+        if self.group is not None:
+            wait_s = case.topology.rdzv_timeout_s
+            if here.status != "ok":
+                wait_s = min(wait_s, FAILED_HEAR_S)
+            here = self._agree(meeting, here, done.peers_failed, wait_s)
+        return Attempt(here, done.seen, done.warnings, done.returncode, here.retry)
+
+    def _run_env(self, case: Case, spec: RunSpec, run_dir: Path,
+                 launch_env: dict[str, str]) -> dict[str, str]:
+        """The environment every process of the run starts with."""
+        # Every process of the run inherits the tag, helpers such as a parameter server
+        # included, so what a run left behind can be found. The fault handler prints where
+        # Python was when a process dies of a signal, into that process's own output file.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+                   TRAINPERF_RUN_ID=str(run_dir.resolve()), **launch_env)
+        # Real data in a framework's own environment: its loader processes run this
+        # interpreter, which has the decoders (``data.feed``), and share this node's cores.
+        env.update({LOADER_PYTHON_ENV: sys.executable,
+                    LOCAL_WORLD_ENV: str(case.topology.devices_per_node)})
+        if spec.measure.threads:
+            env["OMP_NUM_THREADS"] = str(spec.threads)  # asked for: over the caller's own
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
+        if case.topology.nnodes > 1:
+            env.update(multinode_env(case.topology, self.group))
+        return env
+
+    def _watch(self, argv: list[str], env: dict[str, str], worker_events: Path,
+               log_path: Path, tags: dict, measure: Measure, meeting: str) -> "Watched":
+        """Start the launcher and follow its events until it ends, its time is up, it has gone
+        ``stall_timeout_s`` without a step after its first, or another node's part of the run
+        has failed."""
+        tail = EventTail(worker_events)
+        done = Watched()
+        deadline = time.monotonic() + measure.timeout_s
+        # A profiled run reports its profiled steps together, after them: only the timeout.
+        stall = None if tags.get("profile") else measure.stall_timeout_s
+        next_look = time.monotonic() + PEER_POLL_S
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                progressed, last_step = 0, None
+                while True:
+                    exited = proc.poll() is not None
+                    self._take(tail.read(), done.seen, done.warnings, tags)
+                    if exited:
+                        break
+                    if len(done.seen) > progressed:
+                        new = done.seen[progressed:]
+                        progressed = len(done.seen)
+                        if any(isinstance(e, (Step, Eval)) for e in new):
+                            last_step = time.monotonic()
+                        if any(isinstance(e, End) for e in new):
+                            stall = None  # measured: what is left is leaving
+                    done.stalled = (stall is not None and last_step is not None
+                                    and time.monotonic() - last_step > stall)
+                    if time.monotonic() > deadline or done.stalled:
+                        done.timed_out = True
+                        kill_tree(proc)
+                        self._take(tail.read(), done.seen, done.warnings, tags)
+                        break
+                    if self.group is not None and time.monotonic() > next_look:
+                        next_look = time.monotonic() + PEER_POLL_S
+                        done.peers_failed = self._failed_peers(meeting)
+                        if done.peers_failed:
+                            # This node's ranks would wait on the lost peer until a collective
+                            # gives up on it: the run has failed already.
+                            kill_tree(proc)
+                            self._take(tail.read(), done.seen, done.warnings, tags)
+                            break
+                    time.sleep(POLL_S)
+            except BaseException:
+                kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
+                self._take(tail.read(), done.seen, done.warnings, tags)
+                raise
+        done.returncode = proc.returncode
+        return done
 
     def _failed_peers(self, meeting: str) -> dict[int, dict]:
         """The other nodes that have told of a failed part of this run (none where the store is
@@ -497,7 +605,7 @@ class Runner:
         group = self.group
         try:
             group.tell(meeting, {"status": here.status, "error": here.error,
-                                 "cause": here.cause})
+                                 "cause": here.cause, "retry": here.retry})
             heard = group.hear(meeting, time.monotonic() + wait_s)
         except RendezvousError as exc:
             self.group_lost = f"the nodes lost each other after {meeting}: {exc}"

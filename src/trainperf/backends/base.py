@@ -244,12 +244,27 @@ class Backend:
         if topology.nnodes > 1 and not self.capabilities.several_nodes:
             return (f"the {self.name} backend runs on one node here; multi-node launch is not "
                     "available for it yet")
-        return self.refuse_more(workload, topology, tuning) if self.refuse_more else None
+        return (shard_refusal(workload, topology.nnodes * topology.devices_per_node)
+                or (self.refuse_more(workload, topology, tuning) if self.refuse_more else None))
 
     def check(self, workload: Workload, topology: Topology, tuning: Tuning,
               device_kind: str, train: bool = False, real_data: bool = False) -> None:
         """ValueError with ``refusal``'s line when this backend does not run the case."""
         require(self.refusal(workload, topology, tuning, device_kind, train, real_data))
+
+
+def shard_refusal(workload: Workload, world_size: int) -> str | None:
+    """Why a sharded head cannot run on ``world_size`` ranks, or None: ``mp`` and ``pfc`` give
+    each rank its own slice of the classes, and a rank with none has no logits to take part in
+    the softmax with (every framework's collectives would then fail in its own words, or not
+    at all)."""
+    if workload.task != "face" or workload.fc not in ("mp", "pfc"):
+        return None
+    if workload.num_classes >= world_size:
+        return None
+    return (f"--fc {workload.fc} splits the {workload.num_classes} classes over {world_size} "
+            f"ranks, leaving {world_size - workload.num_classes} of them without a class: use "
+            f"--num-classes {world_size} or more, fewer ranks, or --fc dp")
 
 
 def require(why: str | None) -> None:

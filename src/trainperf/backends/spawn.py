@@ -10,12 +10,15 @@ that ``trainperf.backends.NAME.backend.rank_env(r, cluster)`` gives: the framewo
 naming ranks and rendezvous points. ``cluster`` (``base.Cluster``) says where every node of the
 run is and which ports are free on each; the global rank is ``cluster.global_rank(r)``, the world
 ``cluster.world_size``, and a GPU is picked by the local rank. Without ``--cluster`` (one node) it
-is this node alone, over loopback, with ports found free now.
+is this node alone, over loopback, with ports reserved now (``ports.reserve``: outside the
+kernel's ephemeral range, claimed until the launcher exits).
 
 The launcher exits with the first failing rank's code, or 0. When a rank fails, the others
 (waiting on it forever in a collective) are stopped after a moment to write their own error;
-SIGTERM stops everything. With ``--logs``, each rank writes its stdout and stderr into
-``DIR/rank-<global rank>.log``; with ``--events``, the launcher appends an ``exit`` event
+SIGTERM stops everything, after asking each rank still able to answer for its threads' stacks
+(a hung run: where each rank was). A rank found suspended (SIGSTOP, a debugger) when the others
+are stopped is said so in its ``exit`` event. With ``--logs``, each rank writes its stdout and
+stderr into ``DIR/rank-<global rank>.log``; with ``--events``, the launcher appends an ``exit`` event
 (``protocol.Exit``) for each rank as it ends. A node supervises its own ranks only: a rank lost
 on another node shows here when a local rank's collective gives up on it (and in the runner,
 which hears from the other nodes' runners).
@@ -31,7 +34,6 @@ import argparse
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,9 +42,14 @@ from pathlib import Path
 from typing import Callable
 
 from ..protocol import EventWriter, Exit
+from . import ports
 from .base import Cluster, Launch, LaunchRequest
 
 POLL_S = 0.1
+STACK_SIGNAL = signal.SIGUSR1
+"""Asks a worker to write every thread's Python stack into its output (``faulthandler``,
+registered by ``workerkit.worker_entry``) before a hung run is stopped."""
+DUMP_WAIT_S = 1.0
 PEER_GRACE_S = 2.0
 """A failing rank writes its error event before it exits; its peers may be mid-way through
 writing theirs, so they get a moment before they are stopped."""
@@ -50,28 +57,17 @@ PORTS_PER_RUN = 4
 """Each node holds ``PORTS_PER_RUN + nproc`` ports free for a run: ``ports[0]`` of node 0 is the
 coordinator (master, scheduler); ``ports[1 + r]`` is local rank ``r``'s endpoint for the
 frameworks that give each rank one. A backend uses what it needs."""
-LOOPBACK = "127.0.0.1"
-
-
-def free_ports(n: int, addr: str = LOOPBACK) -> list[int]:
-    """``n`` distinct ports free on ``addr`` now (held open together so none is handed out
-    twice)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(family, socket.SOCK_STREAM)
-            s.bind((addr, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+LOOPBACK = ports.LOOPBACK
+_HELD: list[ports.Reservation] = []
+"""The reservations of ``local_cluster``, kept until this launcher exits with its ranks."""
 
 
 def local_cluster(nproc: int) -> Cluster:
-    """One node, over loopback, with ports free now: a single-node run."""
-    return Cluster(0, nproc, (LOOPBACK,), (tuple(free_ports(PORTS_PER_RUN + nproc)),))
+    """One node, over loopback, with ports reserved for it until this process exits (``ports``):
+    a single-node run started without the runner's cluster file."""
+    held = ports.reserve(PORTS_PER_RUN + nproc, LOOPBACK)
+    _HELD.append(held)
+    return Cluster(0, nproc, (LOOPBACK,), (held.ports,))
 
 
 def endpoint(addr: str, port: int) -> str:
@@ -151,6 +147,11 @@ class Member:
     """The file its stdout and stderr go to (None: the launcher's own)."""
     stopped: bool = False
     """The launcher signalled it to stop before it had ended on its own."""
+    suspended: bool = False
+    """When the launcher came to stop it, it was suspended (stopped by SIGSTOP or a debugger):
+    it had made no progress since then, whatever its peers waited on."""
+    stack_dumped: bool = False
+    """It was asked to write every thread's stack (``STACK_SIGNAL``) before it was stopped."""
     reported: bool = False
 
     @property
@@ -201,15 +202,50 @@ class Members:
             if self.events:
                 EventWriter(self.events, m.rank).emit(Exit(
                     returncode=m.proc.returncode, stopped=m.stopped, process=m.process,
-                    log=m.log))
+                    log=m.log, suspended=m.suspended, stack_dumped=m.stack_dumped))
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (``R``, ``S``, ``D``, ``T`` for stopped by a
+    signal, ``t`` for stopped by a tracer...); empty where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def look_before_stopping(members: list[Member], dump_stacks: bool) -> None:
+    """Note which live members are suspended, and, with ``dump_stacks`` (the run hung or was
+    stopped from outside), ask every other live rank to write its threads' stacks into its own
+    output file (``STACK_SIGNAL``, which the worker's fault handler answers), giving them
+    ``DUMP_WAIT_S`` to do it: where each rank was, said by the ranks that could still speak."""
+    asked = False
+    for m in members:
+        if m.proc.poll() is not None:
+            continue
+        if process_state(m.proc.pid) in ("T", "t"):
+            m.suspended = True
+        elif dump_stacks and m.rank >= 0 and not m.stack_dumped:
+            try:
+                os.kill(m.proc.pid, STACK_SIGNAL)
+                m.stack_dumped = asked = True
+            except ProcessLookupError:
+                pass
+    if asked:
+        time.sleep(DUMP_WAIT_S)
 
 
 def stop(members: list[Member], grace_s: float) -> None:
-    """SIGTERM, then SIGKILL whatever is still running after ``grace_s``."""
+    """SIGTERM, then SIGKILL whatever is still running after ``grace_s``; a suspended process
+    gets SIGKILL at once (SIGTERM would wait, pending, until it were resumed)."""
     for m in members:
         if m.proc.poll() is None:
             m.stopped = True
-            m.proc.terminate()
+            if m.suspended:
+                m.proc.kill()
+            else:
+                m.proc.terminate()
     deadline = time.monotonic() + grace_s
     for m in members:
         try:
@@ -231,6 +267,7 @@ def supervise(members: Members, shutdown_grace_s: float = 10.0, linger_s: float 
             codes = [m.proc.poll() for m in workers]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
+                look_before_stopping(workers, dump_stacks=False)
                 stop(workers, PEER_GRACE_S)
                 stop(helpers, 0.5)
                 return failed[0]
@@ -242,6 +279,7 @@ def supervise(members: Members, shutdown_grace_s: float = 10.0, linger_s: float 
                 stop(helpers, shutdown_grace_s)
                 return 0
             if any(h.proc.poll() not in (None, 0) for h in helpers):
+                look_before_stopping(workers, dump_stacks=False)
                 stop(workers, PEER_GRACE_S)
                 stop(helpers, 0.5)
                 return 1
@@ -263,6 +301,7 @@ def run_supervised(start: Callable[[Members], None], members: Members,
         start(members)
         return supervise(members, linger_s=linger_s)
     except KeyboardInterrupt:
+        look_before_stopping(members.all, dump_stacks=True)
         stop(members.all, 2.0)
         members.report_ended()
         return 130

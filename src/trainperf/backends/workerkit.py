@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import resource
 import subprocess
@@ -22,6 +23,7 @@ from ..protocol import End, Error, EventWriter, Phases, RunSpec, Start, Step
 from .base import Backend, require
 from .loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop, use_short_switch_interval
 from .phases import NO_COMM, PhaseClock, delays_from_env, matmul_rate
+from .spawn import STACK_SIGNAL
 
 OOM_TEXTS = ("out of memory", "std::bad_alloc", "failed to allocate", "cannot allocate memory",
              "memory allocation failed", "cudaerrormemoryallocation", "resource_exhausted",
@@ -589,6 +591,8 @@ def worker_entry(argv: list[str] | None, doc: str, run_class: type[FrameworkRun]
     parser.add_argument("--events", required=True, help="JSON-lines file to append events to")
     args = parser.parse_args(argv)
     use_short_switch_interval()
+    # A launcher stopping a hung run first asks where each rank is (``spawn.STACK_SIGNAL``).
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
     events = EventWriter(args.events, run_class.rank_before_connect())
     fw: FrameworkRun | None = None
     try:

@@ -76,6 +76,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
+    p.add_argument("--stall-timeout", type=float, metavar="S",
+                   help="stop a run as hung once it has gone S seconds without a step after "
+                        "its first (default: only --timeout; a --breakdown's profiled run "
+                        "reports its steps at its end, so only --timeout applies to it)")
     p.add_argument("--memory-limit", help="per-process memory cap for CPU runs, e.g. 8GiB")
     p.add_argument("--threads", type=int,
                    help="CPU runs: intra-op threads per process, in every framework "
@@ -114,7 +118,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
 
 def measure_from_args(args: argparse.Namespace) -> Measure:
     return Measure(runs=args.runs, iters=args.iters, warmup=args.warmup,
-                   timeout_s=args.timeout,
+                   timeout_s=args.timeout, stall_timeout_s=args.stall_timeout,
                    memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
                    else None, threads=getattr(args, "threads", None))
 

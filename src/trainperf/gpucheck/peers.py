@@ -32,9 +32,6 @@ TIMM_CASES = {"gpu": [("RN50 v1b fp32", "fp32", False, 128, 224),
 TIMM_STEPS = {"gpu": (60, 20), "cpu": (4, 1)}
 JAX_CASES = [cases.Case("R100 emore mp fp32", "r100-arcface-emore", {"fc": "mp"}),
              cases.Case("RN50 v1b fp32", "rn50-v1b-imagenet", {"precision": "fp32"})]
-CPU_JAX_CASES = (1,)
-"""The CPU mode's JAX peer: ResNet50 alone, at its tiny size. JAX's face worker on a CPU is
-what the suite's own JAX tests run, and each JAX run here compiles for the suite's time."""
 JAX_MEASURE = {"gpu": Measure(runs=1, iters=60, warmup=20, timeout_s=150),
                "cpu": cases.CPU_MEASURE}
 """One run each: JAX compiles its step before the loop, which a borrowed machine pays once."""
@@ -117,8 +114,7 @@ def run_jax(log: StageLog, mode: str, work: Path) -> None:
         for case in JAX_CASES:
             log.not_run(f"JAX worker: {case.label}", f"no JAX here ({where})")
         return
-    for case in (JAX_CASES if mode == "gpu"
-                 else [cases.tiny(JAX_CASES[i]) for i in CPU_JAX_CASES]):
+    for case in JAX_CASES if mode == "gpu" else [cases.tiny(c) for c in JAX_CASES]:
         plan = plan_for(case, work, JAX_MEASURE[mode], cases.device(mode), framework="jax",
                         folder=f"jax-{case.name}")
         got = summarise(run_plan(plan), plan.out_dir)

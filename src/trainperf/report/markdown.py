@@ -129,6 +129,20 @@ def failures(doc: dict) -> list[str]:
     return out
 
 
+def restarts(doc: dict) -> list[str]:
+    """A line for every run that was started again before it ran (its ports were taken), with
+    what stopped each attempt given up."""
+    out = []
+    for c in doc["cases"]:
+        for r in c["runs"]:
+            for given_up in r.get("retries") or []:
+                out.append(f"- {c['case']} b{c['batch_size_per_device']} run {r['run']}, attempt "
+                           f"{given_up['attempt']}: {given_up['reason']} "
+                           f"({given_up.get('error') or 'no error'}); "
+                           f"its files: `{given_up.get('folder', '')}`")
+    return out
+
+
 def left_out_reason(run: dict) -> str:
     if "steps_skipped" in run["flags"]:
         return (f": fp16 skipped {run.get('skipped_steps_in_window')} updates in the window "
@@ -345,6 +359,10 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
         fails = failures(doc)
         if fails:
             parts += ["Runs without a figure:", "", *fails, ""]
+        again = restarts(doc)
+        if again:
+            parts += ["Runs started again on fresh ports (nothing of an attempt given up counts; "
+                      "each stopped before its first step):", "", *again, ""]
     for section in extra_sections or []:
         parts += [section, ""]
     for plot in plots or []:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from typing import Any
 
@@ -43,7 +42,7 @@ from ...protocol import RunSpec
 from ..phases import PhaseClock, compiled_step_phase
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
                          dumps_state, environment, load_init, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_entry)
+                         leave, rss_peak_bytes, worker_entry)
 from .backend import BACKEND
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
@@ -165,6 +164,15 @@ class JaxRun(FrameworkRun):
         self.layout = layout = layout_from_env(self.distributed)
         self.rank, self.world_size = layout.rank, layout.world_size
         self.device, self.device_kind = layout.device, layout.device_type
+
+    def close(self) -> None:
+        """After a run that went to its end (a failed distributed rank leaves at once): leave
+        the coordination service through its shutdown barrier, as ``jax.distributed``'s exit
+        hook would, so that no process sees the coordinator go while it still polls it."""
+        if self.distributed:
+            import jax
+
+            jax.distributed.shutdown()
 
     def memory_now(self) -> int:
         return current_memory(self.layout)
@@ -323,4 +331,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # After its events and JAX's own disconnect (``close``): the interpreter's teardown would
+    # race XLA's threads for nothing the run needs.
+    leave(main())

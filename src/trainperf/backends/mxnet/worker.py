@@ -22,14 +22,13 @@ import contextlib
 import ctypes
 import functools
 import os
-import sys
 
 import mxnet as mx
 
 from ...config import Tuning
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment,
-                         cudnn_version, load_init, memory_fields, rss_now_bytes, rss_peak_bytes,
-                         worker_entry)
+                         cudnn_version, leave, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
 from ..phases import NO_COMM, PhaseClock
 from . import models, profiling
 from .alignment import step_state
@@ -230,4 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Once its events are written the worker leaves without the interpreter's teardown: that
+    # would finalize ps-lite (a last barrier with the scheduler and servers, which the launcher
+    # stops once the workers are done) while MXNet's engine threads still run.
+    leave(main())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from typing import Sequence
 
 from .rendezvous import wait_for_rank0
@@ -28,7 +27,7 @@ import oneflow as flow  # noqa: E402
 
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
                          cudnn_version, dumps_state, environment, load_init, memory_fields,
-                         rss_now_bytes, rss_peak_bytes, worker_entry)
+                         leave, rss_now_bytes, rss_peak_bytes, worker_entry)
 from ..phases import NO_COMM, PhaseClock
 from . import models, profiling
 from .alignment import step_state
@@ -204,4 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Once its events are written the worker leaves without the interpreter's teardown, where
+    # OneFlow would shut its environment down (a barrier of every rank over its control plane)
+    # while its own threads still run; every rank is past the run's last barrier by then.
+    leave(main())
