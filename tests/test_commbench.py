@@ -1,16 +1,24 @@
-"""commbench: the curve from two gloo ranks through the command's own path, failures that end
-with a message rather than a hang, and the arithmetic (bus bandwidth factors, the fit)."""
+"""commbench: the curve from two gloo ranks through the command's own path, on one node and on
+two over loopback; failures that end with a message naming the rank rather than a hang (a
+rank's own exception, a death by a signal, on this node or another); and the arithmetic (bus
+bandwidth factors, the fit)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-import psutil
 import pytest
 
+from run_util import left_behind, reserved_ports
 from trainperf.cli import build_parser, scale as scale_cli
-from trainperf.scale import commbench
+from trainperf.scale import commbench, commbench_launch
 from trainperf.scale.commbench import (CommbenchError, CommbenchSpec, busbw_factor,
                                        fit_alpha_beta, load_fabric, message_sizes)
 
@@ -21,18 +29,9 @@ def parse(*argv: str) -> argparse.Namespace:
 
 SMALL = ("--device", "cpu", "--devices", "2", "--min-bytes", "1KiB", "--max-bytes", "16MiB",
          "--factor", "4", "--iters", "5", "--warmup", "2", "--timeout", "120")
-
-
-def leftover(tag: str) -> list[psutil.Process]:
-    """Processes still running whose command line names ``tag`` (this test's own folder)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(tag in part for part in p.info["cmdline"] or []):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
+TINY = ("--device", "cpu", "--ops", "all_reduce", "--min-bytes", "1KiB", "--max-bytes", "16KiB",
+        "--iters", "2", "--warmup", "1")
+"""Five sizes of one collective: a fault at index 1 strikes at the second, 2 KiB."""
 
 
 @pytest.mark.slow
@@ -68,7 +67,9 @@ def test_two_gloo_ranks_draw_the_curve(tmp_path, monkeypatch, capsys):
         assert entry["latency_s"] > 0 and entry["busbw_Bps"] > 0
         assert (entry["nnodes"], entry["devices_per_node"], entry["backend"]) == (1, 2, "gloo")
     with pytest.raises(ValueError, match="already holds"):
-        commbench.run_commbench(CommbenchSpec(), out)
+        commbench_launch.run_commbench(CommbenchSpec(), out)
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert left_behind(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -76,9 +77,33 @@ def test_a_failing_rank_is_named_not_waited_for(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINPERF_FAULT", "raise@1")  # rank 0, at the second size measured
     spec = CommbenchSpec(ops=("all_reduce",), min_bytes=1024, max_bytes=4096, iters=2,
                          warmup=1, timeout_s=120)
-    with pytest.raises(CommbenchError, match="rank 0: RuntimeError: injected failure"):
-        commbench.run_commbench(spec, tmp_path / "cb")
+    with pytest.raises(CommbenchError) as err:
+        commbench_launch.run_commbench(spec, tmp_path / "cb")
+    # Its own exception first, rank 1's broken connection (or its being stopped) after it.
+    assert str(err.value).startswith("rank 0: RuntimeError: injected failure (TRAINPERF_FAULT)")
+    assert "\n" not in str(err.value)
     assert not (tmp_path / "cb" / "commbench.json").exists()
+    assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,death", [("kill", "SIGKILL (signal 9)"),
+                                        ("segv", "SIGSEGV (signal 11)")])
+def test_a_rank_killed_by_a_signal_is_named_with_it(tmp_path, monkeypatch, kind, death):
+    """Rank 1 dies without a word (as under the kernel's OOM killer) or of a native crash at
+    the second size: the launcher's exit event says how, the rank's last line where in the
+    sweep, and that comes before rank 0's broken connection."""
+    monkeypatch.setenv("TRAINPERF_FAULT", f"{kind}@1/1")
+    spec = scale_cli.commbench_spec(parse(*TINY))
+    with pytest.raises(CommbenchError) as err:
+        commbench_launch.run_commbench(spec, tmp_path / "cb")
+    text = str(err.value)
+    assert text.startswith(f"rank 1 died of {death} at all_reduce, 2 KiB"), text
+    assert "\n" not in text
+    if kind == "segv":  # the fault handler's innermost frame: where Python was
+        assert "in inject (faults.py:" in text, text
+    assert not (tmp_path / "cb" / "commbench.json").exists()
+    assert left_behind(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -86,8 +111,102 @@ def test_a_hung_rank_is_stopped_at_the_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINPERF_FAULT", "hang@0")
     spec = CommbenchSpec(ops=("all_reduce",), min_bytes=1024, max_bytes=1024, timeout_s=4)
     with pytest.raises(CommbenchError, match="no result within 4 s"):
-        commbench.run_commbench(spec, tmp_path / "cb")
-    assert leftover(str(tmp_path)) == []
+        commbench_launch.run_commbench(spec, tmp_path / "cb")
+    assert left_behind(tmp_path) == []
+
+
+# ------------------------------------------------------------------- two nodes over loopback
+
+def start_nodes(tmp_path: Path, *extra: str, fault: str = "") -> list[subprocess.Popen]:
+    """Two ``trainperf commbench`` processes meeting at one endpoint, one rank each, each
+    writing into its own folder (n0, n1: the rendezvous decides which becomes node 0)."""
+    endpoint = f"127.0.0.1:{reserved_ports()[0]}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRAINPERF_FAULT=fault)
+    return [subprocess.Popen([sys.executable, "-m", "trainperf.cli", "commbench", *TINY,
+                              "--devices", "1", "--nnodes", "2", "--rdzv", endpoint, *extra,
+                              "--out", str(tmp_path / f"n{n}")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for n in (0, 1)]
+
+
+def finish(procs: list[subprocess.Popen], limit_s: float = 240) -> list[tuple[int, str]]:
+    """Each node's exit code and the last line of its stderr; a generous limit that only stops
+    a hung test."""
+    ended = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        lines = err.strip().splitlines()
+        ended.append((p.returncode, lines[-1] if lines else ""))
+    return ended
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback_measure_one_curve(tmp_path):
+    ended = finish(start_nodes(tmp_path, "--ops", "all_reduce,all_gather"))
+    assert [code for code, _ in ended] == [0, 0], ended
+    docs = [json.loads((tmp_path / f"n{n}" / "commbench.json").read_text()) for n in (0, 1)]
+    for doc in docs:
+        assert (doc["nnodes"], doc["devices_per_node"], doc["world_size"]) == (2, 1, 2)
+        assert [r["op"] for r in doc["ops"]] == ["all_reduce", "all_gather"]
+        for rec in doc["ops"]:
+            if "unsupported" in rec:
+                continue
+            assert [p["bytes"] for p in rec["points"]] == message_sizes(1024, 16384, 2, 8)
+            assert all(p["time_s"] > 0 for p in rec["points"])
+    # Both nodes hold the slowest rank's times, all-reduced across the two.
+    assert docs[0]["ops"] == docs[1]["ops"]
+    clusters = [json.loads(next((tmp_path / f"n{n}").glob("node*/cluster.json")).read_text())
+                for n in (0, 1)]
+    assert sorted(c["node_rank"] for c in clusters) == [0, 1]
+    assert clusters[0]["ports"] == clusters[1]["ports"]
+    assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_rank_dying_on_one_node_is_named_on_the_other(tmp_path):
+    """Global rank 1 (node 1's only rank) is killed at the second size while rank 0 hangs
+    outside any collective, as a rank on a GPU whose NCCL never notices a lost peer would:
+    rank 0 alone would wait for the 300 s collective timeout, or the 600 s whole. Node 1 tells,
+    node 0 hears, stops its rank and both report the dead rank first."""
+    started = time.monotonic()
+    procs = start_nodes(tmp_path, "--timeout", "600", fault="hang@1/0,kill@1/1")
+    ended = finish(procs)
+    took = time.monotonic() - started
+    assert [code for code, _ in ended] == [1, 1], ended
+    for _, line in ended:
+        assert line.startswith("trainperf: commbench failed: node 1: rank 1 died of SIGKILL "
+                               "(signal 9) at all_reduce, 2 KiB"), line
+        assert "node 0: its ranks were stopped when another node's part failed" in line
+    assert took < 150, took  # far inside the collective timeout: nobody waited it out
+    assert left_behind(tmp_path) == []
+
+
+def both_at(folder: Path, words: str) -> bool:
+    logs = list(folder.rglob("rank-*.log"))
+    return len(logs) == 2 and all(words in log.read_text() for log in logs)
+
+
+@pytest.mark.slow
+def test_an_interrupted_node_stops_the_other(tmp_path):
+    """Ctrl-C on one node stops its ranks and tells the other node, which stops its own at
+    once; both ranks hang, so only that can end it."""
+    procs = start_nodes(tmp_path, "--timeout", "600", fault="hang@1/0,hang@1/1")
+    deadline = time.monotonic() + 120
+    while not both_at(tmp_path, "2048 bytes"):  # each rank past its first size
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            finish(procs, 5)
+        time.sleep(0.2)
+    procs[0].send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    ended = finish(procs)
+    assert ended[0] == (130, "trainperf: commbench interrupted; every rank was stopped"), ended
+    assert ended[1][0] == 1 and "interrupted (Ctrl-C or SIGTERM)" in ended[1][1], ended
+    assert time.monotonic() - stopped < 60
+    assert left_behind(tmp_path) == []
 
 
 def test_busbw_factors_are_nccl_tests():
@@ -167,16 +286,27 @@ def test_bad_input_is_a_one_line_error(argv, message):
 
 
 def test_launch_argv_single_and_multi_node(tmp_path):
-    one = commbench.launch_argv(CommbenchSpec(devices_per_node=4), tmp_path / "w.json", "py")
-    assert one[:6] == ["py", "-m", "torch.distributed.run", "--standalone",
-                       "--nproc-per-node", "4"]
-    assert one[one.index("-m", 3) + 1] == commbench.WORKER_MODULE
-    multi = commbench.launch_argv(CommbenchSpec(devices_per_node=8, nnodes=4, rdzv="n0:29400",
-                                                rdzv_id="job7"), tmp_path / "w.json", "py")
-    joined = " ".join(multi)
-    assert ("--nnodes 4 --rdzv-backend c10d --rdzv-endpoint n0:29400 --rdzv-id job7 "
-            "--nproc-per-node 8") in joined
-    assert "--standalone" not in multi
+    from trainperf.scale import commbench_worker
+
+    spec = CommbenchSpec(devices_per_node=4, ops=("all_gather",), min_bytes=64, max_bytes=4096,
+                         factor=4, iters=3, warmup=0, dtype="bfloat16", timeout_s=60)
+    one = commbench_launch.launch_argv(spec, tmp_path, python="py")
+    assert one[:7] == ["py", "-m", "trainperf.backends.spawn", "--backend=torch", "--nproc=4",
+                       f"--module={commbench.WORKER_MODULE}", f"--logs={tmp_path / 'logs'}"]
+    assert not any("cluster" in a or "torch.distributed.run" in a for a in one)
+    # The ranks append their error events where the launcher appends its exit events.
+    events = f"{tmp_path / 'events.jsonl'}"
+    assert f"--events={events}" in one[:one.index("--")]
+    # What the ranks are told is the spec, read back by the worker's own parser.
+    got = commbench_worker.parse_args(one[one.index("--") + 1:])
+    assert (got.out, got.events, got.ops) == (tmp_path / "worker.json", events, "all_gather")
+    assert (got.min_bytes, got.max_bytes, got.factor, got.iters, got.warmup) == (64, 4096, 4, 3, 0)
+    assert (got.dtype, got.device, got.timeout_s) == ("bfloat16", "cpu", 30)
+    multi = commbench_launch.launch_argv(
+        CommbenchSpec(devices_per_node=8, nnodes=4, rdzv="n0:29400"), tmp_path / "node2",
+        tmp_path / "node2" / "cluster.json", "py")
+    assert f"--cluster={tmp_path / 'node2' / 'cluster.json'}" in multi[:multi.index("--")]
+    assert "--nproc=8" in multi and f"--logs={tmp_path / 'node2' / 'logs'}" in multi
 
 
 def test_cuda_defaults_to_a_gibibyte(monkeypatch):

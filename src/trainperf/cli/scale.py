@@ -25,7 +25,8 @@ def register(sub) -> None:
                    help="processes per node: GPUs, or CPU ranks on gloo (default 2)")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--rdzv", metavar="HOST:PORT",
-                   help="c10d rendezvous every node joins (needed when --nnodes > 1)")
+                   help="rendezvous every node joins, as `trainperf run --rdzv` (needed when "
+                        "--nnodes > 1); the node at HOST hosts it")
     p.add_argument("--rdzv-id", default="trainperf-commbench",
                    help="job name at the rendezvous (the same on every node)")
     p.add_argument("--ops", default=",".join(OPS), help=f"collectives (default {','.join(OPS)})")
@@ -96,10 +97,13 @@ def commbench_spec(args: argparse.Namespace):
 
 
 def cmd_commbench(args: argparse.Namespace) -> int:
+    from ..procs import interrupt_on_sigterm
     from ..results import default_folder
-    from ..scale.commbench import CommbenchError, markdown, run_commbench
+    from ..scale.commbench import CommbenchError, markdown
+    from ..scale.commbench_launch import run_commbench
 
     spec = commbench_spec(args)
+    interrupt_on_sigterm()  # a scheduler's SIGTERM stops every rank, as Ctrl-C does
     out = Path(args.out) if args.out else default_folder("commbench")
     sizes = spec.sizes
     print(f"commbench: {spec.world_size} ranks on {spec.device}, {len(sizes)} sizes "

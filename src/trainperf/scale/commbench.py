@@ -1,30 +1,22 @@
 """The fabric benchmark: latency and bus bandwidth of collectives against message size.
 
 Sizes and bandwidths follow nccl-tests' conventions, so a curve measured here reads like
-theirs. The ranks run ``commbench_worker`` under ``torch.distributed.run`` on the backend
-training uses (NCCL on GPUs, gloo on CPUs); this module launches them, turns their times into
-bandwidths and writes ``commbench.json`` (``trainperf.commbench/v1``), ``commbench.md`` and,
-with matplotlib, ``commbench.png``. ``load_fabric`` hands the scaling model one latency and
-one bus bandwidth per collective.
+theirs. The ranks run ``commbench_worker`` on the backend training uses (NCCL on GPUs, gloo on
+CPUs); ``commbench_launch`` starts them (as ``trainperf run`` starts torch's ranks) and names a
+failure. This module holds what is measured (``CommbenchSpec``), turns the ranks' times into
+bandwidths and writes ``commbench.json`` (``trainperf.commbench/v1``), ``commbench.md`` and, with
+matplotlib, ``commbench.png``. ``load_fabric`` hands the scaling model one latency and one bus
+bandwidth per collective.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..results import read_json
-
-from ..env import host_env
-from ..results import write_json_atomic
-from ..procs import cpu_threads_per_process, kill_tree, log_tail
 
 SCHEMA = "trainperf.commbench/v1"
 WORKER_MODULE = "trainperf.scale.commbench_worker"
@@ -91,7 +83,8 @@ class CommbenchSpec:
     """Ranks per node: GPUs, or CPU processes on gloo."""
     nnodes: int = 1
     rdzv: str | None = None
-    """HOST:PORT of the c10d rendezvous every node joins; needed when nnodes > 1."""
+    """HOST:PORT where the nodes meet, as ``trainperf run --rdzv`` (``rendezvous.NodeGroup``:
+    torch's c10d rendezvous, hosted by the node at HOST); needed when nnodes > 1."""
     rdzv_id: str = "trainperf-commbench"
     """Names the job at the rendezvous, so two jobs on one endpoint do not mix."""
     ops: tuple[str, ...] = OPS
@@ -148,79 +141,9 @@ class CommbenchSpec:
         return max(10.0, min(300.0, self.timeout_s / 2))
 
 
-def launch_argv(spec: CommbenchSpec, worker_out: Path, python: str = sys.executable
-                ) -> list[str]:
-    """The torchrun command this node runs (every node runs the same one)."""
-    argv = [python, "-m", "torch.distributed.run"]
-    if spec.nnodes == 1:
-        argv += ["--standalone"]
-    else:
-        argv += ["--nnodes", str(spec.nnodes), "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", str(spec.rdzv), "--rdzv-id", spec.rdzv_id]
-    argv += ["--nproc-per-node", str(spec.devices_per_node), "-m", WORKER_MODULE,
-             "--out", str(worker_out), "--ops", ",".join(spec.ops),
-             "--min-bytes", str(spec.min_bytes), "--max-bytes", str(spec.max_bytes),
-             "--factor", repr(spec.factor), "--iters", str(spec.iters),
-             "--warmup", str(spec.warmup), "--dtype", spec.dtype, "--device", spec.device,
-             "--timeout-s", repr(spec.collective_timeout_s)]
-    return argv
-
-
-def failure_message(log_path: Path, returncode: int) -> str:
-    """The root cause among the ranks' own failure lines: a peer's failure shows up on the
-    others as a broken connection, so those come last."""
-    try:
-        text = log_path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        text = ""
-    causes = re.findall(r"commbench rank (\d+) failed: (.*)", text)
-    if causes:
-        rank, message = min(causes, key=lambda c: ("connection" in c[1].lower(), int(c[0])))
-        return f"rank {rank}: {message}"
-    return f"launcher exited with code {returncode}: {log_tail(log_path, 6)}"
-
-
-def run_commbench(spec: CommbenchSpec, out_dir: str | Path) -> dict[str, Any]:
-    """Run the ranks of this node, then write OUT/commbench.json, .md and .png; returns the
-    document. Raises CommbenchError when the ranks fail or run past ``spec.timeout_s``.
-
-    On several nodes every node's first rank writes the same all-reduced curve, so every
-    node's folder gets the same results (a shared folder is written whole, atomically)."""
-    out = Path(out_dir)
-    if (out / "commbench.json").exists():
-        raise ValueError(f"{out} already holds a commbench; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    worker_out = out / "worker.json"
-    worker_out.unlink(missing_ok=True)
-    log_path = out / ("launcher.log" if spec.nnodes == 1
-                      else f"launcher-{socket.gethostname()}.log")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", str(cpu_threads_per_process(spec.devices_per_node)))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(launch_argv(spec, worker_out), stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
-        try:
-            proc.wait(timeout=spec.timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
-            raise CommbenchError(f"no result within {spec.timeout_s:g} s; every process was "
-                                 f"stopped (launcher log: {log_path})") from None
-        except BaseException:
-            kill_tree(proc)  # Ctrl-C: leave no rank behind
-            raise
-    if proc.returncode != 0:
-        raise CommbenchError(f"{failure_message(log_path, proc.returncode)} (launcher log: "
-                             f"{log_path})")
-    try:
-        raw = json.loads(worker_out.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CommbenchError(f"the ranks exited cleanly but left no readable {worker_out} "
-                             f"({exc})") from None
-    doc = document(spec, raw, host_env())
-    write_json_atomic(out / "commbench.json", doc)
-    write_text_atomic(out / "commbench.md", markdown(doc))
-    plot(doc, out / "commbench.png")
-    return doc
+def progress_line(rank: int, op: str, size: int) -> str:
+    """What a rank prints before a collective of ``size`` bytes (its place in the sweep)."""
+    return f"commbench rank {rank} at {op}, {size} bytes"
 
 
 def write_text_atomic(path: Path, text: str) -> None:

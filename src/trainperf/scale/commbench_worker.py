@@ -1,4 +1,5 @@
-"""One rank of ``trainperf commbench``; ``torch.distributed.run`` starts one per device.
+"""One rank of ``trainperf commbench``; ``trainperf.backends.spawn`` starts one per device, with
+the variables ``torch.distributed.run`` would set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
 
 Message size is nccl-tests' size: all_reduce, the bytes of the buffer on each rank (reduced in
 place); all_gather, the bytes of the whole gathered output, world x each rank's input;
@@ -9,16 +10,23 @@ Per size: ``warmup`` untimed calls, a barrier, then ``iters`` timed calls, each 
 (CUDA events on the GPU, the host clock on CPU). A rank's time is its median; the point is
 the slowest rank's median (MAX all-reduce), as nccl-tests reports the slowest rank. Every
 node's local rank 0 writes the same JSON, so each node's folder holds the curve.
+
+Each rank prints a line to its own output before every collective it sizes (``progress_line``),
+so that a rank that dies without a word is still placed in the sweep. A rank that fails in
+Python says so in one line there and writes an ``error`` event (``protocol.Error``) to
+``--events``, where the launcher writes how each process ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import socket
 import statistics
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -27,8 +35,10 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
+from ..backends.spawn import STACK_SIGNAL
+from ..protocol import Error, EventWriter
 from ..results import write_json_atomic
-from .commbench import DTYPE_BYTES, OPS, message_sizes
+from .commbench import DTYPE_BYTES, OPS, message_sizes, progress_line
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -57,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--events", default=None, help="JSON-lines file for this rank's error event")
     return p.parse_args(argv)
 
 
@@ -151,12 +162,14 @@ def bench(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     planned = faults.parse_faults(world)  # tests make a rank fail mid-sweep this way
     measured, records = 0, []
     for op in args.ops.split(","):
+        print(progress_line(rank, op, sizes[0]), flush=True)  # choosing runs the smallest size
         call, reason = choose_call(op, sizes[0], world, dtype, device)
         if call is None:
             records.append({"op": op, "unsupported": f"{dist.get_backend()}: {reason}"})
             continue
         medians = []
         for size in sizes:
+            print(progress_line(rank, op, size), flush=True)
             faults.inject(planned, measured, rank, torch.OutOfMemoryError)
             medians.append(statistics.median(
                 time_calls(make_call(call, size, world, dtype, device), args.iters,
@@ -173,6 +186,9 @@ def bench(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # A launcher stopping a hung benchmark first asks each rank where it is; unanswered, that
+    # signal would kill the rank and read as a death of its own.
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
@@ -190,11 +206,25 @@ def main(argv: list[str] | None = None) -> None:
         if local_rank == 0:
             write_json_atomic(args.out, doc)
         dist.destroy_process_group()
-    except BaseException as exc:
-        # One line the launcher's caller finds among torchrun's own report.
-        print(f"commbench rank {rank} failed: {type(exc).__name__}: {first_line(exc)}",
-              file=sys.stderr, flush=True)
-        raise
+    except Exception as exc:
+        report_failure(args.events, rank, exc)
+        # Not the interpreter's teardown: gloo's destructors, racing with its threads still
+        # waiting on peers, can abort the process (a SIGABRT that would read as a native
+        # death) or hang; the exit status is the one the error event explains.
+        os._exit(1)
+
+
+def report_failure(events: str | None, rank: int, exc: Exception) -> None:
+    """Say why this rank failed: its traceback and one line in its own output, and an
+    ``error`` event (call it inside ``except``)."""
+    message = f"{type(exc).__name__}: {first_line(exc)}"
+    traceback.print_exc()
+    print(f"commbench rank {rank} failed: {message}", file=sys.stderr, flush=True)
+    if events:
+        EventWriter(events, rank).emit(Error(
+            kind="exception", message=message,
+            traceback=traceback.format_exc().strip().splitlines()[-12:]))
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
