@@ -7,7 +7,7 @@ fp32 against bf16), side by side.
    to ``--target`` on ``--devices`` ranks; the output folder holds each variant's results,
    their checkpoints and one report (``report.md``, accuracy against time and steps).
 
-    python benchmarks/time_to_accuracy.py [--target 95%] [--devices 1] [--max-steps 800]
+    python benchmarks/time_to_accuracy.py [--target 80%] [--devices 1] [--max-steps 800]
         [--eval-every 25] [--runs 1] [--out benchmarks/results/time_to_accuracy-cpu]
 
 On a GPU pass a real recipe and real data instead (``trainperf train r100-arcface-emore
@@ -31,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=int, default=20, help="images per identity")
     p.add_argument("--size", type=int, default=32)
     p.add_argument("--pairs", type=int, default=600)
-    p.add_argument("--target", default="95%")
+    # The synthetic set's untrained model verifies about half its pairs; 80% is reached within
+    # the 800 steps here (95% was met at once on the easier set it had before, and not at all
+    # on this one).
+    p.add_argument("--target", default="80%")
     p.add_argument("--devices", default="1")
     p.add_argument("--batch-size", default="16")
     p.add_argument("--max-steps", default="800")

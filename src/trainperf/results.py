@@ -117,7 +117,10 @@ def training_summary(runs: list[dict]) -> dict[str, Any]:
     trained = [r["train"] for r in runs if r.get("train")]
     if not trained:
         return {}
-    hit = [t for t in trained if t.get("time_to_target_s") is not None]
+    # A target met at step 0, before any training (results written before such runs were
+    # refused), took no time to reach: it is no time to target.
+    hit = [t for t in trained if t.get("time_to_target_s") is not None
+           and (t.get("steps_to_target") or 0) > 0]
     return {"target": next((t.get("target") for t in trained if t.get("target")), None),
             "target_set": next((t.get("target_set") for t in trained if t.get("target_set")),
                                None),

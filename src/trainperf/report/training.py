@@ -1,5 +1,6 @@
-"""Time to accuracy in the report: the outcome of every training variant side by side, and its
-accuracy curve against training time and against steps."""
+"""Time to accuracy in the report: the outcome of every training variant side by side, the runs
+that did not finish and why, in words, and the accuracy curves against training time and
+against steps."""
 
 from __future__ import annotations
 
@@ -32,13 +33,18 @@ def training_section(docs: list[dict]) -> str | None:
     if not trained:
         return None
     several = len({c["case"] for d in trained for c in d["cases"]}) > 1
-    rows = []
+    rows, failed = [], []
     for doc in trained:
         for case in doc["cases"]:
             t = case.get("training") or {}
             runs = case["runs"]
-            rows.append([_label(doc, case, several), str(case["world_size"]),
-                         f"{t.get('runs_reached_target', 0)}/{len(runs)}",
+            label = _label(doc, case, several)
+            bad = [r for r in runs if r["status"] != "ok"]
+            failed += [_failure(label, r, len(runs) > 1) for r in bad]
+            rows.append([label, str(case["world_size"]),
+                         f"{t.get('runs_reached_target', 0)}/{len(runs)}"
+                         + (f" ({len(bad)} {'run' if len(bad) == 1 else 'runs'} failed)"
+                            if bad else ""),
                          _duration(t.get("median_time_to_target_s")),
                          fmt(t.get("median_steps_to_target"), 0),
                          pct(t.get("best_accuracy")),
@@ -50,31 +56,39 @@ def training_section(docs: list[dict]) -> str | None:
             f"{first.get('eval_every')} steps, at most {first.get('max_steps')} steps. Time "
             "to target is training time (the sum of step times; evaluations and checkpoints "
             "excluded), median of the runs that reached it.")
-    return "\n".join([head, "", table(["variant", "devices", "reached", "time to target",
-                                       "steps to target", "best accuracy", "samples/s"], rows)])
+    parts = [head, "", table(["variant", "devices", "reached", "time to target",
+                              "steps to target", "best accuracy", "samples/s"], rows)]
+    if failed:
+        parts += ["", "Runs that did not finish, and why:", "", *failed]
+    return "\n".join(parts)
+
+
+def _failure(label: str, run: dict, several_runs: bool) -> str:
+    """A failed run in words: its error's last line (a refused run says why it was refused,
+    for example that the untrained model already met the target)."""
+    lines = (run.get("error") or "").strip().splitlines()
+    where = f"{label} run {run['run']}" if several_runs else label
+    return f"- {where}: **{run['status']}**, {lines[-1] if lines else 'no error was reported'}"
 
 
 def plot_training(docs: list[dict], out_dir: Path) -> list[str]:
-    """accuracy_vs_time.png and accuracy_vs_steps.png ([] without matplotlib or curves)."""
+    """accuracy_vs_time.png and accuracy_vs_steps.png ([] without matplotlib, or without a
+    curve, as when every run was refused at step 0)."""
     trained = [d for d in docs if is_training(d)]
-    plt = _pyplot() if trained else None
+    several = len({c["case"] for d in trained for c in d["cases"]}) > 1
+    lines = [(_label(doc, case, several) + (f" run {run['run']}" if len(case["runs"]) > 1
+                                            else ""), curve)
+             for doc in trained for case in doc["cases"] for run in case["runs"]
+             if (curve := (run.get("train") or {}).get("curve"))]
+    plt = _pyplot() if lines else None
     if plt is None:
         return []
-    several = len({c["case"] for d in trained for c in d["cases"]}) > 1
     figs = {axis: plt.subplots(figsize=(7, 4.5)) for axis in ("train_s", "step")}
-    target = None
-    for doc in trained:
-        target = target or doc["train"].get("target")
-        for case in doc["cases"]:
-            for run in case["runs"]:
-                curve = (run.get("train") or {}).get("curve") or []
-                if not curve:
-                    continue
-                label = _label(doc, case, several) + (f" run {run['run']}"
-                                                      if len(case["runs"]) > 1 else "")
-                acc = [100 * e["accuracy"] for e in curve]
-                for axis, (_, ax) in figs.items():
-                    ax.plot([e[axis] for e in curve], acc, "o-", markersize=3, label=label)
+    target = next((d["train"]["target"] for d in trained if d["train"].get("target")), None)
+    for label, curve in lines:
+        acc = [100 * e["accuracy"] for e in curve]
+        for axis, (_, ax) in figs.items():
+            ax.plot([e[axis] for e in curve], acc, "o-", markersize=3, label=label)
     names = []
     for axis, (fig, ax) in figs.items():
         if target is not None:

@@ -1,22 +1,29 @@
 """Training to a verification accuracy: the time-to-accuracy scenario of the torch backend.
 
 The steps are the throughput run's (``TrainStep``) on real data; every ``eval_every`` steps
-rank 0 evaluates the backbone on the verification sets and tells every rank whether the target
-is met, and every ``checkpoint_every`` steps all ranks write a checkpoint (``checkpoint.py``).
-Evaluation and checkpoints happen between synchronisations, outside every step's time, so the
-training time is the sum of the step times alone.
+rank 0 evaluates the backbone on the verification sets and tells every rank the accuracy, so
+that all decide alike whether the target is met, and every ``checkpoint_every`` steps all ranks
+write a checkpoint (``checkpoint.py``). Evaluation and checkpoints happen between
+synchronisations, outside every step's time, so the training time is the sum of the step times
+alone.
 
 A run that finds a checkpoint in its folder goes on from it, on any number of ranks: the class
 matrix is resharded, the learning-rate schedule continues from the saved step, and the input
 stream continues after the samples already trained on. Every random draw of a step (dropout,
 Partial FC's negatives) is seeded by (seed, step, rank), so a run resumed on the same ranks
 trains exactly as one that never stopped.
+
+The untrained model is evaluated first, before the input pipeline starts: where it already
+meets the target, the run is refused (``TargetMetBeforeTraining``), as no step could take any
+time to reach it and the verification set cannot tell a model that learns from one that does
+not.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,13 +52,36 @@ def fresh_progress() -> dict:
             "loss_first": None, "loss_last": None}
 
 
-def _agree(flag: bool, ctx: DistContext) -> bool:
-    """Rank 0's decision, on every rank."""
-    if not ctx.distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
-    dist.broadcast(t, 0, group=ctx.group)
-    return bool(t.item())
+class TargetMetBeforeTraining(ValueError):
+    """The untrained model already meets the target: there is no time to accuracy to measure."""
+
+
+def _refusal(accuracy: float, target: float, set_name: str) -> TargetMetBeforeTraining:
+    """The one-line error of a run whose untrained model verifies ``accuracy`` already."""
+    return TargetMetBeforeTraining(
+        f"the untrained model already verifies {accuracy:.1%} of {set_name}'s pairs at step 0, "
+        f"at or above the target {target:.1%}, so this verification set cannot measure time to "
+        f"accuracy: evaluate on harder pairs (a real set such as lfw.bin, or one written by "
+        f"`trainperf data synth`) or set --target above {accuracy:.1%}")
+
+
+def _score(step: TrainStep, sets: list, plan, ctx: DistContext
+           ) -> tuple[dict[str, dict], float, float]:
+    """One evaluation: rank 0's figures of every set (none on the other ranks), the first
+    set's accuracy on every rank (so that every rank takes the same decision from it), and the
+    seconds it took."""
+    begin = time.perf_counter()
+    results: dict[str, dict] = {}
+    accuracy = 0.0
+    if ctx.rank == 0:
+        results = evaluate_sets(step.backbone, sets, ctx.device, plan.eval_batch_size,
+                                plan.far)
+        accuracy = results[sets[0].name]["accuracy"]
+    if ctx.distributed:
+        t = torch.tensor([accuracy], dtype=torch.float64, device=ctx.device)
+        dist.broadcast(t, 0, group=ctx.group)
+        accuracy = float(t.item())
+    return results, accuracy, time.perf_counter() - begin
 
 
 def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
@@ -70,6 +100,14 @@ def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     if found:
         progress = checkpoint.load(found[-1], step, ctx)
         progress["resumed_from_steps"] = [*progress["resumed_from_steps"], progress["step"]]
+    opening = None
+    if progress["step"] == 0:
+        # Where the curve starts, measured before the input pipeline starts: a set that the
+        # untrained model passes already costs one evaluation to refuse, not the loader's
+        # start-up, and leaves no time or steps to target that no step took.
+        opening = _score(step, sets, plan, ctx)
+        if opening[1] >= plan.target:
+            raise _refusal(opening[1], plan.target, Path(plan.val[0]).stem)
     global_batch = workload.batch_size * ctx.world_size
     feed, input_info = real_feed(spec.data, workload, ctx,
                                  start=progress["samples"] // ctx.world_size)
@@ -94,23 +132,19 @@ def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
                 events.emit(Step(index=index, seconds=seconds, samples=global_batch,
                                  warmup=index < warmup_end, data_wait_s=waits.pop(index, None)))
 
-    def evaluate(s: int, segment_losses: list[float]) -> bool:
-        begin = time.perf_counter()
-        reached = False
-        results: dict[str, dict] = {}
-        if ctx.rank == 0:
-            results = evaluate_sets(step.backbone, sets, ctx.device, plan.eval_batch_size,
-                                    plan.far)
-            reached = results[sets[0].name]["accuracy"] >= plan.target
-        reached = _agree(reached, ctx)
+    def evaluate(s: int, segment_losses: list[float], scored=None) -> bool:
+        """Evaluate at step ``s`` (or take ``scored``, the evaluation made there already),
+        record it, and tell whether the target is met."""
+        results, accuracy, eval_s = scored or _score(step, sets, plan, ctx)
+        reached = accuracy >= plan.target
         if ctx.rank == 0:
             finite = [v for v in segment_losses if math.isfinite(v)]
             entry = {"step": s, "samples": progress["samples"], "train_s": progress["train_s"],
-                     "eval_s": time.perf_counter() - begin,
+                     "eval_s": eval_s,
                      "sets": {name: {k: r[k] for k in ("pairs", "accuracy", "accuracy_std",
                                                          "tar", "far")}
                               for name, r in results.items()},
-                     "accuracy": results[sets[0].name]["accuracy"], "reached": reached,
+                     "accuracy": accuracy, "reached": reached,
                      "loss": sum(finite) / len(finite) if finite else None}
             progress["curve"].append(entry)
             events.emit(Eval(**entry))
@@ -122,12 +156,8 @@ def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     s = first_step
     # An earlier attempt met the target and saved, but did not live to report it.
     stop = progress["stopped_by"] == "target"
-    if s == 0:
-        # The untrained model's accuracy: where the curve starts, and what the target must
-        # be above for the run to mean anything.
-        stop = evaluate(0, [])
-        if stop:
-            progress["stopped_by"] = "target"
+    if opening is not None:
+        evaluate(0, [], opening)  # below the target, or the run was refused above
     faults = parse_faults(ctx.world_size)
     timer.start()
     while not stop and s < plan.max_steps:
