@@ -122,23 +122,39 @@ def start_nodes(tmp_path: Path, *extra: str, fault: str = "") -> list[subprocess
     writing into its own folder (n0, n1: the rendezvous decides which becomes node 0)."""
     endpoint = f"127.0.0.1:{reserved_ports()[0]}"
     env = dict(os.environ, OMP_NUM_THREADS="1", TRAINPERF_FAULT=fault)
-    return [subprocess.Popen([sys.executable, "-m", "trainperf.cli", "commbench", *TINY,
+    return [subprocess.Popen([sys.executable, "-c", NODE, "commbench", *TINY,
                               "--devices", "1", "--nnodes", "2", "--rdzv", endpoint, *extra,
                               "--out", str(tmp_path / f"n{n}")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             for n in (0, 1)]
 
 
-def finish(procs: list[subprocess.Popen], limit_s: float = 240) -> list[tuple[int, str]]:
+NODE = ("import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, "
+        "all_threads=True); from trainperf.cli import main; sys.exit(main(sys.argv[1:]))")
+"""The command line, able to say where it is: a node that does not end in time is asked for
+its threads' stacks before it is killed, and the test's failure shows them."""
+
+
+def finish(procs: list[subprocess.Popen], limit_s: float = 150) -> list[tuple[int, str]]:
     """Each node's exit code and the last line of its stderr; a generous limit that only stops
-    a hung test."""
-    ended = []
+    a hung test, whose failure then shows where each node was."""
+    deadline = time.monotonic() + limit_s
     for p in procs:
         try:
-            _, err = p.communicate(timeout=limit_s)
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
+            for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            for q in procs:
+                q.kill()
+            stacks = [q.communicate()[1][-6000:] for q in procs]
+            raise AssertionError("a node did not end within the limit; their output:\n"
+                                 + "\n----\n".join(stacks))
+    ended = []
+    for p in procs:
+        _, err = p.communicate()
         lines = err.strip().splitlines()
         ended.append((p.returncode, lines[-1] if lines else ""))
     return ended
