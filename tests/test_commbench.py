@@ -125,7 +125,9 @@ def start_nodes(tmp_path: Path, *extra: str, fault: str = "") -> list[subprocess
     return [subprocess.Popen([sys.executable, "-c", NODE, "commbench", *TINY,
                               "--devices", "1", "--nnodes", "2", "--rdzv", endpoint, *extra,
                               "--out", str(tmp_path / f"n{n}")],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             # pytest-xdist's workers ignore SIGINT, and a child inherits that
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             for n in (0, 1)]
 
 
