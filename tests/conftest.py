@@ -19,11 +19,16 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)
 
 import pytest  # noqa: E402
 
-SLOW_FIRST = ("test_gpucheck.py", "test_jax_runs.py", "test_cli_run.py", "test_rendezvous.py",
-              "test_tf_runs.py", "test_oneflow_runs.py", "test_paddle_runs.py",
-              "test_mxnet_runs.py", "test_align.py", "test_search.py",
-              "test_real_data_frameworks.py", "test_rank_deaths.py")
-"""The files whose runs take longest (measured with ``--durations``), longest first."""
+SLOW_FIRST = ("test_jax_runs.py", "test_gpucheck.py", "test_tf_runs.py",
+              "test_real_data_frameworks.py", "test_cli_run.py", "test_mxnet_runs.py",
+              "test_rendezvous.py", "test_paddle_runs.py", "test_train.py",
+              "test_oneflow_runs.py", "test_tf_models_heads.py", "test_align.py",
+              "test_mxnet_align.py", "test_search.py", "test_oneflow_heads.py",
+              "test_commbench.py", "test_tf_align.py", "test_rank_deaths.py", "test_slurm.py",
+              "test_cli_data.py", "test_dali_feed.py", "test_paddle_align.py",
+              "test_mxnet_launch.py", "test_step.py", "test_breakdown.py")
+"""The files whose runs take longest (each file's total of ``--durations`` on a fresh clone),
+longest first: all that take 25 s or more."""
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -143,6 +148,9 @@ def dali_site() -> str:
             shutil.rmtree(target, ignore_errors=True)
             envs.pip_install(sys.executable, [DALI], target=str(target))
             ready.write_text(DALI)
+        if not (target / ".compiled").exists():
+            envs.compile_bytecode(sys.executable, target)
+            (target / ".compiled").touch()
     if str(target) not in sys.path:
         sys.path.append(str(target))
         importlib.invalidate_caches()

@@ -3,9 +3,11 @@ gets this trainperf on its path."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +48,31 @@ def test_unfinished_and_outdated_environments_are_not_used(env_root):
     manifest["packages"] = envs.wanted_packages(get_backend("mxnet"), cuda=False)
     (folder / envs.MANIFEST).write_text(json.dumps(manifest))
     assert envs.interpreter("mxnet") == str(python)
+
+
+def test_an_environment_built_without_bytecode_is_compiled_once(env_root, monkeypatch):
+    """Environments built before they were compiled get their modules' bytecode the next time
+    they are asked for, once: with ``PYTHONDONTWRITEBYTECODE`` set nothing else writes it. A
+    file that does not compile is left as it is."""
+    monkeypatch.setattr(envs, "base_python", lambda backend: sys.executable)
+    folder = env_root / "mxnet"
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin" / "python").symlink_to(sys.executable)
+    site = folder / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "framework.py").write_text("ANSWER = 42\n")
+    (site / "not_python.py").write_text("this is no module\n")
+    manifest = {"packages": envs.wanted_packages(get_backend("mxnet"), cuda=False),
+                "cuda": False, "versions": {"mxnet": "1.9.1"}}
+    (folder / envs.MANIFEST).write_text(json.dumps(manifest))
+    compiled = Path(importlib.util.cache_from_source(str(site / "framework.py")))
+    assert envs.create("mxnet", cuda=False).state == "ready"
+    assert compiled.exists()
+    assert not list(site.glob("__pycache__/not_python.*"))
+    assert json.loads((folder / envs.MANIFEST).read_text()) == {**manifest, "bytecode": True}
+    compiled.unlink()
+    assert envs.create("mxnet", cuda=False).state == "ready"
+    assert not compiled.exists()  # recorded: never compiled again
 
 
 def test_run_with_a_missing_environment_is_a_usage_error(env_root, tmp_path, capsys):
@@ -117,3 +144,8 @@ def test_the_frameworks_environments_hold_their_own_numpy(paddle_python, jax_pyt
         installed = {name.replace("_", "-") for name in json.loads(out)}
         assert {framework, "numpy"} <= installed
         assert not installed & {"torch", "trainperf", "mxnet"}
+        # Compiled: no worker compiles its framework from source at each start.
+        out = subprocess.run([python, "-c", "import importlib.util, numpy; print(importlib.util"
+                              ".cache_from_source(numpy.__file__))"], capture_output=True,
+                             text=True, check=True).stdout
+        assert Path(out.strip()).is_file(), (python, out)
