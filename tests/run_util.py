@@ -134,7 +134,7 @@ def assert_started_again(out: Path, case: str = "1n2g") -> dict:
     return run
 
 
-STALL_S = 5
+STALL_S = 3
 """The runs below stall for good: the stall timeout only has to outlast one tiny step."""
 
 
