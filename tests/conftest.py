@@ -19,16 +19,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)
 
 import pytest  # noqa: E402
 
-SLOW_FIRST = ("test_jax_runs.py", "test_gpucheck.py", "test_tf_runs.py",
-              "test_real_data_frameworks.py", "test_cli_run.py", "test_mxnet_runs.py",
-              "test_rendezvous.py", "test_paddle_runs.py", "test_train.py",
-              "test_oneflow_runs.py", "test_tf_models_heads.py", "test_align.py",
-              "test_mxnet_align.py", "test_search.py", "test_oneflow_heads.py",
-              "test_commbench.py", "test_tf_align.py", "test_rank_deaths.py", "test_slurm.py",
-              "test_cli_data.py", "test_dali_feed.py", "test_paddle_align.py",
-              "test_mxnet_launch.py", "test_step.py", "test_breakdown.py")
-"""The files whose runs take longest (each file's total of ``--durations`` on a fresh clone),
-longest first: all that take 25 s or more."""
+SLOW_FIRST = ("test_jax_runs.py", "test_gpucheck.py", "test_cli_run.py", "test_oneflow_runs.py",
+              "test_mxnet_runs.py", "test_rendezvous.py", "test_tf_runs.py", "test_train.py",
+              "test_align.py", "test_paddle_runs.py", "test_commbench.py",
+              "test_real_data_frameworks.py", "test_search.py", "test_rank_deaths.py",
+              "test_tf_models_heads.py", "test_cli_data.py", "test_tf_align.py",
+              "test_mxnet_align.py", "test_slurm.py", "test_oneflow_heads.py", "test_breakdown.py",
+              "test_oneflow_align.py", "test_step.py")
+"""The files whose runs take longest (each file's total of ``--durations``, measured on the 2-core VM),
+longest first: all that take 20 s or more."""
 
 
 def pytest_collection_modifyitems(session, config, items):
