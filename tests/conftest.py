@@ -26,8 +26,8 @@ SLOW_FIRST = ("test_jax_runs.py", "test_gpucheck.py", "test_cli_run.py", "test_o
               "test_tf_models_heads.py", "test_cli_data.py", "test_tf_align.py",
               "test_mxnet_align.py", "test_slurm.py", "test_oneflow_heads.py", "test_breakdown.py",
               "test_oneflow_align.py", "test_step.py")
-"""The files whose runs take longest (each file's total of ``--durations``, measured on the 2-core VM),
-longest first: all that take 20 s or more."""
+"""The files whose runs take longest (each file's total of ``--durations``, measured on the
+2-core VM), longest first: all that take 20 s or more."""
 
 
 def pytest_collection_modifyitems(session, config, items):
