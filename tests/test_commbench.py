@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from run_util import left_behind, reserved_ports
+from trainperf.backends.spawn import STACK_SIGNAL
 from trainperf.cli import build_parser, scale as scale_cli
 from trainperf.scale import commbench, commbench_launch
 from trainperf.scale.commbench import (CommbenchError, CommbenchSpec, busbw_factor,
@@ -131,7 +132,7 @@ def start_nodes(tmp_path: Path, *extra: str, fault: str = "") -> list[subprocess
             for n in (0, 1)]
 
 
-NODE = ("import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1, "
+NODE = (f"import faulthandler, sys; faulthandler.register({int(STACK_SIGNAL)}, "
         "all_threads=True); from trainperf.cli import main; sys.exit(main(sys.argv[1:]))")
 """The command line, able to say where it is: a node that does not end in time is asked for
 its threads' stacks before it is killed, and the test's failure shows them."""
@@ -147,7 +148,7 @@ def finish(procs: list[subprocess.Popen], limit_s: float = 150) -> list[tuple[in
         except subprocess.TimeoutExpired:
             for q in procs:
                 if q.poll() is None:
-                    q.send_signal(signal.SIGUSR1)
+                    q.send_signal(STACK_SIGNAL)
             time.sleep(2)
             for q in procs:
                 q.kill()

@@ -238,15 +238,14 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
     with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         current = state(name)
+        path = env_dir(name)
         if current.state == "ready" and not force:
-            path = env_dir(name)
             manifest = _read_manifest(path)
             if not manifest.get("bytecode"):  # built before environments were compiled
                 print(f"compiling the {name} environment's modules (once)", file=log, flush=True)
                 compile_bytecode(str(path / "bin/python"), path / "lib")
                 _write_manifest(path, {**manifest, "bytecode": True})
             return current
-        path = env_dir(name)
         shutil.rmtree(path, ignore_errors=True)
         print(f"creating the {name} environment in {path}: {' '.join(packages)}", file=log,
               flush=True)
