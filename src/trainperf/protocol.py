@@ -248,6 +248,8 @@ class End(Event):
     peak_memory_bytes: int | None = None
     """Largest peak over ranks: allocated device memory on a GPU, resident set on CPU."""
     peak_reserved_bytes: int | None = None
+    window_peak_memory_bytes: int | None = None
+    """torch on a GPU: the largest allocated peak over ranks within the window alone."""
     peak_memory_bytes_per_rank: list[int] | None = None
     baseline_memory_bytes: int | None = None
     data_wait_s_per_rank: list[float] | None = None

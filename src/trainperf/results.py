@@ -64,6 +64,7 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
         "samples_per_step": start.global_batch if start else None,
         "peak_memory_bytes": end.peak_memory_bytes if end else None,
         "peak_reserved_bytes": end.peak_reserved_bytes if end else None,
+        "window_peak_memory_bytes": end.window_peak_memory_bytes if end else None,
         "peak_memory_bytes_per_rank": end.peak_memory_bytes_per_rank if end else None,
         "baseline_memory_bytes": start.baseline_memory_bytes if start else None,
         "predicted_peak_bytes": start.predicted_peak_bytes if start else None,

@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ..backends.torch.memory_model import CONSTANTS, DeviceConstants, combine, estimate
+from ..backends.torch.memory_model import DeviceConstants, combine, constants_for, estimate
 from ..config import Measure
 from ..recipes import get_recipe
 from ..search import KINDS, run_search, search_settings, write_outcome
@@ -41,7 +41,7 @@ CPU_STARTS = {"max-batch": 32, "max-classes": 400_000}
 RESOLUTION = {"gpu": 0.05, "cpu": 0.25}
 """5% on a GPU: each probe is a fresh process (and cuDNN's autotuning at a new batch size), and
 two searches share the stage's minutes; the bracket says where the limit lies either way."""
-MAX_PROBES = {"gpu": 7, "cpu": 5}
+MAX_PROBES = {"gpu": 6, "cpu": 5}
 PROBE_MEASURE = Measure(runs=1, iters=6, warmup=2, timeout_s=180)
 AIM = 0.9
 """The first probe on a GPU: this fraction of the value the model says fills the device."""
@@ -56,8 +56,9 @@ def model_start(kind: str, case: cases.Case, limit_bytes: int) -> int:
     workload = get_recipe(case.recipe).workload.replace(**case.changes)
 
     def fits(value: int) -> bool:
-        return estimate(workload.replace(**{field: value}), 1,
-                        device_type="cuda").total_bytes <= limit_bytes
+        # The elastic workspace takes what is free and never decides a fit.
+        return estimate(workload.replace(**{field: value}), 1, device_type="cuda",
+                        limit_bytes=limit_bytes).total_bytes <= limit_bytes
 
     lo, hi = 0, getattr(workload, field)
     while fits(hi):
@@ -88,7 +89,7 @@ def calibration_points(probe_dirs: list[str]) -> list[dict]:
         for c in doc.get("cases", []):
             for r in c["runs"]:
                 if r["status"] == "ok" and r.get("peak_memory_bytes") and c.get("memory_model"):
-                    points.append({"parts": c["memory_model"],
+                    points.append({"parts": c["memory_model"], "precision": c["precision"],
                                    "baseline": r.get("baseline_memory_bytes") or 0,
                                    "peak": r["peak_memory_bytes"], "probe": folder})
     return points
@@ -180,14 +181,24 @@ def run(log: StageLog, mode: str, work: Path) -> None:
     refit(log, "cuda" if mode == "gpu" else "cpu", calibration_points(probe_dirs))
 
 
+def committed_error(points: list[dict], device_type: str) -> float | None:
+    """Mean |predicted - measured| / measured under the committed constants, each point in its
+    own precision's."""
+    if not points:
+        return None
+    errors = [abs(p["baseline"] + combine(p["parts"], constants_for(device_type, p["precision"]))
+                  - p["peak"]) / p["peak"] for p in points]
+    return sum(errors) / len(errors)
+
+
 def refit(log: StageLog, device_type: str, points: list[dict]) -> None:
-    old = CONSTANTS[device_type]
+    old = constants_for(device_type)
     new = fit(points)
     log.add("refit", device_type=device_type, points=len(points),
             old={"backward_factor": old.backward_factor, "runtime_bytes": old.runtime_bytes,
                  "source": old.source},
             new=None if new is None else {"backward_factor": new.backward_factor,
                                           "runtime_bytes": new.runtime_bytes},
-            old_error=model_error(points, old),
+            old_error=committed_error(points, device_type),
             new_error=model_error(points, new) if new else None,
             new_error_left_out=leave_one_out(points))

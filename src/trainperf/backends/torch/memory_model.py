@@ -10,12 +10,16 @@ gradients and the temporaries of normalisation's backward and the optimizer, and
 logits and probabilities. The CPU adds the process's resident baseline (interpreter, libraries),
 measured before the model is built, and a runtime workspace.
 
-Two constants differ by device kind (``CONSTANTS``). On the CPU they were fitted to measured
-peaks of tiny-arcface with torch 2.13 (benchmarks/memory_model.py records the table). On a GPU
-no peak had been measured yet: the CPU's backward factor stands in and no runtime bytes are
-added (the CUDA context and cuBLAS's workspace lie outside the allocator's count).
-``trainperf gpucheck`` refits them from capacity probes on a GPU and prints the old and new
-error; the report shows how far every run's prediction was from its measured peak.
+The constants differ by device kind and, on a GPU, by precision (``constants_for``). On the
+CPU they were fitted to measured peaks of tiny-arcface with torch 2.13
+(benchmarks/memory_model.py records the table). On a GPU they were fitted to the H200 record's
+peaks (benchmarks/memory_model_gpu.py; the CUDA context and cuBLAS's workspace lie outside the
+allocator's count, so no runtime bytes). In fp32 the GPU's peaks hold more: a workspace that
+grows with the activations, present only where free memory allows it, and absent where the
+backbone's convolutions are depthwise. That is the signature of cuDNN's autotuning trying and
+keeping workspace-hungry algorithms for TF32 convolutions; it is modelled as elastic
+(``DeviceConstants.workspace_bytes``), and gpucheck part 3 measures it with autotuning off.
+The report shows how far every run's prediction was from its measured peak.
 """
 
 from __future__ import annotations
@@ -42,14 +46,33 @@ class DeviceConstants:
     pools that the first step allocates)."""
     source: str
     """Where the figures come from."""
+    workspace_bytes: int = 0
+    workspace_per_activation: float = 0.0
+    """An elastic workspace of ``workspace_bytes`` plus this share of the activation bytes: it
+    is taken only where the device has it free, so it never decides whether a step fits."""
+
+    def workspace(self, activation_bytes: int) -> int:
+        return self.workspace_bytes + int(self.workspace_per_activation * activation_bytes)
 
 
 CONSTANTS = {
     "cpu": DeviceConstants(1.5, 128 * 2**20, "fitted to tiny-arcface peaks on a 2-core CPU, "
                                              "torch 2.13"),
-    "cuda": DeviceConstants(1.5, 0, "not fitted on a GPU yet: the CPU's backward factor, "
-                                    "no runtime bytes"),
+    # benchmarks/memory_model_gpu.py fits these to benchmarks/results/gpu-h200-2026-11-26/;
+    # tests/test_memory_model_gpu.py holds them to its fit.
+    "cuda": DeviceConstants(1.02, 0, "fitted to 17 fp16/bf16 peaks on one H200, torch 2.11"),
+    "cuda-fp32": DeviceConstants(1.02, 0, "fitted to 8 fp32 peaks of R100 and ResNet50 on one "
+                                          "H200, torch 2.11 (TF32 convolutions, cuDNN "
+                                          "autotuning)",
+                                 workspace_bytes=4_152_360_960,
+                                 workspace_per_activation=0.074),
 }
+
+
+def constants_for(device_type: str, precision: str = "fp32") -> DeviceConstants:
+    if device_type == "cpu":
+        return CONSTANTS["cpu"]
+    return CONSTANTS["cuda-fp32" if precision == "fp32" else "cuda"]
 # Copies of a computed class row alive beyond the static ones (the fused normalised linear
 # keeps no normalised copy). Forward: the gathered rows of a sampled head. Backward: full
 # softmax, the optimizer's weight-decay temporary; sparse, the rows, their gradient and the
@@ -124,7 +147,10 @@ def _saved_per_sample(backbone: str, embedding_size: int, num_classes: int, inpu
 
 
 def estimate(workload: Workload, world_size: int, rank: int = 0,
-             backbone_params: int | None = None, device_type: str = "cpu") -> MemoryEstimate:
+             backbone_params: int | None = None, device_type: str = "cpu",
+             limit_bytes: int | None = None) -> MemoryEstimate:
+    """``limit_bytes``: what the device's allocator can hold, where an elastic workspace stops
+    (None: no limit)."""
     if backbone_params is None:
         backbone_params = _params(*_backbone_key(workload))
     backbone = backbone_params * F32 * 3
@@ -160,17 +186,22 @@ def estimate(workload: Workload, world_size: int, rank: int = 0,
     parts = {"backbone_static_bytes": backbone, "activation_bytes": act * batch,
              "input_bytes": inputs, "head_static_bytes": head_static,
              "head_step_bytes": head_step}
-    constants = CONSTANTS.get(device_type, CONSTANTS["cuda"])
+    constants = constants_for(device_type, workload.precision)
     return MemoryEstimate(backbone, act, act * batch, inputs, head_static, head_step, per_class,
-                          combine(parts, constants))
+                          combine(parts, constants, limit_bytes))
 
 
-def combine(parts: dict, constants: DeviceConstants) -> int:
+def combine(parts: dict, constants: DeviceConstants, limit_bytes: int | None = None) -> int:
     """Predicted bytes from an estimate's components (``MemoryEstimate.to_dict()`` holds them)
-    under a device's constants: what a refit of the constants evaluates."""
+    under a device's constants: what a refit of the constants evaluates. The elastic workspace
+    fills what ``limit_bytes`` leaves, no more."""
     activation = parts["activation_bytes"]
     # The head's transients are freed before the backbone's backward allocates its own.
     backward_extra = int((constants.backward_factor - 1) * activation)
-    return (parts["backbone_static_bytes"] + activation + parts["input_bytes"]
+    need = (parts["backbone_static_bytes"] + activation + parts["input_bytes"]
             + parts["head_static_bytes"] + max(parts["head_step_bytes"], backward_extra)
             + constants.runtime_bytes)
+    with_workspace = need + constants.workspace(activation)
+    if limit_bytes is None:
+        return with_workspace
+    return max(need, min(with_workspace, limit_bytes))

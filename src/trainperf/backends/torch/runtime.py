@@ -36,10 +36,29 @@ def current_memory(device: torch.device) -> int:
     return rss_now_bytes()
 
 
-def peak_memory(device: torch.device) -> dict[str, int]:
+def start_window_peak(device: torch.device) -> tuple[int, int] | None:
+    """On a GPU: the peaks so far (allocated, reserved), and the allocator's peaks counted
+    afresh from here. The window's own peak is what the steady state holds, apart from the
+    first steps (where cuDNN's autotuning tries its algorithms)."""
+    if device.type != "cuda":
+        return None
+    before = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+    torch.cuda.reset_peak_memory_stats(device)
+    return before
+
+
+def peak_memory(device: torch.device, before_window: tuple[int, int] | None = None
+                ) -> dict[str, int]:
+    """The run's peaks; with ``before_window`` (``start_window_peak``'s), the window's own
+    allocated peak too."""
     if device.type == "cuda":
-        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device),
-                "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+        allocated, reserved = (torch.cuda.max_memory_allocated(device),
+                               torch.cuda.max_memory_reserved(device))
+        if before_window is None:
+            return {"peak_memory_bytes": allocated, "peak_reserved_bytes": reserved}
+        return {"peak_memory_bytes": max(allocated, before_window[0]),
+                "peak_reserved_bytes": max(reserved, before_window[1]),
+                "window_peak_memory_bytes": allocated}
     return {"peak_memory_bytes": rss_peak_bytes()}
 
 
@@ -94,7 +113,10 @@ def start_fields(ctx: DistContext, step: TrainStep, baseline: int, input_info: d
     flops = train_flops_per_sample(
         fwd_flops, workload.embedding_size if workload.task == "face" else 0,
         classes_computed(workload, step, ctx))
-    model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type)
+    # What the allocator can hold: an elastic workspace (cuDNN's, in fp32) stops there.
+    limit = (torch.cuda.mem_get_info(ctx.device)[0] + torch.cuda.memory_allocated(ctx.device)
+             if ctx.device.type == "cuda" else None)
+    model = estimate(workload, ctx.world_size, ctx.rank, params, ctx.device.type, limit)
     return {"env": framework_env(ctx.device),
             "settings": {**step_settings(step, ctx.device), "input": input_info, **settings},
             "backbone_params": params, "train_flops_per_sample": sum(flops.values()),

@@ -26,7 +26,7 @@ from .backend import BACKEND
 from .data import real_feed, synthetic_batch
 from .dist import init_from_env
 from .runtime import (configure_backend, current_memory, is_oom, memory_over_ranks,
-                      peak_memory, start_fields, waits_over_ranks)
+                      peak_memory, start_fields, start_window_peak, waits_over_ranks)
 from .step import TrainStep
 from .timing import make_timer, timed_loop
 
@@ -94,8 +94,13 @@ class TorchRun(FrameworkRun):
     def timed_loop(self, step: Callable[[int], Any], on_steps: Callable[[StepTimes], None]
                    ) -> tuple[float, list[Any]]:
         measure, indices = self.spec.measure, iter(range(self.spec.measure.iters))
+
+        def window_begins() -> None:
+            self.barrier()
+            self.before_window = start_window_peak(self.ctx.device)
+
         return timed_loop(lambda: step(next(indices)), measure.iters, measure.warmup,
-                          make_timer(self.ctx.device), on_steps, self.barrier)
+                          make_timer(self.ctx.device), on_steps, window_begins)
 
     def loop_settings(self) -> dict:
         return {}  # torch's timers need no watcher thread
@@ -161,8 +166,10 @@ class TorchRun(FrameworkRun):
     def align_state(self) -> StepState:
         return step_state(self.train_step)
 
+    before_window: tuple[int, int] | None = None
+
     def memory_over_ranks(self) -> dict:
-        return memory_over_ranks(peak_memory(self.ctx.device), self.ctx)
+        return memory_over_ranks(peak_memory(self.ctx.device, self.before_window), self.ctx)
 
     def end_fields(self) -> dict:
         if self.feed is None:
