@@ -12,11 +12,12 @@ from .common import EXIT_OK, EXIT_RUN_FAILED
 
 
 def register(sub) -> None:
-    p = sub.add_parser("gpucheck", help="the offline GPU check (make gpu-check): every GPU "
-                                        "path, the seeds' table, capacity, peers, real data")
+    p = sub.add_parser("gpucheck", help="the offline GPU check (make gpu-check), in parts: "
+                                        "correctness, parity, the headline cases, the seeds' "
+                                        "table, capacity, peers, real data")
     p.add_argument("--part", type=int, choices=list(PARTS),
-                   help="run one part (each fits in 9 minutes on one H100 or H200); default: "
-                        "every stage")
+                   help="run one part (part 1 fits 6 minutes on one H100, install "
+                        "included; each later part 5); default: every stage")
     p.add_argument("--stages", help="only these stages of the part, comma-separated ("
                                     + ", ".join(s.id for s in STAGES) + ")")
     p.add_argument("--mode", choices=["auto", "gpu", "cpu"], default="auto",

@@ -18,7 +18,7 @@ from .record import NOT_RUN, PASS, StageLog
 FORMATS = ("bf16", "fp16", "tf32", "fp32")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32,
           "fp32": torch.float32}
-SIZES = {"gpu": {"matmul_n": 8192, "copy_bytes": 2**30, "reps": 20, "rounds": 3},
+SIZES = {"gpu": {"matmul_n": 8192, "copy_bytes": 2**30, "reps": 10, "rounds": 2},
          "cpu": {"matmul_n": 384, "copy_bytes": 64 * 2**20, "reps": 3, "rounds": 2}}
 
 

@@ -1,19 +1,29 @@
 """The stages, their time caps and the parts they are grouped in.
 
-A lent GPU machine runs one command of at most 10 minutes and is lent for about 30: the caps of
-every stage add up to 25 minutes at most on one H100 or H200, and each part to 9 at most, so
-``make gpu-check PART=1``, ``PART=2``... run back to back within the lease. The stages come in
-order of value: what a borrowed machine must bring back first comes first. A stage may also
-use what the stages before it in the same run left of their caps, so a run never takes longer
-than the sum of its stages' caps.
+A lent GPU machine gives a task 15 minutes of device time in all (its start, every command and
+every idle wait count) and one command at most 10. So part 1 holds what no GPU has proven yet
+and fits one call of 6 minutes on one H100, install included; every later part fits 5, and
+they come in order of value: whoever has time left runs ``PART=2``, then ``PART=3``...
+
+Each stage has a cap: past it the stage's processes are stopped, what it measured is kept and
+the next stage still runs. A stage may also use what the stages before it in the same run left
+of their caps, so a part never takes longer than the sum of its stages' caps. What each stage
+is expected to take is estimated in ``budget.py`` from the H200 record; the suite keeps every
+estimate under its cap and every part's caps under its budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-TOTAL_CAP_S = 25 * 60
-PART_CAP_S = 9 * 60
+PART_BUDGET_S = {1: 6 * 60, 2: 5 * 60, 3: 5 * 60, 4: 5 * 60}
+"""What one call may take, part by part, on a GPU."""
+INSTALL_S = 10.0
+"""``make gpu-check``'s offline install (``pip install --no-deps -e .``) before the stages."""
+SUMMARY_S = 5.0
+"""The summary, its plots and the archive after them."""
+CPU_PART_BUDGET_S = 8 * 60
+"""The same for the CPU mode's tiny sizes, which ``make test`` runs."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +31,8 @@ class Stage:
     id: str
     title: str
     part: int
+    kind: str
+    """What runs: ceiling, correctness, parity, cases, capacity, peers or realdata."""
     cap_s: float
     """Wall-clock limit on a GPU; past it the stage's processes are stopped and what it wrote
     is kept."""
@@ -32,15 +44,21 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("1", "Machine ceiling", 1, 60, 30),
-    Stage("2", "GPU correctness", 1, 150, 90),
-    Stage("3a", "Seeds' table: fp32", 1, 300, 90),
-    Stage("3b", "Seeds' table: fp16 and bf16", 2, 300, 90),
-    Stage("3c", "Seeds' table: glint360k Partial FC, ResNet50 channels-last", 2, 120, 60),
-    Stage("7", "Native parity: torch and JAX", 2, 120, 120),
-    Stage("4", "Capacity", 3, 210, 120),
-    Stage("5", "Peers", 3, 150, 120),
-    Stage("6", "Real data", 3, 90, 60),
+    # Part 1: what no GPU has proven yet.
+    Stage("1", "Machine ceiling", 1, "ceiling", 15, 30),
+    Stage("2", "GPU correctness", 1, "correctness", 80, 90),
+    Stage("3", "Native parity: JAX, bf16", 1, "parity", 95, 30),
+    Stage("4", "Headline cases: R100 pfc 0.1 and mp, RN50", 1, "cases", 155, 90),
+    # Part 2: torch's parity (proven on the H200) and the rest of the seeds' table.
+    Stage("5", "Native parity: torch, bf16", 2, "parity", 70, 120),
+    Stage("6", "The rest of the seeds' table: fp16, Y1, glint360k, RN50 fp32", 2, "cases",
+          215, 120),
+    # Part 3: memory.
+    Stage("7", "Capacity", 3, "capacity", 200, 120),
+    Stage("8", "cuDNN autotuning: its memory and its speed, R100 fp32", 3, "cases", 85, 60),
+    # Part 4: against other implementations, and real data.
+    Stage("9", "Peers: timm, JAX on R100 and ResNet50", 4, "peers", 110, 120),
+    Stage("10", "Real data", 4, "realdata", 110, 60),
 )
 
 PARTS = tuple(sorted({s.part for s in STAGES}))
@@ -54,6 +72,10 @@ def get_stage(stage_id: str) -> Stage:
                      f"{', '.join(s.id for s in STAGES)}")
 
 
+def of_kind(kind: str) -> list[Stage]:
+    return [s for s in STAGES if s.kind == kind]
+
+
 def stages_of(part: int | None) -> list[Stage]:
     """A part's stages in order; every stage for ``None`` (the whole check)."""
     if part is None:
@@ -61,6 +83,11 @@ def stages_of(part: int | None) -> list[Stage]:
     if part not in PARTS:
         raise ValueError(f"--part must be one of {', '.join(map(str, PARTS))}, got {part}")
     return [s for s in STAGES if s.part == part]
+
+
+def part_cap_s(part: int, mode: str = "gpu") -> float:
+    """The longest a part's call takes: its stages' caps, the install and the summary."""
+    return sum(s.cap(mode) for s in stages_of(part)) + INSTALL_S + SUMMARY_S
 
 
 def select(part: int | None, only: list[str] | None) -> list[Stage]:

@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from ..devices import TFLOPS
+from .plan import get_stage
 from .record import items
 
 
@@ -19,7 +20,9 @@ def write_plots(doc: dict, out: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = {s["stage"]: s for s in doc["stages"]}
+    stages: dict[str, list[dict]] = {}
+    for s in doc["stages"]:
+        stages.setdefault(get_stage(s["stage"]).kind, []).append(s)
     written = []
     for name, draw in (("ceiling.png", _ceiling), ("seeds.png", _seeds),
                        ("capacity.png", _capacity)):
@@ -34,7 +37,8 @@ def write_plots(doc: dict, out: Path) -> list[str]:
 
 
 def _ceiling(plt, doc: dict, stages: dict):
-    rows = [c for c in items(stages.get("1"), "ceiling") if c.get("flops_per_s")]
+    rows = [c for s in stages.get("ceiling", []) for c in items(s, "ceiling")
+            if c.get("flops_per_s")]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -51,7 +55,7 @@ def _ceiling(plt, doc: dict, stages: dict):
 
 
 def _seeds(plt, doc: dict, stages: dict):
-    cases = [c for sid in ("3a", "3b", "3c") for c in items(stages.get(sid), "case")
+    cases = [c for s in stages.get("cases", []) for c in items(s, "case")
              if c.get("median_samples_per_s")]
     if not cases:
         return None
@@ -69,7 +73,7 @@ def _seeds(plt, doc: dict, stages: dict):
 
 
 def _capacity(plt, doc: dict, stages: dict):
-    searches = items(stages.get("4"), "search")
+    searches = [x for s in stages.get("capacity", []) for x in items(s, "search")]
     if not searches:
         return None
     fig, axes = plt.subplots(1, len(searches), figsize=(5 * len(searches), 3.5), squeeze=False)

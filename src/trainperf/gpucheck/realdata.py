@@ -27,7 +27,7 @@ SYNTH = {"gpu": {"identities": 200, "images_per_identity": 10, "size": 112},
          "cpu": {"identities": 20, "images_per_identity": 4, "size": 32}}
 CASE = {"gpu": cases.Case("R100 emore dp fp32", "r100-arcface-emore", {}),
         "cpu": cases.Case("tiny dp fp32 32px", "tiny-arcface", {"input_size": 32})}
-MEASURE = {"gpu": Measure(runs=2, iters=60, warmup=20, timeout_s=120),
+MEASURE = {"gpu": Measure(runs=2, iters=40, warmup=10, timeout_s=120),
            "cpu": Measure(runs=1, iters=10, warmup=3, timeout_s=60)}
 
 

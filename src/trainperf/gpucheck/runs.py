@@ -78,6 +78,7 @@ def summarise(doc: dict, out_dir: Path, sampler: PowerSampler | None = None) -> 
             "skipped_steps_in_window": r.get("skipped_steps_in_window"),
             "final_loss_scale": r.get("final_loss_scale"),
             "loss_first": r.get("loss_first"), "loss_last": r.get("loss_last"),
+            "window_peak_memory_bytes": r.get("window_peak_memory_bytes"),
             "energy_j": energy.joules if energy else None,
             "mean_power_w": energy.mean_w if energy else None,
             "power_samples": energy.samples if energy else 0,
@@ -98,6 +99,8 @@ def summarise(doc: dict, out_dir: Path, sampler: PowerSampler | None = None) -> 
         "tf32_conv": env.get("tf32_cudnn"), "tf32_matmul": env.get("tf32_matmul"),
         "device_names": env.get("device_names") or [],
         "peak_memory_bytes": c.get("peak_memory_bytes"),
+        "window_peak_memory_bytes": max((r["window_peak_memory_bytes"] for r in runs
+                                         if r.get("window_peak_memory_bytes")), default=None),
         "predicted_peak_bytes": next((r.get("predicted_peak_bytes") for r in c["runs"]
                                       if r.get("predicted_peak_bytes")), None),
         "memory_model_error": c.get("memory_model_error"),

@@ -1,7 +1,9 @@
-"""Stage 3: the seeds' table on one device, each case beside DLPerf's V100 row.
+"""The case stages (the headline cases, the rest of the seeds' table) on one device, each case
+beside DLPerf's V100 row.
 
-Every case runs through trainperf's own runner (3 runs of 60 iterations, 20 of warm-up on a
-GPU) while the GPU's power is sampled, so each case also gets samples per joule.
+Every case runs through trainperf's own runner (2 runs of 40 iterations, 10 of warm-up on a
+GPU) while the GPU's power is sampled, so each case also gets samples per joule, and every run
+keeps its peak memory beside the memory model's prediction.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 from pathlib import Path
 
 from .. import references
+from ..config import Tuning
 from ..recipes import get_recipe
 from ..report.references import published_mfu
 from ..stats import median
@@ -47,13 +50,14 @@ def run(log: StageLog, mode: str, work: Path, stage_id: str) -> None:
         elif sampler.method is None:
             log.note("samples per joule: not measured (neither NVML, through nvidia-ml-py, "
                      "nor nvidia-smi is available)")
-        for case in cases.seeds(stage_id, mode):
-            plan = plan_for(case, work, cases.measure(mode), device)
+        for case in cases.stage_cases(stage_id, mode):
+            plan = plan_for(case, work, cases.measure(mode), device, Tuning(**case.tuning))
             if mode == "gpu" and case.label in cases.BREAKDOWN_CASES:
                 plan.profile_steps = cases.BREAKDOWN_STEPS
             got = summarise(run_plan(plan), plan.out_dir, sampler)
             per_joule = [r["samples_per_j"] for r in got["runs"] if r.get("samples_per_j")]
             got.update(label=case.label, recipe=case.recipe, changes=case.changes,
+                       tuning=case.tuning,
                        samples_per_j=median(per_joule) if per_joule else None,
                        dlperf=published(case, got.get("train_flops_by_op"),
                                         got.get("train_flops_per_sample")))

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .plan import get_stage
+from .plan import Stage, get_stage
 from .record import StageLog
 
 FAULT_ENV = "TRAINPERF_GPUCHECK_FAULT"
@@ -31,32 +31,32 @@ def fault_for(stage_id: str) -> str | None:
     return None
 
 
-def dispatch(stage_id: str, log: StageLog, mode: str, work: Path) -> None:
+def dispatch(stage: Stage, log: StageLog, mode: str, work: Path) -> None:
     # Each stage's module is imported only when it runs: the first ones import torch, the
     # summary's process none.
-    if stage_id == "1":
+    if stage.kind == "ceiling":
         from . import ceiling
         ceiling.run(log, mode)
-    elif stage_id == "2":
+    elif stage.kind == "correctness":
         from . import correctness
         correctness.run(log, mode, work)
-    elif stage_id.startswith("3"):
+    elif stage.kind == "parity":
+        from . import native
+        native.run(log, mode, work, stage.id)
+    elif stage.kind == "cases":
         from . import seeds
-        seeds.run(log, mode, work, stage_id)
-    elif stage_id == "4":
+        seeds.run(log, mode, work, stage.id)
+    elif stage.kind == "capacity":
         from . import capacity
         capacity.run(log, mode, work)
-    elif stage_id == "5":
+    elif stage.kind == "peers":
         from . import peers
         peers.run(log, mode, work)
-    elif stage_id == "6":
+    elif stage.kind == "realdata":
         from . import realdata
         realdata.run(log, mode, work)
-    elif stage_id == "7":
-        from . import native
-        native.run(log, mode, work)
     else:
-        raise AssertionError(f"stage {stage_id} has no implementation")
+        raise AssertionError(f"stage {stage.id} ({stage.kind}) has no implementation")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(10 ** 6)
         if fault == "crash":
             raise RuntimeError("injected crash (TRAINPERF_GPUCHECK_FAULT)")
-        dispatch(stage.id, log, args.mode, work)
+        dispatch(stage, log, args.mode, work)
     except BaseException as exc:  # noqa: BLE001 - the stage's end is recorded, whatever it was
         traceback.print_exc()
         log.set(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -3,7 +3,8 @@
 
 Derived here, from the records: MFU against the measured ceiling (stage 1, of this check or of
 an earlier part on the same device), each case's ratio to DLPerf's V100 row, the peers' ratios
-(stage 5 over stage 3) and the published capacity figures beside the searched ones.
+(trainperf's case stages over the peers') and the published capacity figures beside the
+searched ones.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..devices import TFLOPS, effective_peak
 from ..report.markdown import fmt, gib, pct, table
 from ..results import write_json_atomic
 from .ceiling import measured_peaks
-from .plan import STAGES
+from .plan import STAGES, get_stage, of_kind
 from .record import NOT_RUN, items, stage_path
 
 SCHEMA = "trainperf.gpucheck/v1"
@@ -52,8 +53,8 @@ def find_record(work: Path, stage_id: str, device: str, records: dict[str, dict]
 
 def seed_cases(work: Path, device: str, records: dict[str, dict]) -> list[dict]:
     out = []
-    for sid in ("3a", "3b", "3c"):
-        rec = find_record(work, sid, device, records)
+    for st in of_kind("cases"):
+        rec = find_record(work, st.id, device, records)
         out += items(rec, "case")
     return out
 
@@ -119,7 +120,7 @@ def build(work: Path, meta: dict, ran: list[dict]) -> dict:
     ceiling = measured_peaks(ceiling_rec)
     cases = seed_cases(work, device, records)
     derive_cases(cases, ceiling)
-    peers = [p for r in ran if r["stage"] == "5" for p in items(r, "peer")]
+    peers = [p for r in ran if get_stage(r["stage"]).kind == "peers" for p in items(r, "peer")]
     peer_ratios(peers, cases)
     return {"schema": SCHEMA, **meta, "stages": stages,
             "ceiling": {"measured": ceiling, "from": (ceiling_rec or {}).get("found_in",
@@ -219,13 +220,15 @@ def seeds_section(s: dict, cases_by_label: dict[str, dict], peers: list[dict]) -
             fmt(c.get("samples_per_j"), 2) if c.get("samples_per_j") else "not measured",
             fmt(sum(watts) / len(watts), 0) if watts else "-",
             f"{100 * worst_gap:+.2f}%" if worst_gap is not None else "-",
-            gib(c.get("peak_memory_bytes")), pct(c.get("memory_model_error")), _flags(c)])
+            gib(c.get("peak_memory_bytes")), gib(c.get("window_peak_memory_bytes")),
+            pct(c.get("memory_model_error")), _flags(c)])
     if not rows:
         return []
     head = ["case", "samples/s (median)", "runs", "per GPU", "DLPerf V100 row", "per GPU / V100",
             "trainperf / peer", "MFU (datasheet)", "MFU (measured ceiling)", "V100 row MFU",
             "samples/J",
-            "mean W", "events vs host", "peak memory", "model error", "flags"]
+            "mean W", "events vs host", "peak memory", "peak in the window", "model error",
+            "flags"]
     return [table(head, rows)]
 
 
@@ -294,7 +297,7 @@ def peers_section(s: dict, peers: list[dict]) -> list[str]:
         return []
     return [table(["peer", "case", "peer samples/s", "trainperf (torch) samples/s",
                    "trainperf / peer", "where"], rows),
-            "", "trainperf's figures are stage 3's medians of the same case."]
+            "", "trainperf's figures are the case stages' medians of the same case."]
 
 
 def native_section(s: dict) -> list[str]:
@@ -340,31 +343,30 @@ def render(doc: dict, files: list[str], left_out: list[str]) -> str:
     lines += [f"- {n}" for n in doc["notes"]] + ([""] if doc["notes"] else [])
     cases = {c["label"]: c for s in doc["stages"] for c in items(s, "case")}
     ceiling = doc["ceiling"]
-    peers = [p for s in doc["stages"] if s["stage"] == "5" for p in items(s, "peer")]
-    stage4 = next((s for s in doc["stages"] if s["stage"] == "4"), {})
+    kinds = {s["stage"]: get_stage(s["stage"]).kind for s in doc["stages"]}
+    peers = [p for s in doc["stages"] if kinds[s["stage"]] == "peers" for p in items(s, "peer")]
     for s in doc["stages"]:
         lines += [stage_heading(s), ""]
         if s.get("found_in"):
             lines += [f"(from {s['found_in']})", ""]
         body: list[str] = []
-        sid = s["stage"]
-        if sid == "1":
+        kind = kinds[s["stage"]]
+        if kind == "ceiling":
             body = ceiling_section(s)
-        elif sid.startswith("3"):
+        elif kind == "cases":
             body = seeds_section(s, cases, peers) + breakdown_lines(s)
             if body and ceiling["measured"] and ceiling["from"] != "this check":
                 body += ["", f"MFU against the ceiling measured by stage 1 in {ceiling['from']}."]
             elif body and not ceiling["measured"]:
                 body += ["", "No stage 1 ceiling from this device was found: MFU against the "
                              "measured ceiling is left out."]
-        elif sid == "4":
-            body = capacity_section(s, doc["published_capacity"],
-                                    stage4.get("device_memory_bytes"))
-        elif sid == "5":
+        elif kind == "capacity":
+            body = capacity_section(s, doc["published_capacity"], s.get("device_memory_bytes"))
+        elif kind == "peers":
             body = peers_section(s, peers)
-        elif sid == "6":
+        elif kind == "realdata":
             body = realdata_section(s)
-        elif sid == "7":
+        elif kind == "parity":
             body = native_section(s)
         checks = checks_table(s)
         body += ([""] if body and checks else []) + ([checks] if checks else [])
@@ -383,7 +385,9 @@ def render(doc: dict, files: list[str], left_out: list[str]) -> str:
               "it ran in. *per GPU / V100* divides the per-GPU rate by the fastest published "
               "DLPerf row of the same model, mode and batch on one V100 (in fp32 where DLPerf "
               "published no other precision). *events vs host* is how far the sum of the "
-              "window's CUDA-event step times is from the host clock's window."]
+              "window's CUDA-event step times is from the host clock's window. *peak in the "
+              "window* is the allocator's peak over the measured steps alone (torch on a GPU), "
+              "without the first steps' (where cuDNN's autotuning tries its algorithms)."]
     return "\n".join(lines) + "\n"
 
 
