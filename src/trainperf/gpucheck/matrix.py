@@ -1,0 +1,222 @@
+"""The GPU support matrix: for every GPU path, the device and date it last ran on a GPU, made
+from the records under ``benchmarks/results/gpu-*`` (every ``results.json`` and ``parity.json``,
+unpacked or in a part's archive, and the parts' ``summary.json`` checks).
+
+    python -m trainperf.gpucheck.matrix [--write README.md | --check README.md]
+
+The README holds the table between two markers; the suite keeps it equal to what this makes.
+A record's folder is named ``gpu-<device>-<YYYY-MM-DD>``: its date is every path's date in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+FRAMEWORKS = (("torch", "torch"), ("jax", "JAX"), ("mxnet", "MXNet"), ("paddle", "Paddle"),
+              ("tf", "TensorFlow"), ("oneflow", "OneFlow"))
+LENT = ("torch", "jax")
+"""What a lent GPU machine can run (the other frameworks' GPU builds are too large to carry)."""
+ROWS = (
+    ("fp32", "training step, fp32 (TF32 convolutions)", (1, 4)),
+    ("bf16", "training step, bf16", (1, 1)),
+    ("fp16", "training step, fp16 with loss scaling", (2, None)),
+    ("dp", "face head: data parallel (`dp`)", (2, 1)),
+    ("mp", "face head: model-parallel FC (`mp`)", (1, 4)),
+    ("pfc", "face head: Partial FC (`pfc`)", (1, None)),
+    ("classification", "ResNet50 v1b (classification)", (1, 1)),
+    ("correctness", "losses on CUDA against the CPU's", (1, None)),
+    ("parity", "native parity against the framework's own step", (2, 1)),
+    ("capacity", "capacity search (max batch, max classes)", (3, None)),
+    ("breakdown", "step breakdown (`--breakdown`)", (3, None)),
+    ("realdata", "real data through the input pipeline", (4, None)),
+    ("multiprocess", "several processes (2+ GPUs)", (None, None)),
+)
+"""(key, what it is, the gpu-check part that runs it for torch and for JAX; None: no part
+does, as no lent machine has 2 GPUs)."""
+BEGIN, END = "<!-- gpu-matrix:begin -->", "<!-- gpu-matrix:end -->"
+NOT_YET = "not yet run on a GPU"
+
+
+def record_date(folder: Path) -> str | None:
+    m = re.search(r"(\d{4}-\d{2}-\d{2})$", folder.name)
+    return m.group(1) if m else None
+
+
+def _short(name: str) -> str:
+    return name.replace("NVIDIA ", "").strip() or "GPU"
+
+
+def from_results(doc: dict, path: str) -> list[tuple[str, str, str]]:
+    """(framework, path key, device name) of one trainperf results file, where it ran on a
+    GPU."""
+    env = doc.get("env") or {}
+    if env.get("device_type") != "cuda":
+        return []
+    fw = doc.get("framework", "torch")
+    name = (env.get("device_names") or ["GPU"])[0]
+    workload = doc.get("workload") or {}
+    keys = set()
+    for c in doc.get("cases", []):
+        if not any(r.get("status") == "ok" for r in c.get("runs", [])):
+            continue
+        keys.add(c.get("precision", "fp32"))
+        keys.add(workload.get("fc", "dp") if workload.get("task") == "face" else
+                 "classification")
+        if (c.get("breakdown") or {}).get("status") == "ok":
+            keys.add("breakdown")
+        if c.get("world_size", 1) > 1:
+            keys.add("multiprocess")
+        if "/probes/" in path:
+            keys.add("capacity")
+        if (doc.get("data") or {}).get("role") == "real":
+            keys.add("realdata")
+    return [(fw, k, name) for k in keys]
+
+
+def from_parity(doc: dict) -> list[tuple[str, str, str]]:
+    if doc.get("device") != "cuda":
+        return []
+    name = (doc.get("machine") or {}).get("device_name") or "GPU"
+    out = []
+    for r in doc.get("rows", []):
+        if any(p.get("ratio") for p in r.get("pairs", [])):
+            # trainperf's side of a pair is a training step of its own, with the dp head
+            out += [(r["framework"], key, name) for key in
+                    ("parity", doc.get("precision", "fp32"),
+                     "classification" if r.get("model") == "rn50" else "dp")]
+    return out
+
+
+def from_summary(doc: dict) -> list[tuple[str, str, str]]:
+    if doc.get("mode") != "gpu":
+        return []
+    passed = any(i.get("kind") == "check" and i.get("status") == "pass"
+                 and "losses on cuda match" in i.get("name", "")
+                 for s in doc.get("stages", []) for i in s.get("items", []))
+    return [("torch", "correctness", doc.get("device") or "GPU")] if passed else []
+
+
+def _read(name: str, text: bytes | str) -> list[tuple[str, str, str]]:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return []
+    base = name.rsplit("/", 1)[-1]
+    if base == "results.json":
+        return from_results(doc, name)
+    if base == "parity.json":
+        return from_parity(doc)
+    if base == "summary.json":
+        return from_summary(doc)
+    return []
+
+
+def observations(results: Path) -> list[dict]:
+    """Every (framework, path, device, date) the GPU records under ``results`` show."""
+    seen = []
+    for record in sorted(results.glob("gpu-*")):
+        date = record_date(record)
+        if not record.is_dir() or date is None:
+            continue
+        found = []
+        for path in sorted(record.rglob("*.json")):
+            found += _read(str(path.relative_to(record)), path.read_bytes())
+        for path in sorted(record.rglob("*.tar.gz")):
+            with tarfile.open(path) as tar:
+                for m in tar.getmembers():
+                    if m.isfile() and m.name.endswith(("/results.json", "/parity.json")):
+                        found += _read(m.name, tar.extractfile(m).read())
+        seen += [{"framework": fw, "key": key, "device": _short(dev), "date": date,
+                  "record": record.name} for fw, key, dev in found]
+    return seen
+
+
+def latest(seen: list[dict]) -> dict[tuple[str, str], dict]:
+    out: dict[tuple[str, str], dict] = {}
+    for o in seen:
+        k = (o["framework"], o["key"])
+        if k not in out or (o["date"], o["device"]) > (out[k]["date"], out[k]["device"]):
+            out[k] = o
+    return out
+
+
+def next_part(last: dict[tuple[str, str], dict]) -> tuple[int, str] | None:
+    """The part to run after part 1 (which every lent machine runs first, as it proves the code
+    as it is now): the one running the most paths no GPU has run, else the one whose paths
+    ran longest ago."""
+    missing: dict[int, int] = {}
+    oldest: dict[int, str] = {}
+    for key, _, parts in ROWS:
+        for fw, part in zip(LENT, parts):
+            if part in (None, 1):
+                continue
+            o = last.get((fw, key))
+            if o is None:
+                missing[part] = missing.get(part, 0) + 1
+            elif part not in oldest or o["date"] < oldest[part]:
+                oldest[part] = o["date"]
+    if missing:
+        part = max(sorted(missing), key=lambda p: missing[p])
+        return part, (f"it runs {missing[part]} of the paths torch and JAX have not run on a "
+                      "GPU")
+    if oldest:
+        part = min(sorted(oldest), key=lambda p: oldest[p])
+        return part, f"its rows last ran on {oldest[part]}, the oldest"
+    return None
+
+
+def render(results: Path) -> str:
+    last = latest(observations(results))
+    head = ["GPU path", *[label for _, label in FRAMEWORKS], "gpu-check part (torch / JAX)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, what, parts in ROWS:
+        cells = []
+        for fw, _ in FRAMEWORKS:
+            o = last.get((fw, key))
+            cells.append(f"{o['device']}, {o['date']}" if o else NOT_YET)
+        which = " / ".join(str(p) if p else "-" for p in parts)
+        lines.append(f"| {what} | " + " | ".join(cells) + f" | {which} |")
+    chosen = next_part(last)
+    if chosen:
+        lines += ["", "On a lent GPU, part 1 runs first (it proves the code as it is now); "
+                      f"then `make gpu-check PART={chosen[0]}`: {chosen[1]}."]
+    return "\n".join(lines) + "\n"
+
+
+def replace_block(text: str, block: str) -> str:
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + block + text[end:]
+
+
+def block_of(text: str) -> str:
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].lstrip("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--write", type=Path, help="replace the table in this file")
+    group.add_argument("--check", type=Path, help="exit 1 where this file's table differs")
+    args = p.parse_args(argv)
+    block = render(args.results)
+    if args.write:
+        args.write.write_text(replace_block(args.write.read_text(encoding="utf-8"), block),
+                              encoding="utf-8")
+    elif args.check:
+        if block_of(args.check.read_text(encoding="utf-8")) != block:
+            print(f"{args.check}: the GPU support matrix is out of date; run python -m "
+                  f"trainperf.gpucheck.matrix --write {args.check}", file=sys.stderr)
+            return 1
+    else:
+        print(block, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

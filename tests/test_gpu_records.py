@@ -1,0 +1,150 @@
+"""What is made from the GPU records under ``benchmarks/results/gpu-*``: the memory model's GPU
+constants (held to their fit on the H200 record, and their error per precision to the README's
+table) and the README's GPU support matrix (held to what the records show)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainperf.backends.torch.memory_model import (
+    CONSTANTS, DeviceConstants, combine, constants_for)
+from trainperf.gpucheck import matrix, memfit
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+H200 = RESULTS / "gpu-h200-2026-11-26"
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    return memfit.fit_record(H200)
+
+
+def test_committed_gpu_constants_are_the_h200_records_fit(fitted):
+    half, fp32 = CONSTANTS["cuda"], CONSTANTS["cuda-fp32"]
+    assert fitted["half_points"] == 17 and fitted["fp32_points_fitted"] == 8
+    assert half.backward_factor == fp32.backward_factor == fitted["backward_factor"] == 1.02
+    assert half.runtime_bytes == fp32.runtime_bytes == 0
+    assert (fp32.workspace_bytes, fp32.workspace_per_activation) == (
+        fitted["workspace_bytes"], fitted["workspace_per_activation"])
+    assert half.workspace(10 * GIB) == 0
+    # The probes the autotuner had no room for are not fitted; MobileFaceNet is not either.
+    assert not any("1266" in w or "1301" in w or "y1" in w for w in fitted["fp32_fitted"])
+    assert constants_for("cuda", "bf16") is half and constants_for("cuda", "fp32") is fp32
+    assert constants_for("cpu", "bf16") is CONSTANTS["cpu"]
+
+
+def test_readme_gives_the_models_error_per_precision_on_the_record(fitted):
+    rows = memfit.errors(fitted["points"], memfit.committed)
+    old = memfit.errors(fitted["points"], lambda _: memfit.OLD)
+
+    def mean(rs, pick):
+        vals = [abs(r["error"]) for r in rs if pick(r)]
+        return f"{100 * sum(vals) / len(vals):.1f}%", f"{100 * max(vals):.1f}%", len(vals)
+
+    readme = (REPO / "README.md").read_text()
+    groups = {"fp16, bf16": lambda r: r["precision"] != "fp32",
+              "fp32 (R100, ResNet50)": lambda r: r["precision"] == "fp32"
+              and not r["backbone"].startswith("mobilefacenet"),
+              "fp32, MobileFaceNet (depthwise)": lambda r: r["precision"] == "fp32"
+              and r["backbone"].startswith("mobilefacenet")}
+    for label, pick in groups.items():
+        now, largest, n = mean(rows, pick)
+        before, _, _ = mean(old, pick)
+        assert f"| {label} | {n} | {before} | {now} | {largest} |" in readme, label
+    # What the record's own table says, made by benchmarks/memory_model_gpu.py.
+    doc = json.loads((H200 / "memory_model.json").read_text())
+    assert doc["new"]["fp16/bf16"]["mean_abs_error"] == pytest.approx(
+        sum(abs(r["error"]) for r in rows if r["precision"] != "fp32") / 17)
+
+
+def test_the_fp32_workspace_fills_only_what_is_free():
+    c = DeviceConstants(1.02, 0, "", workspace_bytes=4 * GIB, workspace_per_activation=0.1)
+    parts = {"backbone_static_bytes": GIB, "activation_bytes": 10 * GIB, "input_bytes": 0,
+             "head_static_bytes": 0, "head_step_bytes": 0}
+    need = GIB + 10 * GIB + int(0.02 * 10 * GIB)
+    assert combine(parts, c) == need + 5 * GIB
+    assert combine(parts, c, 100 * GIB) == need + 5 * GIB
+    assert combine(parts, c, need + GIB) == need + GIB  # the workspace took what was left
+    assert combine(parts, c, need - GIB) == need  # it never decides whether a step fits
+
+
+def test_readme_matrix_is_what_the_records_show():
+    readme = (REPO / "README.md").read_text()
+    assert matrix.block_of(readme) == matrix.render(RESULTS)
+    assert matrix.main(["--results", str(RESULTS), "--check", str(REPO / "README.md")]) == 0
+
+
+def _results(framework: str, precision: str, fc: str, device: str = "NVIDIA H100 80GB HBM3",
+             role: str | None = None) -> dict:
+    return {"framework": framework, "env": {"device_type": "cuda", "device_names": [device]},
+            "workload": {"task": "face", "fc": fc}, "data": {"role": role} if role else None,
+            "cases": [{"precision": precision, "world_size": 1,
+                       "runs": [{"status": "ok"}]}]}
+
+
+def test_matrix_takes_each_paths_latest_gpu(tmp_path, capsys):
+    old, new = tmp_path / "gpu-h200-2026-11-26", tmp_path / "gpu-h100-2026-12-03"
+    (old / "a").mkdir(parents=True)
+    (new / "b").mkdir(parents=True)
+    (tmp_path / "gpu-notes").mkdir()  # no date: not a record
+    (old / "a" / "results.json").write_text(json.dumps(
+        _results("torch", "bf16", "pfc", "NVIDIA H200")))
+    (new / "b" / "results.json").write_text(json.dumps(_results("jax", "bf16", "mp",
+                                                                 role="real")))
+    cpu = _results("paddle", "fp32", "dp")
+    cpu["env"]["device_type"] = "cpu"
+    (new / "b" / "cpu").mkdir()
+    (new / "b" / "cpu" / "results.json").write_text(json.dumps(cpu))
+    last = matrix.latest(matrix.observations(tmp_path))
+    assert last[("torch", "pfc")]["device"] == "H200"
+    assert last[("jax", "bf16")] == {"framework": "jax", "key": "bf16", "device": "H100 80GB HBM3",
+                                     "date": "2026-12-03", "record": new.name}
+    assert ("jax", "realdata") in last and ("paddle", "dp") not in last
+    text = matrix.render(tmp_path)
+    assert "| training step, bf16 | H200, 2026-11-26 | H100 80GB HBM3, 2026-12-03 | " \
+           f"{matrix.NOT_YET} |" in text
+    # Part 2 runs torch's fp16, dp and parity rows, none of them recorded here: the most.
+    assert "then `make gpu-check PART=2`" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"x\n{matrix.BEGIN}\nold\n{matrix.END}\ny\n")
+    assert matrix.main(["--results", str(tmp_path), "--check", str(readme)]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert matrix.main(["--results", str(tmp_path), "--write", str(readme)]) == 0
+    assert matrix.main(["--results", str(tmp_path), "--check", str(readme)]) == 0
+    written = readme.read_text()
+    assert written.startswith("x\n") and written.endswith(f"{matrix.END}\ny\n")
+
+
+def test_a_gpu_run_keeps_its_windows_own_peak(monkeypatch):
+    """On a GPU the allocator's peaks are read before the window and counted afresh in it: the
+    run's peak is the larger, the window's is its own (no CUDA here: the allocator's counters
+    are stood in for)."""
+    import torch
+
+    from trainperf.backends.torch import runtime
+
+    counters = {"allocated": 12 * GIB, "reserved": 14 * GIB}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: counters["reserved"])
+
+    def reset(d):
+        counters.update(allocated=0, reserved=0)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    cuda = torch.device("cuda", 0)
+    before = runtime.start_window_peak(cuda)
+    assert before == (12 * GIB, 14 * GIB) and counters["allocated"] == 0
+    counters.update(allocated=8 * GIB, reserved=9 * GIB)  # the steady state holds less
+    assert runtime.peak_memory(cuda, before) == {
+        "peak_memory_bytes": 12 * GIB, "peak_reserved_bytes": 14 * GIB,
+        "window_peak_memory_bytes": 8 * GIB}
+    assert runtime.peak_memory(cuda) == {"peak_memory_bytes": 8 * GIB,
+                                         "peak_reserved_bytes": 9 * GIB}
+    cpu = torch.device("cpu")
+    assert runtime.start_window_peak(cpu) is None
+    assert set(runtime.peak_memory(cpu, None)) == {"peak_memory_bytes"}
