@@ -1,6 +1,6 @@
-"""Stage 4: the largest batch and the most classes one device holds (the seeds' "max bsz" and
-"max num_classes" columns), each with the memory model's error, and a refit of the model's
-constants for this kind of device from every probe that fitted.
+"""Capacity (part 3): the largest batch and the most classes one device holds (the seeds'
+"max bsz" and "max num_classes" columns), each with the memory model's error, and a refit of
+the model's constants for this kind of device from every probe that fitted.
 
 Both searches are ``trainperf search``'s own (grow, then bisect; every probe a fresh run). On a
 GPU they start a little under where the memory model puts the device's memory, so a borrowed

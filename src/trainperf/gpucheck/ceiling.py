@@ -1,5 +1,5 @@
-"""Stage 1: what this device can do at best, measured, so that every MFU can be given against it
-as well as against the datasheet.
+"""The machine ceiling (stage 1): what this device can do at best, measured, so that every MFU
+can be given against it as well as against the datasheet.
 
 Dense square matrix products in bf16, fp16, TF32 and fp32 (the best of a few timed rounds), and
 a device-to-device copy. A copy reads and writes every byte, so its rate counts both: that is

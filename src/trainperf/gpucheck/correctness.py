@@ -1,4 +1,5 @@
-"""Stage 2: does the GPU compute what the CPU computes, and are its clocks and counters right?
+"""GPU correctness (part 1): does the GPU compute what the CPU computes, and are its clocks
+and counters right?
 
 - The tiny recipe in ``dp``, ``mp`` and ``pfc`` at ratio 1.0 (the same arithmetic as ``mp``)
   starts from one start file (``trainperf align``'s) on the GPU, in fp32 with TF32 off, and its

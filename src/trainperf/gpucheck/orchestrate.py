@@ -4,7 +4,7 @@ the part's folder: ``summary.md``, ``summary.json``, one ``.tar.gz`` and the plo
 The raw material (every stage's record, results folders, logs) lives in a work folder outside
 the output folder, which holds only what a borrowed machine can bring back (at most 8 files,
 no sub-folders). Later parts of the same check on the same machine find the earlier parts'
-records there (the ceiling for MFU, stage 3's figures for the peers' ratios).
+records there (the ceiling for MFU, the case stages' figures for the peers' ratios).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from ..results import write_json_atomic
 
 OPTIONAL = (
     ("matplotlib", "the plots"),
-    ("timm", "stage 5's timm ResNet50 step"),
-    ("jax", "stage 5's JAX worker (unless trainperf's JAX environment exists)"),
+    ("timm", "the peers' timm ResNet50 step"),
+    ("jax", "JAX's native parity and the peers' JAX worker (unless trainperf's JAX "
+            "environment exists)"),
     ("pynvml", "NVML power readings (nvidia-smi's are used instead where it exists)"),
     ("simplejpeg", "the fastest JPEG decoder (OpenCV or Pillow decode instead)"),
-    ("nvidia.dali", "stage 6's DALI mixed decoder"),
-    ("PIL", "stage 6's data synth"),
+    ("nvidia.dali", "the real-data stage's DALI mixed decoder"),
+    ("PIL", "the real-data stage's data synth"),
 )
 
 

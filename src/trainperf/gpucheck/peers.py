@@ -1,4 +1,4 @@
-"""Stage 5: peers, in the same check, where they are installed.
+"""Peers (part 4), in the same check, where they are installed.
 
 - timm's ResNet50 (a ResNet-B, the v1b layout: stride on the 3x3), one training step timed as
   trainperf times its own: the same batch, precision, memory format, SGD settings and window

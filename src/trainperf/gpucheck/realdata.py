@@ -1,4 +1,5 @@
-"""Stage 6: real data on the device against its synthetic twin, for the input-bound verdict.
+"""Real data (part 4): real data on the device against its synthetic twin, for the
+input-bound verdict.
 
 ``data synth`` writes a face set; the same case then runs on it through the input pipeline and
 on synthetic tensors, the runs taking turns (``run --data``'s way), with DALI's ``mixed``

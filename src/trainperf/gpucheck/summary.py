@@ -280,8 +280,9 @@ def capacity_section(s: dict, published: dict, device_bytes: int | None) -> list
                         gib(new.get("runtime_bytes")) if new.get("runtime_bytes") else
                         ("0" if new else "-"), pct(r.get("new_error")),
                         pct(r.get("new_error_left_out"))]]), "",
-                f"Old constants: {r['old']['source']}. The new ones are not applied by this "
-                "check: commit them to `backends/torch/memory_model.py` from a GPU run.", ""]
+                f"Old constants: {r['old']['source']}. This check applies nothing: once the "
+                "record is committed, `benchmarks/memory_model_gpu.py` fits every peak it "
+                "holds, by precision, for `backends/torch/memory_model.py`.", ""]
     return out
 
 
