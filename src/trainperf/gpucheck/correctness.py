@@ -4,9 +4,9 @@ and counters right?
 - The tiny recipe in ``dp``, ``mp`` and ``pfc`` at ratio 1.0 (the same arithmetic as ``mp``)
   starts from one start file (``trainperf align``'s) on the GPU, in fp32 with TF32 off, and its
   losses must agree with the CPU's within ``align``'s tolerances. The CPU side runs once, in
-  ``dp``: on one device the three heads compute the same softmax (the suite holds ``mp`` and
-  ``pfc`` 1.0 to ``dp`` far inside these tolerances), and every CPU process is seconds of a
-  lent machine's minutes.
+  ``dp``: on one device the three heads compute the same softmax (the H200 record's three CPU
+  runs gave identical losses, bit for bit), and every CPU process is seconds of a lent
+  machine's minutes.
 - fp16 and bf16 runs must give finite losses; fp16's skipped steps and final loss scale are
   kept.
 - The window's time from CUDA events (the sum of its steps) and from the host clock around
