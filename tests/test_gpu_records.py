@@ -11,7 +11,7 @@ import pytest
 
 from trainperf.backends.torch.memory_model import (
     CONSTANTS, DeviceConstants, combine, constants_for)
-from trainperf.gpucheck import matrix, memfit
+from trainperf.gpucheck import budget, matrix, memfit, readme
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -73,10 +73,15 @@ def test_the_fp32_workspace_fills_only_what_is_free():
     assert combine(parts, c, need - GIB) == need  # it never decides whether a step fits
 
 
-def test_readme_matrix_is_what_the_records_show():
-    readme = (REPO / "README.md").read_text()
-    assert matrix.block_of(readme) == matrix.render(RESULTS)
-    assert matrix.main(["--results", str(RESULTS), "--check", str(REPO / "README.md")]) == 0
+def test_readme_tables_are_what_the_plan_and_the_records_say(capsys):
+    text = (REPO / "README.md").read_text()
+    assert readme.block_of(text, "gpu-matrix") == matrix.render(RESULTS)
+    assert readme.block_of(text, "gpu-plan") == budget.plan_table()
+    assert readme.main(["--results", str(RESULTS), "--check", str(REPO / "README.md")]) == 0
+    from trainperf.cli import main
+
+    assert main(["gpucheck", "--plan"]) == 0
+    assert capsys.readouterr().out == budget.plan_table()
 
 
 def _results(framework: str, precision: str, fc: str, device: str = "NVIDIA H100 80GB HBM3",
@@ -110,14 +115,16 @@ def test_matrix_takes_each_paths_latest_gpu(tmp_path, capsys):
            f"{matrix.NOT_YET} |" in text
     # Part 2 runs torch's fp16, dp and parity rows, none of them recorded here: the most.
     assert "then `make gpu-check PART=2`" in text
-    readme = tmp_path / "README.md"
-    readme.write_text(f"x\n{matrix.BEGIN}\nold\n{matrix.END}\ny\n")
-    assert matrix.main(["--results", str(tmp_path), "--check", str(readme)]) == 1
-    assert "out of date" in capsys.readouterr().err
-    assert matrix.main(["--results", str(tmp_path), "--write", str(readme)]) == 0
-    assert matrix.main(["--results", str(tmp_path), "--check", str(readme)]) == 0
-    written = readme.read_text()
-    assert written.startswith("x\n") and written.endswith(f"{matrix.END}\ny\n")
+    page = tmp_path / "README.md"
+    (m_begin, m_end), (p_begin, p_end) = readme.markers("gpu-matrix"), readme.markers("gpu-plan")
+    page.write_text(f"x\n{p_begin}\n{budget.plan_table()}{p_end}\n{m_begin}\nold\n{m_end}\ny\n")
+    assert readme.main(["--results", str(tmp_path), "--check", str(page)]) == 1
+    assert "gpu-matrix out of date" in capsys.readouterr().err
+    assert readme.main(["--results", str(tmp_path), "--write", str(page)]) == 0
+    assert readme.main(["--results", str(tmp_path), "--check", str(page)]) == 0
+    written = page.read_text()
+    assert written.startswith("x\n") and written.endswith(f"{m_end}\ny\n")
+    assert readme.block_of(written, "gpu-matrix") == text
 
 
 def test_a_gpu_run_keeps_its_windows_own_peak(monkeypatch):

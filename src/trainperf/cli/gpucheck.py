@@ -28,10 +28,18 @@ def register(sub) -> None:
                                  "gpucheck-results/<time>-<part>); must be new or empty")
     p.add_argument("--work", help="folder for the raw results and logs (default "
                                   "gpucheck-work/<time>-<part>)")
+    p.add_argument("--plan", action="store_true",
+                   help="print every part's stages, caps and expected times on one H100, and "
+                        "run nothing")
     p.set_defaults(handler=cmd_gpucheck)
 
 
 def cmd_gpucheck(args: argparse.Namespace) -> int:
+    if args.plan:
+        from ..gpucheck.budget import plan_table
+
+        print(plan_table(), end="")
+        return EXIT_OK
     from ..gpucheck.orchestrate import run_check
     from ..procs import interrupt_on_sigterm
 

@@ -147,3 +147,20 @@ def estimate_s(stage: Stage) -> float:
 def part_estimate_s(part: int) -> float:
     """A part's expected seconds in one call: the install, its stages and the summary."""
     return INSTALL_S + sum(estimates_s(part).values()) + SUMMARY_S
+
+
+def plan_table() -> str:
+    """Every part's stages with their caps and expected times, and each part's total against
+    its budget (the install and the summary included), as a markdown table."""
+    from .plan import PART_BUDGET_S, PARTS, part_cap_s
+
+    lines = ["| part | stage | cap on a GPU | expected on one H100 |", "|---|---|---|---|"]
+    for part in PARTS:
+        expected = estimates_s(part)
+        for s in stages_of(part):
+            lines.append(f"| {part} | {s.id}. {s.title} | {s.cap_s:.0f} s | "
+                         f"{expected[s.id]:.0f} s |")
+        lines.append(f"| **{part}** | **the call**, with the install ({INSTALL_S:.0f} s) and "
+                     f"the summary ({SUMMARY_S:.0f} s): budget {PART_BUDGET_S[part]:.0f} s | "
+                     f"**{part_cap_s(part):.0f} s** | **{part_estimate_s(part):.0f} s** |")
+    return "\n".join(lines) + "\n"

@@ -1,19 +1,14 @@
 """The GPU support matrix: for every GPU path, the device and date it last ran on a GPU, made
 from the records under ``benchmarks/results/gpu-*`` (every ``results.json`` and ``parity.json``,
-unpacked or in a part's archive, and the parts' ``summary.json`` checks).
-
-    python -m trainperf.gpucheck.matrix [--write README.md | --check README.md]
-
-The README holds the table between two markers; the suite keeps it equal to what this makes.
-A record's folder is named ``gpu-<device>-<YYYY-MM-DD>``: its date is every path's date in it.
+unpacked or in a part's archive, and the parts' ``summary.json`` checks). The README holds it
+(``gpucheck.readme``). A record's folder is named ``gpu-<device>-<YYYY-MM-DD>``: its date is
+every path's date in it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 import tarfile
 from pathlib import Path
 
@@ -38,7 +33,6 @@ ROWS = (
 )
 """(key, what it is, the gpu-check part that runs it for torch and for JAX; None: no part
 does, as no lent machine has 2 GPUs)."""
-BEGIN, END = "<!-- gpu-matrix:begin -->", "<!-- gpu-matrix:end -->"
 NOT_YET = "not yet run on a GPU"
 
 
@@ -186,37 +180,3 @@ def render(results: Path) -> str:
         lines += ["", "On a lent GPU, part 1 runs first (it proves the code as it is now); "
                       f"then `make gpu-check PART={chosen[0]}`: {chosen[1]}."]
     return "\n".join(lines) + "\n"
-
-
-def replace_block(text: str, block: str) -> str:
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[:start] + "\n" + block + text[end:]
-
-
-def block_of(text: str) -> str:
-    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].lstrip("\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results"))
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--write", type=Path, help="replace the table in this file")
-    group.add_argument("--check", type=Path, help="exit 1 where this file's table differs")
-    args = p.parse_args(argv)
-    block = render(args.results)
-    if args.write:
-        args.write.write_text(replace_block(args.write.read_text(encoding="utf-8"), block),
-                              encoding="utf-8")
-    elif args.check:
-        if block_of(args.check.read_text(encoding="utf-8")) != block:
-            print(f"{args.check}: the GPU support matrix is out of date; run python -m "
-                  f"trainperf.gpucheck.matrix --write {args.check}", file=sys.stderr)
-            return 1
-    else:
-        print(block, end="")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
