@@ -186,9 +186,8 @@ def committed_error(points: list[dict], device_type: str) -> float | None:
     own precision's."""
     if not points:
         return None
-    errors = [abs(p["baseline"] + combine(p["parts"], constants_for(device_type, p["precision"]))
-                  - p["peak"]) / p["peak"] for p in points]
-    return sum(errors) / len(errors)
+    return sum(model_error([p], constants_for(device_type, p["precision"]))
+               for p in points) / len(points)
 
 
 def refit(log: StageLog, device_type: str, points: list[dict]) -> None:

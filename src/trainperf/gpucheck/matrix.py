@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-import tarfile
 from pathlib import Path
+
+from .recorded import json_files
 
 FRAMEWORKS = (("torch", "torch"), ("jax", "JAX"), ("mxnet", "MXNet"), ("paddle", "Paddle"),
               ("tf", "TensorFlow"), ("oneflow", "OneFlow"))
@@ -118,13 +119,8 @@ def observations(results: Path) -> list[dict]:
         if not record.is_dir() or date is None:
             continue
         found = []
-        for path in sorted(record.rglob("*.json")):
-            found += _read(str(path.relative_to(record)), path.read_bytes())
-        for path in sorted(record.rglob("*.tar.gz")):
-            with tarfile.open(path) as tar:
-                for m in tar.getmembers():
-                    if m.isfile() and m.name.endswith(("/results.json", "/parity.json")):
-                        found += _read(m.name, tar.extractfile(m).read())
+        for name, text in json_files(record, ("results.json", "parity.json", "summary.json")):
+            found += _read(name, text)
         seen += [{"framework": fw, "key": key, "device": _short(dev), "date": date,
                   "record": record.name} for fw, key, dev in found]
     return seen

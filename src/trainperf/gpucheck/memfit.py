@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import re
-import tarfile
 from dataclasses import replace
 from pathlib import Path
 
 from ..backends.torch.memory_model import DeviceConstants, combine, constants_for
 from .capacity import fit
+from .recorded import json_files
 
 DEPTHWISE = ("mobilefacenet",)
 OLD = DeviceConstants(1.5, 0, "the CPU's backward factor (before the H200 fit)")
@@ -52,15 +52,13 @@ def record_points(record: Path) -> list[dict]:
     """Every point of a record folder, each once (a tiny recipe's points are left out: the
     CUDA context's share of them is beyond any model of the step)."""
     found = []
-    for path in sorted(record.rglob("results.json")):
-        found += points_of(json.loads(path.read_text(encoding="utf-8")),
-                           str(path.relative_to(record).parent))
-    for path in sorted(record.rglob("*.tar.gz")):
-        with tarfile.open(path) as tar:
-            for member in tar.getmembers():
-                if member.name.endswith("/results.json") and "/runs/" in member.name:
-                    doc = json.load(tar.extractfile(member))
-                    found += points_of(doc, member.name.split("/runs/", 1)[1][:-13])
+    for name, text in json_files(record, ("results.json",)):
+        folder = name.rsplit("/", 1)[0]
+        if ".tar.gz/" in name:
+            if "/runs/" not in folder:
+                continue
+            folder = folder.split("/runs/", 1)[1]  # a check's run, named by its case
+        found += points_of(json.loads(text), folder)
     return [p for p in found if not p["backbone"].endswith("_tiny")]
 
 

@@ -59,7 +59,7 @@ CONSTANTS = {
     "cpu": DeviceConstants(1.5, 128 * 2**20, "fitted to tiny-arcface peaks on a 2-core CPU, "
                                              "torch 2.13"),
     # benchmarks/memory_model_gpu.py fits these to benchmarks/results/gpu-h200-2026-11-26/;
-    # tests/test_memory_model_gpu.py holds them to its fit.
+    # tests/test_gpu_records.py holds them to its fit.
     "cuda": DeviceConstants(1.02, 0, "fitted to 17 fp16/bf16 peaks on one H200, torch 2.11"),
     "cuda-fp32": DeviceConstants(1.02, 0, "fitted to 8 fp32 peaks of R100 and ResNet50 on one "
                                           "H200, torch 2.11 (TF32 convolutions, cuDNN "
