@@ -140,35 +140,3 @@ def test_a_failing_rank_is_a_result_and_leaves_nothing(tmp_path, monkeypatch, on
     assert run["status"] == "failed" and run["samples_per_s"] is None
     assert "RuntimeError: injected failure" in run["error"]
     assert left_behind(tmp_path) == []
-
-
-def test_other_ranks_wait_for_rank0_before_joining():
-    """OneFlow's join backs off for seconds when rank 0 is not yet listening; the worker's
-    ranks other than 0 first wait for its port (stdlib only, no OneFlow needed here)."""
-    import socket
-    import threading
-    import time
-
-    from trainperf.backends.oneflow.rendezvous import wait_for_rank0
-
-    assert wait_for_rank0({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1"}) == 0.0
-    assert wait_for_rank0({"WORLD_SIZE": "1", "RANK": "0"}) == 0.0
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = socket.socket()
-
-    def listen_later() -> None:
-        time.sleep(0.3)
-        server.bind(("127.0.0.1", port))
-        server.listen()
-
-    thread = threading.Thread(target=listen_later)
-    thread.start()
-    try:
-        waited = wait_for_rank0({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
-                                 "MASTER_PORT": str(port)})
-    finally:
-        thread.join()
-        server.close()
-    assert 0.25 <= waited < 30

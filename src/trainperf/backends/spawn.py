@@ -56,7 +56,8 @@ writing theirs, so they get a moment before they are stopped."""
 PORTS_PER_RUN = 4
 """Each node holds ``PORTS_PER_RUN + nproc`` ports free for a run: ``ports[0]`` of node 0 is the
 coordinator (master, scheduler); ``ports[1 + r]`` is local rank ``r``'s endpoint for the
-frameworks that give each rank one. A backend uses what it needs."""
+frameworks that give each rank one; the last of node 0 is where OneFlow's rank 0 waits for the
+others to leave (``oneflow/rendezvous.py``). A backend uses what it needs."""
 LOOPBACK = ports.LOOPBACK
 _HELD: list[ports.Reservation] = []
 """The reservations of ``local_cluster``, kept until this launcher exits with its ranks."""

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
 
+PORT_VARIABLE = "TRAINPERF_DEPARTURE_PORT"
+"""Where rank 0 waits for the other ranks to leave (``rendezvous.Departure``)."""
 PYTHONS = ("3.10", "3.9", "3.8")
 PACKAGES = ("oneflow==0.9.0", "numpy<2")
 # Loaded by OneFlow's library at import, undeclared by its wheel; their ``lib`` folders go on
@@ -38,7 +40,8 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     # No CUDA_VISIBLE_DEVICES: OneFlow places a global tensor of rank r on its node's device
     # r % ranks-per-node, so every process must see all of its node's GPUs.
     from ..spawn import torch_style_env  # not at the top: see spawn's docstring
-    return torch_style_env(local_rank, cluster)
+    # Node 0's last port, which no rank listens on otherwise (spawn.PORTS_PER_RUN).
+    return {**torch_style_env(local_rank, cluster), PORT_VARIABLE: str(cluster.ports[0][-1])}
 
 
 def launch(req: LaunchRequest) -> Launch:

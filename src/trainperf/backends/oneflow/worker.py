@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 from typing import Sequence
 
-from .rendezvous import wait_for_rank0
+from .rendezvous import Departure, wait_for_rank0
 
 # Before OneFlow is imported: the import joins the process group (see rendezvous.py).
 wait_for_rank0()
@@ -95,6 +96,7 @@ def framework_env(dist: Dist, threads: int | None) -> dict:
 
 class OneFlowRun(FrameworkRun):
     backend = BACKEND
+    departure: Departure | None = None
 
     def connect(self) -> None:
         if self.spec.threads:
@@ -104,10 +106,18 @@ class OneFlowRun(FrameworkRun):
         self.rank, self.world_size = dist.rank, dist.world_size
         # OneFlow's shutdown meets every other rank; after a failure they may never come.
         self.distributed = dist.distributed
+        self.departure = Departure.from_env()
         self.device, self.device_kind = dist.device_name, dist.device_type
 
     def memory_now(self) -> int:
         return current_memory(self.dist)
+
+    def close(self) -> None:
+        # Reached after the run's last barrier (a failed distributed run leaves before this).
+        missing = self.departure.leave_after_peers() if self.departure is not None else []
+        if missing:
+            print(f"trainperf: ranks {missing} never said they were past the last barrier",
+                  file=sys.stderr)
 
     def build(self) -> None:
         spec, dist = self.spec, self.dist
