@@ -77,9 +77,13 @@ def test_tf_config_names_every_worker_and_the_global_task():
 
 
 def test_oneflow_gets_what_its_own_launcher_sets():
+    """And node 0's last port, which no rank listens on otherwise: where rank 0 waits for the
+    others to leave (``oneflow/rendezvous.Departure``)."""
     env = oneflow_backend.rank_env(1, two_nodes(1))
     assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1000", "WORLD_SIZE": "4",
-                   "RANK": "3", "LOCAL_RANK": "1"}
+                   "RANK": "3", "LOCAL_RANK": "1",
+                   "TRAINPERF_DEPARTURE_PORT": str(PORTS[0][-1])}
+    assert PORTS[0][-1] not in PORTS[0][:3]  # the master's and each local rank's
 
 
 def test_one_node_is_loopback_with_global_equal_to_local():

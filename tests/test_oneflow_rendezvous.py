@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainperf.backends.base import Cluster
-from trainperf.backends.oneflow.backend import rank_env
-from trainperf.backends.oneflow.rendezvous import (PORT_VARIABLE, Departure, wait_for_rank0)
+from trainperf.backends.oneflow.rendezvous import PORT_VARIABLE, Departure, wait_for_rank0
 from run_util import reserved_ports
 
 LOOPBACK = "127.0.0.1"
@@ -92,14 +90,6 @@ def test_nothing_to_wait_for(env):
     departure = Departure.from_env(env)
     assert departure.listener is None
     assert departure.leave_after_peers(wait_s=60) == []
-
-
-def test_the_port_is_node0s_last_one_which_no_rank_uses():
-    cluster = Cluster(1, 2, ("10.0.0.1", "10.0.0.2"),
-                      ((29500, 29501, 29502, 29503, 29504, 29505), (29600,) * 6))
-    env = rank_env(1, cluster)
-    assert env[PORT_VARIABLE] == "29505" and env["MASTER_PORT"] == "29500"
-    assert env["MASTER_ADDR"] == "10.0.0.1" and env["RANK"] == "3"
 
 
 @pytest.mark.slow
