@@ -28,8 +28,7 @@ SRC = HERE.parent / "src"
 sys.path.insert(0, str(SRC))
 
 from trainperf.backends import ports  # noqa: E402
-from trainperf.backends.oneflow.backend import library_path  # noqa: E402
-from trainperf.backends.oneflow.rendezvous import PORT_VARIABLE  # noqa: E402
+from trainperf.backends.oneflow.backend import PORT_VARIABLE, library_path  # noqa: E402
 from trainperf.envs import interpreter  # noqa: E402
 
 RANK_PROGRAM = """

@@ -2,12 +2,12 @@
 off, and at the end, so that rank 0 leaves last (stdlib only: the first runs before OneFlow is
 imported).
 
-**The start.** Importing OneFlow joins the process group: rank 0 serves the rendezvous at ``MASTER_PORT`` and
-every other rank connects to it. A rank that tries before rank 0 listens is refused, and
-OneFlow 0.9 then waits before trying again, longer each time: when rank 0's import is slower
-than another rank's (a loaded machine), the group forms seconds after the last rank is ready
-(measured: 11.3 s for an import of 1.6 s, rank 1 started 3 s before rank 0). So a rank other
-than 0 first waits, with a plain TCP connect every few milliseconds, until rank 0's port
+**The start.** Importing OneFlow joins the process group: rank 0 serves the rendezvous at
+``MASTER_PORT`` and every other rank connects to it. A rank that tries before rank 0 listens is
+refused, and OneFlow 0.9 then waits before trying again, longer each time: when rank 0's import
+is slower than another rank's (a loaded machine), the group forms seconds after the last rank is
+ready (measured: 11.3 s for an import of 1.6 s, rank 1 started 3 s before rank 0). So a rank
+other than 0 first waits, with a plain TCP connect every few milliseconds, until rank 0's port
 accepts, and only then imports OneFlow.
 
 **The end.** Rank 0 serves OneFlow's control plane, and ``flow.comm.barrier`` is a request to it
@@ -37,13 +37,21 @@ GIVE_UP_S = 600.0
 that died is stopped, with its peers, by the launcher long before)."""
 
 
+def _group(environ: dict[str, str] | None) -> tuple[dict[str, str], int, int, str]:
+    """The launcher's variables (``os.environ`` by default), the world size, this rank and rank
+    0's address."""
+    env = os.environ if environ is None else environ
+    return (env, int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0")),
+            env.get("MASTER_ADDR", "127.0.0.1"))
+
+
 def wait_for_rank0(environ: dict[str, str] | None = None) -> float:
     """Block until ``MASTER_ADDR:MASTER_PORT`` accepts a connection, on ranks other than 0 of
     a multi-rank run; returns the seconds waited (0 where there is nothing to wait for)."""
-    env = os.environ if environ is None else environ
-    if int(env.get("WORLD_SIZE", "1")) < 2 or int(env.get("RANK", "0")) == 0:
+    env, world, rank, master = _group(environ)
+    if world < 2 or rank == 0:
         return 0.0
-    address = (env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]))
+    address = (master, int(env["MASTER_PORT"]))
     start = time.monotonic()
     while time.monotonic() - start < GIVE_UP_S:
         try:
@@ -72,10 +80,9 @@ class Departure:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Departure":
-        env = os.environ if environ is None else environ
-        world, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+        env, world, rank, master = _group(environ)
         port = env.get(PORT_VARIABLE)
-        address = (env.get("MASTER_ADDR", "127.0.0.1"), int(port)) if port else None
+        address = (master, int(port)) if port else None
         departure = cls(rank, world, address if world > 1 else None)
         if departure.address is not None and rank == 0:
             host = departure.address[0]
@@ -101,7 +108,7 @@ class Departure:
                 self.listener.settimeout(left)
                 try:
                     conn, _ = self.listener.accept()
-                except (socket.timeout, OSError):
+                except OSError:  # the deadline (socket.timeout is an OSError)
                     break
                 with conn:
                     conn.settimeout(max(deadline - time.monotonic(), 0.1))
