@@ -41,6 +41,11 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--mode", default="",
+                   help="the framework's execution mode, in trainperf's names for it "
+                        "(torch: eager, compile; oneflow: eager, graph; paddle: dygraph, "
+                        "static; mxnet: imperative, hybrid; tf: function, xla; jax: jit); "
+                        "empty: the reference's usual one")
     p.add_argument("--classes", type=int, help="classes (default: the case's)")
     p.add_argument("--input-size", type=int,
                    help="input side, rn50 only (default 224; face is 112, its output block's)")

@@ -20,6 +20,10 @@ PFC_UPDATES = ("sparse", "dense")
 DEVICE_KINDS = ("auto", "cuda", "cpu")
 MXNET_KVSTORES = ("dist_sync", "device")
 TF32_MODES = ("default", "off", "on")
+MODE_DEFAULT = "default"
+"""``--mode default``: the first mode the framework declares for the device (its fixed default)."""
+MODE_BEST = "best"
+"""``--mode best``: each of the framework's modes probed briefly, the timed runs in the fastest."""
 PFC_DEFAULT_RATIO = 0.1
 """Partial FC's ratio where none is given: DLPerf's and the Partial FC paper's."""
 
@@ -183,6 +187,12 @@ class Tuning:
     wrong weight gradients. Off, TensorFlow runs its own Eigen kernels for those ops. Only
     TensorFlow's CPU kernels change; its GPU kernels are the same either way."""
 
+    mode: str = MODE_DEFAULT
+    """How the framework executes the step, in its own terms (``eager``, ``compile``, ``graph``,
+    ``static``, ``hybrid``, ``xla``, ``jit``: ``Capabilities.modes``), ``default`` (the first
+    it declares for the device) or ``best`` (the runner probes every mode and times the
+    fastest). A worker is only ever given a mode its framework declares."""
+
     tf32: str = "default"
     """GPU fp32 work on Ampere and later: ``default`` keeps torch's choice (cuDNN convolutions
     in TF32, matrix products in full fp32), ``off`` runs both in full fp32 (what a comparison
@@ -192,6 +202,8 @@ class Tuning:
     def __post_init__(self) -> None:
         if self.tf32 not in TF32_MODES:
             raise ValueError(f"--tf32 must be one of {', '.join(TF32_MODES)}, got {self.tf32!r}")
+        if not self.mode or not self.mode.replace("-", "").isalnum():
+            raise ValueError(f"--mode takes a mode's name, got {self.mode!r}")
         if not self.ddp_bucket_mb > 0:
             raise ValueError(f"--ddp-bucket-mb must be > 0, got {self.ddp_bucket_mb}")
         if self.mxnet_kvstore not in MXNET_KVSTORES:

@@ -245,6 +245,12 @@ class End(Event):
     skipped_steps_in_window: int = 0
     """Window steps whose update was skipped (fp16 overflow): their time holds no update."""
     final_loss_scale: float | None = None
+    startup_s: float | None = None
+    """Seconds from rank 0's process start to the end of its first step: imports, process
+    group, model, batches and the mode's compilation or tracing (never in the window)."""
+    recompiles_in_window: int | None = None
+    """Times the step compiled or traced again inside the window (a changed shape, a failed
+    guard); None where the framework cannot tell."""
     peak_memory_bytes: int | None = None
     """Largest peak over ranks: allocated device memory on a GPU, resident set on CPU."""
     peak_reserved_bytes: int | None = None

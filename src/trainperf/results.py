@@ -48,6 +48,8 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
     flags = stats.loss_flags(end.loss_last, end.nonfinite_losses) if end else []
     if end and end.skipped_steps_in_window:
         flags.append("steps_skipped")
+    if end and end.recompiles_in_window:
+        flags.append("recompiled_in_window")
     warnings = []
     window_times = [e.seconds for e in steps if not e.warmup]
     if end and len(window_times) != end.window_steps:
@@ -73,6 +75,7 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
         "losses": end.losses if end else None,
         "skipped_steps_in_window": end.skipped_steps_in_window if end else None,
         "final_loss_scale": end.final_loss_scale if end else None,
+        **startup(start, end, steps),
         **data_waits(steps, end),
         **training_outcome(events, end),
         "error": error,
@@ -80,6 +83,21 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
         "warnings": warnings,
         "flags": flags,
     }
+
+
+def startup(start: Start | None, end: End | None, steps: list[Step]) -> dict[str, Any]:
+    """The mode that ran and what it cost before the window: seconds from process start to
+    the end of the first step, the first step's own seconds, and how much longer it took than
+    the window's median step (where tracing and compilation happen: the mode's compile time),
+    and the recompilations inside the window."""
+    first = next((e.seconds for e in steps if e.index == 0), None)
+    window = sorted(e.seconds for e in steps if not e.warmup)
+    median = window[len(window) // 2] if window else None
+    return {"mode": start.settings.get("mode") if start else None,
+            "startup_s": end.startup_s if end else None,
+            "first_step_s": first,
+            "compile_s": max(first - median, 0.0) if first is not None and median else None,
+            "recompiles_in_window": end.recompiles_in_window if end else None}
 
 
 def data_waits(steps: list[Step], end: End | None) -> dict[str, Any]:

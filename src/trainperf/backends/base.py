@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..config import Topology, Tuning, Workload
+from ..config import MODE_BEST, MODE_DEFAULT, Topology, Tuning, Workload
 from . import catalog
 
 COLLECTIVE_TIMEOUT_ENV = "TRAINPERF_COLLECTIVE_TIMEOUT_S"
@@ -130,8 +130,16 @@ class Capabilities:
     """Per device kind (``cpu``, ``cuda``): the precisions that run there."""
     families: tuple[str, ...]
     """The backbone families it builds (``backends.catalog``), each in every size."""
+    modes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per device kind: how it can execute a training step, in its own terms (``eager``,
+    ``compile``, ``graph``...), its default first. ``--mode best`` probes them all."""
+    mode_words: dict[str, str] = field(default_factory=dict)
+    """What each mode is, in the framework's API (``compile``: ``torch.compile, inductor``)."""
     channels_last: bool = False
-    """Its backbones can run channels-last (``--channels-last``)."""
+    """Its backbones can run channels-last (``--memory-format channels_last``)."""
+    layouts: dict[str, str] = field(default_factory=dict)
+    """Per device kind, the memory format ``--memory-format auto`` runs its backbones in
+    (``channels_last`` or ``channels_first``); a kind not named: channels-first."""
     real_data: bool = False
     """Reads a RecordIO dataset through the input pipeline (``run --data``)."""
     trains: bool = False
@@ -192,6 +200,35 @@ class Backend:
         return (f"the {self.name} backend runs --precision {', '.join(here)} on "
                 f"{KIND_WORDS[device_kind]}{need}{self._why(precision)}")
 
+    def modes_on(self, device_kind: str) -> tuple[str, ...]:
+        """The modes it declares on ``device_kind``, its default first."""
+        return self.capabilities.modes.get(device_kind, ())
+
+    def mode_refusal(self, mode: str, device_kind: str) -> str | None:
+        """Why this backend does not run ``--mode mode`` on ``device_kind``, or None
+        (``default`` and ``best`` run wherever it declares a mode)."""
+        here = self.modes_on(device_kind)
+        if not here:
+            return f"the {self.name} backend declares no execution mode on {KIND_WORDS[device_kind]}"
+        if mode in (MODE_DEFAULT, MODE_BEST) or mode in here:
+            return None
+        where = [k for k in DEVICE_KINDS if mode in self.modes_on(k)]
+        need = f"; {mode} needs {KIND_WORDS[where[0]]}" if where else ""
+        return (f"the {self.name} backend runs --mode {', '.join(here)} on "
+                f"{KIND_WORDS[device_kind]}{need}{self._why(mode)}")
+
+    def resolve_mode(self, mode: str, device_kind: str) -> str:
+        """The mode a run executes in: ``default`` is the first declared on ``device_kind``;
+        ``best`` must have been chosen by the runner before it reaches here."""
+        require(self.mode_refusal(mode, device_kind))
+        if mode == MODE_BEST:
+            raise ValueError("--mode best is the runner's to resolve, by probing each mode")
+        return self.modes_on(device_kind)[0] if mode == MODE_DEFAULT else mode
+
+    def default_layout(self, device_kind: str) -> str:
+        """``channels_last`` or ``channels_first``: what ``--memory-format auto`` runs."""
+        return self.capabilities.layouts.get(device_kind, "channels_first")
+
     def _why(self, what: str) -> str:
         why = self.capabilities.why_not.get(what)
         return f" ({why})" if why else ""
@@ -238,7 +275,8 @@ class Backend:
                 device_kind: str, train: bool = False, real_data: bool = False) -> str | None:
         """Why this backend does not run the case (one line), or None: ``work_refusal``, and
         the case's layout (nodes, and the backend's own rules)."""
-        why = self.work_refusal(workload, device_kind, train, real_data)
+        why = (self.work_refusal(workload, device_kind, train, real_data)
+               or self.mode_refusal(tuning.mode, device_kind))
         if why:
             return why
         if topology.nnodes > 1 and not self.capabilities.several_nodes:

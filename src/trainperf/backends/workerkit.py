@@ -130,6 +130,9 @@ class FrameworkRun:
     distributed = False
     device = "cpu"
     device_kind = "cpu"
+    mode = ""
+    """The execution mode this run's step is built in (``Capabilities.modes``), set from the
+    spec's ``tuning.mode`` once the device is known, before ``build``."""
     train_step: Any = None
     """The framework's step, made by ``build``: the defaults of ``markers``, ``skipped_steps``
     and ``loss_scale`` read its attributes of those names."""
@@ -236,6 +239,12 @@ class FrameworkRun:
     def end_fields(self) -> dict[str, Any]:
         """More of ``End`` (after the memory figures, a collective call on every rank)."""
         return {}
+
+    def compile_count(self) -> int | None:
+        """How many times this run's mode has compiled or traced its step so far (graphs
+        captured, programs built, functions traced); None where the framework cannot tell.
+        Read when the window opens and after it: a change is a recompilation inside it."""
+        return None
 
     def is_oom(self, exc: BaseException) -> bool:
         return is_oom(exc)
@@ -448,6 +457,9 @@ def _prepare(fw: FrameworkRun, events: EventWriter) -> tuple[int, int, Callable[
     if fw.backend is not None:
         require(fw.backend.work_refusal(workload, fw.device_kind, train=spec.train is not None,
                                         real_data=spec.data is not None))
+        fw.mode = fw.backend.resolve_mode(spec.tuning.mode, fw.device_kind)
+    else:
+        fw.mode = spec.tuning.mode
     baseline = fw.memory_now()
     if fw.device_kind == "cpu":
         limit_cpu_memory(measure.memory_limit_bytes)
@@ -462,7 +474,8 @@ def _prepare(fw: FrameworkRun, events: EventWriter) -> tuple[int, int, Callable[
         if fw.rank != 0:
             return
         fields = fw.start_fields(baseline)
-        fields["settings"] = {**fields.get("settings", {}), **fw.loop_settings()}
+        fields["settings"] = {**fields.get("settings", {}), **fw.loop_settings(),
+                              "mode": fw.mode}
         if fw.real is not None:
             fields["settings"]["input"] = fw.real.info
         events.emit(Start(world_size=fw.world_size, global_batch=global_batch, device=fw.device,
@@ -549,8 +562,12 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
         # The start as this framework loaded it: what the first update is measured from.
         write_dump(dump, -1, fw.rank, fw.align_state(), float("nan"))
 
+    compiles: dict[str, int | None] = {}
+
     def one_step(index: int) -> Any:
         inject(faults, index, fw.rank, fw.oom_error)
+        if index == measure.warmup:
+            compiles["window"] = fw.compile_count()
         out = fw.step(index)
         if dump:
             # An alignment run is not timed for its rate: waiting here costs only its window.
@@ -569,6 +586,8 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
     losses = fw.read_losses(outputs)
     memory = fw.memory_over_ranks()
     extra = fw.end_fields()
+    extra.update(startup_fields(on_steps.first_done_at, compiles.get("window"),
+                                fw.compile_count()))
     if fw.real is not None:
         fw.real.close()
         waits = fw.gather_floats(fw.real.window_waits(measure.warmup))
@@ -626,8 +645,12 @@ class StepReporter:
         self.first = first
         self.data_wait = data_wait
         self.timed: list[int] = []
+        self.first_done_at: float | None = None
+        """Unix time when the first step's time became known (the end of its compilation)."""
 
     def __call__(self, done: StepTimes) -> None:
+        if done and self.first_done_at is None:
+            self.first_done_at = time.time()
         if done and self.first is not None:
             first, self.first = self.first, None
             first()
@@ -641,6 +664,32 @@ class StepReporter:
     def check_complete(self) -> None:
         assert self.timed == list(range(self.measure.iters)), \
             "every step must have its time, in order"
+
+
+def process_start_time() -> float | None:
+    """Unix time this process started (Linux's ``/proc``), so that the interpreter's and the
+    framework's imports count in a run's start-up; None where it cannot be read."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            # The command name may hold spaces: fields are counted after its closing bracket.
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def startup_fields(first_done_at: float | None, compiles_before: int | None,
+                   compiles_after: int | None) -> dict[str, Any]:
+    """``End``'s start-up figures: seconds from this process's start to the end of its first
+    step (imports, process group, model, data and the mode's compilation), and how many times
+    the step compiled again inside the window (None where the framework cannot tell)."""
+    started = process_start_time()
+    recompiles = (compiles_after - compiles_before
+                  if compiles_before is not None and compiles_after is not None else None)
+    return {"startup_s": first_done_at - started if first_done_at and started else None,
+            "recompiles_in_window": recompiles}
 
 
 def memory_fields(per_rank, with_reserved: bool) -> dict:

@@ -31,10 +31,13 @@ def launch(req: LaunchRequest) -> Launch:
 # NHWC throughout: XLA picks its layouts, so --channels-last changes nothing it runs.
 BACKEND = Backend(
     name="jax", framework="jax", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
-    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
-                              precisions={"cpu": ("fp32", "bf16"),
-                                          "cuda": ("fp32", "fp16", "bf16")},
-                              families=FAMILIES, channels_last=True, real_data=True),
+    capabilities=Capabilities(
+        modes={"cpu": ("jit",), "cuda": ("jit",)},
+        mode_words={"jit": "jax.jit of the whole step (JAX has no other training mode)"},
+        heads=("dp", "mp", "pfc"),
+        precisions={"cpu": ("fp32", "bf16"),
+                    "cuda": ("fp32", "fp16", "bf16")},
+        families=FAMILIES, channels_last=True, real_data=True),
     runs_as="flax linen, optax; one jitted `shard_map` step; pfc's global batch up to the "
             "per-shard sample",
     ranks_start="one process per rank, `jax.distributed` coordinator")

@@ -48,12 +48,15 @@ def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str
 
 BACKEND = Backend(
     name="mxnet", framework="mxnet", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
-    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
-                              precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
-                              families=FAMILIES, real_data=True,
-                              rule_differences=RULE_DIFFERENCES,
-                              why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
-                                               "not benchmarked here"}),
+    capabilities=Capabilities(
+        modes={"cpu": ("hybrid",), "cuda": ("hybrid",)},
+        mode_words={"hybrid": "Gluon hybridize(static_alloc, static_shape)"},
+        heads=("dp", "mp", "pfc"),
+        precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
+        families=FAMILIES, real_data=True,
+        rule_differences=RULE_DIFFERENCES,
+        why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
+                         "not benchmarked here"}),
     runs_as="Gluon, hybridized; fp16 through AMP; pfc as insightface's memory bank, sparse or "
             "dense update",
     ranks_start="a scheduler and server (`dist_sync`) or one process (`device`)",

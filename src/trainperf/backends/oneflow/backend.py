@@ -52,10 +52,13 @@ def launch(req: LaunchRequest) -> Launch:
 BACKEND = Backend(
     name="oneflow", framework="oneflow", launch=launch,
     env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
-    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
-                              precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
-                              families=("iresnet",), real_data=True,
-                              why_not={"fp16": "OneFlow 0.9's eager mode has no dynamic loss "
-                                               "scaler"}),
+    capabilities=Capabilities(
+        modes={"cpu": ("eager",), "cuda": ("eager",)},
+        mode_words={"eager": "eager nn.Modules"},
+        heads=("dp", "mp", "pfc"),
+        precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
+        families=("iresnet",), real_data=True,
+        why_not={"fp16": "OneFlow 0.9's eager mode has no dynamic loss "
+                         "scaler"}),
     runs_as="eager; mp and pfc as global tensors, `split(0)`",
     ranks_start="one process per rank, torch-style variables")

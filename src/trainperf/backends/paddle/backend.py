@@ -49,11 +49,14 @@ every run, an alignment run's too, keeps Paddle's rule (``alignment``)."""
 
 BACKEND = Backend(
     name="paddle", framework="paddle", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
-    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
-                              precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")},
-                              families=FAMILIES, real_data=True,
-                              rule_differences=RULE_DIFFERENCES,
-                              why_not={p: "Paddle's CPU build has no half-precision matrix "
-                                          "products" for p in ("fp16", "bf16")}),
+    capabilities=Capabilities(
+        modes={"cpu": ("dygraph",), "cuda": ("dygraph",)},
+        mode_words={"dygraph": "dynamic graph (dygraph)"},
+        heads=("dp", "mp", "pfc"),
+        precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")},
+        families=FAMILIES, real_data=True,
+        rule_differences=RULE_DIFFERENCES,
+        why_not={p: "Paddle's CPU build has no half-precision matrix "
+                    "products" for p in ("fp16", "bf16")}),
     runs_as="dynamic graph, AMP O1; pfc by PLSC's rule, sparse or dense update",
     ranks_start="one process per rank, `PADDLE_*` variables; gloo on CPU")

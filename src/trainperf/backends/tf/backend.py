@@ -38,11 +38,14 @@ def launch(req: LaunchRequest) -> Launch:
 # momentum 0.1, torch's rule (tests/test_tf_models_heads.py measures it on the CPU kernel).
 BACKEND = Backend(
     name="tf", framework="tensorflow", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
-    capabilities=Capabilities(heads=("dp", "mp", "pfc"),
-                              precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
-                              families=("iresnet", "resnet_v1b"), channels_last=True,
-                              real_data=True,
-                              why_not={"fp16": "TensorFlow's mixed float16 is not run on a CPU"}),
+    capabilities=Capabilities(
+        modes={"cpu": ("function",), "cuda": ("function",)},
+        mode_words={"function": "tf.function, jit_compile off"},
+        heads=("dp", "mp", "pfc"),
+        precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
+        families=("iresnet", "resnet_v1b"), channels_last=True,
+        real_data=True,
+        why_not={"fp16": "TensorFlow's mixed float16 is not run on a CPU"}),
     runs_as="tf.Variable and tf.nn in one tf.function; pfc with a sparse (default) or dense "
             "update",
     ranks_start="`MultiWorkerMirroredStrategy` (`TF_CONFIG`, RING on CPU)")

@@ -30,6 +30,8 @@ def launch(req: LaunchRequest) -> Launch:
 BACKEND = Backend(
     name="torch", framework="pytorch", launch=launch,
     capabilities=Capabilities(
+        modes={"cpu": ("eager",), "cuda": ("eager",)},
+        mode_words={"eager": "eager nn.Modules"},
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32", "fp16", "bf16"), "cuda": ("fp32", "fp16", "bf16")},
         families=FAMILIES, channels_last=True, real_data=True, trains=True),
