@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import alignments, results
+from ..backends import get_backend
+from ..backends.base import require
 from ..config import AlignSpec, Measure, Topology, Tuning, Workload
 from ..progress import NullProgress
 from ..runner import Case, Plan, Runner
@@ -77,16 +79,18 @@ class AlignRequest:
     candidate_breaks: tuple[str, ...] = ()
     candidate_changes: dict[str, Any] = field(default_factory=dict)
     """A candidate made to differ on purpose (tests): worker rule breaks, workload fields."""
+    mode: str = "default"
+    """The candidate's execution mode (``Capabilities.modes``); torch's side runs eager."""
 
 
 def request(recipe_name: str, framework: str, devices: list[int], fc_modes: list[str],
             steps: int, timeout_s: float, out: Path | None, batch_size: int | None = None,
             num_classes: int | None = None, controls: list[str] | None = None,
-            keep_dumps: bool = False) -> AlignRequest:
+            keep_dumps: bool = False, mode: str = "default") -> AlignRequest:
     """The alignment check of ``framework`` on the recipe, with its batch and class count
     changed where given; ``controls``: negative controls by name (``["all"]``: every one);
-    ``out`` None: a new folder under ``results/``."""
-    from ..backends import get_backend
+    ``out`` None: a new folder under ``results/``; ``mode``: the candidate's execution mode
+    (torch itself is a candidate in a mode other than eager, against its eager reference)."""
     from ..recipes import get_recipe
 
     recipe = get_recipe(recipe_name)
@@ -96,15 +100,20 @@ def request(recipe_name: str, framework: str, devices: list[int], fc_modes: list
     if num_classes:
         workload = workload.replace(num_classes=num_classes)
     backend = get_backend(framework)
-    if backend.name == "torch":
-        raise ValueError("align compares another framework with torch: pass --framework mxnet")
+    if mode == "best":
+        raise ValueError("align checks one mode at a time: name it (--mode "
+                         f"{', '.join(backend.modes_on('cpu'))})")
+    require(backend.mode_refusal(mode, "cpu"))
+    if backend.name == "torch" and backend.resolve_mode(mode, "cpu") == "eager":
+        raise ValueError("align compares another framework, or torch in another mode, with "
+                         "torch eager: pass --framework mxnet or --mode compile")
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     names = [c.name for c in CONTROLS] if controls == ["all"] else [
         control(name).name for name in controls or []]
     out = out or results.default_folder(f"align-{recipe.name}-{backend.name}")
     return AlignRequest(recipe.name, workload, backend.name, devices, fc_modes, steps,
-                        timeout_s, out, tuple(names), keep_dumps)
+                        timeout_s, out, tuple(names), keep_dumps, mode=mode)
 
 
 @dataclass
@@ -239,7 +248,7 @@ def candidate_side(req: AlignRequest, workload: Workload, devices: int, start: P
                    breaks: tuple[str, ...] = ()) -> Side:
     align = AlignSpec(str(start), DTYPE, str(out / "dump"), breaks)
     return run_from_start(req.recipe, workload, align, out, req.steps, req.timeout_s,
-                          req.framework, devices)
+                          req.framework, devices, tuning=Tuning(mode=req.mode))
 
 
 def judge(ref: Side, cand: Side, steps: int, ranks: int, tol: Tolerance,
@@ -265,7 +274,6 @@ def judge(ref: Side, cand: Side, steps: int, ranks: int, tol: Tolerance,
 
 
 def declared_by(framework: str) -> dict[str, str]:
-    from ..backends import get_backend
 
     return get_backend(framework).capabilities.rule_differences
 
@@ -300,7 +308,9 @@ def run_alignment(req: AlignRequest) -> dict:
                                      if c["versions"]["other"]), None)}
     aligned = all(c["aligned"] for c in checks)
     controls_ok = all(c["caught"] or c["applicable"] is not True for c in controls.values())
-    outcome = {"recipe": req.recipe, "framework": req.framework, "workload": base.to_dict(),
+    mode = get_backend(req.framework).resolve_mode(req.mode, "cpu")
+    outcome = {"recipe": req.recipe, "framework": req.framework, "mode": mode,
+               "workload": base.to_dict(),
                "steps": req.steps, "dtype": DTYPE, "versions": versions,
                "tolerance": {"update": FLOAT64.update, "scalar": FLOAT64.scalar,
                              "why": FLOAT64.why, "witness_shift": WITNESS_SHIFT},
@@ -311,7 +321,8 @@ def run_alignment(req: AlignRequest) -> dict:
                "aligned": aligned, "controls_caught": controls_ok if controls else None}
     results.write_json_atomic(req.out / "align.json", outcome)
     if not req.candidate_breaks and not req.candidate_changes:
-        alignments.keep({"recipe": req.recipe, "framework": req.framework, "versions": versions,
+        alignments.keep({"recipe": req.recipe, "framework": req.framework, "mode": mode,
+                         "versions": versions,
                          "dtype": DTYPE, "aligned": aligned, "t": time.time(),
                          "checked": [[c["fc"], c["ranks"]] for c in checks],
                          "worst_update": max((c.get("worst_update", {}).get("error") or 0.0

@@ -32,6 +32,9 @@ def register(sub) -> None:
     align.add_argument("--framework", required=True)
     align.add_argument("--devices", default="1,2", help="rank counts to check (default 1,2)")
     align.add_argument("--fc", default="dp,mp", help="head modes to check (default dp,mp)")
+    align.add_argument("--mode", default="default",
+                       help="the candidate's execution mode (default: its framework's first; "
+                            "`trainperf list --frameworks` names them)")
     align.add_argument("--steps", type=int, default=5, help="SGD steps (default 5)")
     align.add_argument("--batch-size", type=int, help="per device (default: the recipe's)")
     align.add_argument("--num-classes", type=int)
@@ -92,7 +95,8 @@ def cmd_align(args: argparse.Namespace) -> int:
     req = request(args.recipe, args.framework, parse_int_list(args.devices, "--devices"),
                   parse_list(args.fc), args.steps, args.timeout,
                   Path(args.out) if args.out else None, args.batch_size, args.num_classes,
-                  parse_list(args.controls) if args.controls else None, args.keep_dumps)
+                  parse_list(args.controls) if args.controls else None, args.keep_dumps,
+                  args.mode)
     interrupt_on_sigterm()
     outcome = run_alignment(req)
     print(render_table(outcome))
