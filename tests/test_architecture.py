@@ -26,7 +26,7 @@ PACKAGE = "trainperf"
 FLOORS: list[tuple[str, set[str]]] = [
     ("foundation", {"__init__", "config", "protocol", "faults", "stats", "devices", "outcome",
                     "recipes", "references", "results", "env", "procs", "bench",
-                    "alignments", "records", "parities", "significance"}),
+                    "alignments", "records", "parities", "significance", "mode_choice"}),
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
     ("launch", {"envs", "rendezvous", "runner", "progress", "breakdown"}),

@@ -20,6 +20,7 @@ PFC_UPDATES = ("sparse", "dense")
 DEVICE_KINDS = ("auto", "cuda", "cpu")
 MXNET_KVSTORES = ("dist_sync", "device")
 TF32_MODES = ("default", "off", "on")
+MEMORY_FORMATS = ("auto", "channels_last", "channels_first")
 MODE_DEFAULT = "default"
 """``--mode default``: the first mode the framework declares for the device (its fixed default)."""
 MODE_BEST = "best"
@@ -193,6 +194,11 @@ class Tuning:
     it declares for the device) or ``best`` (the runner probes every mode and times the
     fastest). A worker is only ever given a mode its framework declares."""
 
+    memory_format: str = "auto"
+    """The backbones' layout asked for: ``auto`` (each framework's default on the device,
+    ``Capabilities.layouts``), ``channels_last`` or ``channels_first``. What ran is the
+    workload's ``channels_last``, resolved per framework when the plans are made."""
+
     tf32: str = "default"
     """GPU fp32 work on Ampere and later: ``default`` keeps torch's choice (cuDNN convolutions
     in TF32, matrix products in full fp32), ``off`` runs both in full fp32 (what a comparison
@@ -202,6 +208,9 @@ class Tuning:
     def __post_init__(self) -> None:
         if self.tf32 not in TF32_MODES:
             raise ValueError(f"--tf32 must be one of {', '.join(TF32_MODES)}, got {self.tf32!r}")
+        if self.memory_format not in MEMORY_FORMATS:
+            raise ValueError(f"--memory-format must be one of {', '.join(MEMORY_FORMATS)}, "
+                             f"got {self.memory_format!r}")
         if not self.mode or not self.mode.replace("-", "").isalnum():
             raise ValueError(f"--mode takes a mode's name, got {self.mode!r}")
         if not self.ddp_bucket_mb > 0:

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from .backends import get_backend
-from .config import (FC_MODES, PFC_DEFAULT_RATIO, DataSpec, Measure, Topology, Tuning,
-                     parse_int_list, parse_list)
+from .config import (FC_MODES, MODE_BEST, MODE_DEFAULT, PFC_DEFAULT_RATIO, DataSpec, Measure,
+                     Topology, Tuning, parse_int_list, parse_list)
 from .procs import interrupt_on_sigterm
 from .recipes import get_recipe
 from .results import default_folder
-from .runner import Plan, Runner, check_plan, interleave, plan_cases
+from .runner import Plan, Runner, check_plan, device_kind, interleave, plan_cases
 
 
 def parse_frameworks(text: str) -> list[str]:
@@ -31,6 +31,37 @@ def parse_frameworks(text: str) -> list[str]:
     for name in names:
         get_backend(name)
     return names
+
+
+def parse_modes(text: str, frameworks: list[str]) -> list[str]:
+    """The modes of a ``--mode`` list, none twice; ``default`` and ``best`` stand alone. Each
+    framework must run each mode named (checked with the plans, on the device)."""
+    modes = parse_list(text)
+    if not modes:
+        raise ValueError("--mode needs a mode's name")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"--mode names a mode twice: {text!r}")
+    alone = {MODE_DEFAULT, MODE_BEST} & set(modes)
+    if alone and len(modes) > 1:
+        raise ValueError(f"--mode {'/'.join(sorted(alone))} stands alone, not in a list")
+    return modes
+
+
+def plan_modes(modes: list[str] | None, frameworks: list[str]) -> list[str]:
+    """What each framework runs in: the modes asked for, else ``best`` where frameworks are
+    compared (each at its fastest, chosen by measurement) and each one's fixed default where
+    one runs alone."""
+    if modes:
+        return modes
+    return [MODE_BEST if len(frameworks) > 1 else MODE_DEFAULT]
+
+
+def layout_for(framework: str, memory_format: str, device: str) -> bool:
+    """Whether ``framework``'s backbones run channels-last: as forced, or (``auto``) its
+    default on the device the runs go to."""
+    if memory_format != "auto":
+        return memory_format == "channels_last"
+    return get_backend(framework).default_layout(device_kind(device)) == "channels_last"
 
 
 def workload_changes(fc: str | None, sample_ratio: float | None, **given: Any) -> dict:
@@ -143,7 +174,8 @@ def throughput_plans(recipe_name: str, changes: dict, batch_sizes: list[int] | N
                      devices: list[int], measure: Measure, tuning: Tuning, base: Topology,
                      frameworks: list[str], out: Path | None, data=None,
                      synthetic_baseline: bool = True,
-                     sweep: list[dict] | None = None) -> list[Plan]:
+                     sweep: list[dict] | None = None,
+                     modes: list[str] | None = None) -> list[Plan]:
     """The plans of ``trainperf run``: every (batch, devices) case of the recipe with
     ``changes``, one plan per framework. With ``data`` (``open_data``'s pair) a real-data
     plan (``OUT/real``) and, unless ``synthetic_baseline`` is off, its synthetic twin
@@ -152,7 +184,10 @@ def throughput_plans(recipe_name: str, changes: dict, batch_sizes: list[int] | N
     report beside them compares them. ``sweep`` (``sweep_points``) makes a plan per point
     and framework, each in a folder named after what varies (``OUT/c1000-mp``,
     ``OUT/torch-c1000-mp``): a plan's workload is one, so its speedups stay within its class
-    count and head. Each plan is checked against its backend here."""
+    count and head. ``modes`` (``--mode``; None: ``plan_modes``'s choice) sweep like the
+    points, each in a folder named after it where there are several. Each framework's
+    backbones run in the layout ``tuning.memory_format`` resolves to for it. Each plan is
+    checked against its backend here."""
     recipe = get_recipe(recipe_name)
     workloads = [recipe.workload.replace(**{**changes, **point}) for point in sweep or [{}]]
     batches = batch_sizes or [workloads[0].batch_size]
@@ -163,14 +198,18 @@ def throughput_plans(recipe_name: str, changes: dict, batch_sizes: list[int] | N
     cases = plan_cases(devices, batches, base)
     out = out or default_folder(recipe.name)
     names = point_names(sweep, workloads) if sweep else [[]]
+    modes = plan_modes(modes, frameworks)
     plans = []
     for framework in frameworks:
+        channels_last = layout_for(framework, tuning.memory_format, base.device)
         for workload, words in zip(workloads, names):
-            parts = ([framework] if len(frameworks) > 1 else []) + words
-            plans.append(Plan(recipe.name, workload, measure, cases,
-                              out / "-".join(parts) if parts else out, tuning,
-                              recipe.reference_model, framework,
-                              variant=" ".join(words) or None))
+            for mode in modes:
+                labels = words + ([mode] if len(modes) > 1 else [])
+                parts = ([framework] if len(frameworks) > 1 else []) + labels
+                plans.append(Plan(recipe.name, workload.replace(channels_last=channels_last),
+                                  measure, cases, out / "-".join(parts) if parts else out,
+                                  replace(tuning, mode=mode), recipe.reference_model,
+                                  framework, variant=" ".join(labels) or None))
     if data is not None:
         if sweep:
             raise ValueError("--data takes one --num-classes (the dataset's labels fix it) "

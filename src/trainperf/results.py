@@ -176,6 +176,12 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
         **(dict(zip(HEAD_FIELDS, head)) if head else {}),
         "pfc_update": start.pfc_update if start else None,
         "settings": start.settings if start else None,
+        "mode": (start.settings or {}).get("mode") if start else None,
+        "startup_s": stats.median([r["startup_s"] for r in runs
+                                   if r.get("startup_s") is not None]),
+        "compile_s": stats.median([r["compile_s"] for r in runs
+                                   if r.get("compile_s") is not None]),
+        "recompiles_in_window": sum(r.get("recompiles_in_window") or 0 for r in runs),
         "runs": runs,
         "median_samples_per_s": st.median,
         "average_samples_per_s": st.average,

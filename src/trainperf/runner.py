@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import breakdown, envs, outcome, protocol, results
+from . import breakdown, envs, mode_choice, outcome, protocol, results
 from .backends import get_backend, ports
 from .backends.base import COLLECTIVE_TIMEOUT_ENV, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN, endpoint as endpoint_text
-from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, AlignSpec, DataSpec, Measure,
-                     ProfileSpec, Topology, TrainSpec, Tuning, Workload)
+from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, MODE_BEST, AlignSpec, DataSpec,
+                     Measure, ProfileSpec, Topology, TrainSpec, Tuning, Workload)
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
 from .progress import Progress, QuietProgress
@@ -200,6 +200,8 @@ class Runner:
         self.records: dict[tuple[str, int], list[dict]] = {}
         self.breakdowns: dict[tuple[str, int], dict] = {}
         """Each case's profiled run, summarized (``breakdown.summarize``)."""
+        self.probes: dict[tuple[str, int], dict] = {}
+        """``--mode best``: each case's probe of the framework's modes (``mode_choice``)."""
         self.start_events: dict[tuple[str, int], Start] = {}
         self.env: dict[str, Any] = {}
         self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
@@ -233,7 +235,9 @@ class Runner:
                 self.records.setdefault(key, []).append(e["record"])
             elif e.get("event") == "profile_end":
                 self.breakdowns[key] = e["breakdown"]
-            elif e.get("event") == "start" and key not in self.start_events:
+            elif e.get("event") == "mode_probe":
+                self.probes[key] = e["probe"]
+            elif e.get("event") == "start" and key not in self.start_events and "probe" not in e:
                 self.start_events[key] = protocol.decode(e)
             elif e.get("event") == "runner_start":
                 self.env = e.get("env", {})
@@ -264,6 +268,8 @@ class Runner:
                                              head=(w.num_classes, w.fc, w.sample_ratio)))
             if key in self.breakdowns:
                 cases[-1]["breakdown"] = self.breakdowns[key]
+            if key in self.probes:
+                cases[-1]["mode_probe"] = self.probes[key]
         env = dict(self.env)
         if self.start_events:
             env.update(next(iter(self.start_events.values())).env)
@@ -323,6 +329,8 @@ class Runner:
                 # on --resume; a throughput run that failed stays a result.
                 done = {r["run"] for r in runs
                         if self.plan.train is None or r["status"] == "ok"}
+                if self.plan.tuning.mode == MODE_BEST and key not in self.probes:
+                    yield from self._probe(case, key)
                 for run in range(1, self.plan.measure.runs + 1):
                     if run in done:
                         continue
@@ -342,6 +350,45 @@ class Runner:
         finally:
             if self.group is not None:
                 self.group.close()
+
+    def _probe(self, case: Case, key: tuple[str, int]) -> Iterator[None]:
+        """``--mode best``: a short run of each mode the framework declares on the device, in
+        alternating rounds (``mode_choice``); the choice is kept (a ``mode_probe`` event)
+        before the case's timed runs, which then run in it. A mode the case is refused in is
+        not probed; one whose probe fails is not chosen while another ran."""
+        kind = device_kind(case.topology.device)
+        workload = self.plan.workload.replace(batch_size=case.batch_size)
+        modes = list(self.backend.modes_on(kind))
+        refused = {}
+        for mode in modes:
+            why = self.backend.refusal(workload, case.topology,
+                                       replace(self.plan.tuning, mode=mode), kind,
+                                       train=self.plan.train is not None,
+                                       real_data=self.plan.data is not None)
+            if why:
+                refused[mode] = why
+        probed = [m for m in modes if m not in refused]
+        rates: dict[str, list[float | None]] = {m: [] for m in probed}
+        errors: dict[str, str] = {}
+        if len(probed) > 1:
+            for round_, mode in mode_choice.probe_order(probed):
+                record = self._run_one(case, round_ + 1, probe=mode)
+                rates[mode].append(record["samples_per_s"] if record["status"] == "ok"
+                                   else None)
+                if record["status"] != "ok":
+                    errors[mode] = outcome.one_line(record["error"]) or record["status"]
+                yield
+        probe = mode_choice.choose(modes, rates, errors, refused)
+        self.probes[key] = probe
+        self._append_event({"event": "mode_probe", "t": time.time(), "case": key[0],
+                            "batch": key[1], "probe": probe})
+
+    def _tuning(self, key: tuple[str, int]) -> Tuning:
+        """The speed settings a case's runs go with: under ``--mode best`` in the mode its
+        probe chose."""
+        if self.plan.tuning.mode == MODE_BEST:
+            return replace(self.plan.tuning, mode=self.probes[key]["chosen"])
+        return self.plan.tuning
 
     def _meet(self, case: Case, label: str) -> Cluster:
         """Meet the other nodes before this run (the first time, join them and learn this
@@ -375,18 +422,25 @@ class Runner:
             self.group_lost = f"the nodes lost each other before {label}: {exc}"
             raise
 
-    def _run_one(self, case: Case, run: int, profile: bool = False) -> dict:
+    def _run_one(self, case: Case, run: int, profile: bool = False,
+                 probe: str | None = None) -> dict:
         """Run ``run`` of ``case`` and return its record; with ``profile``, the case's profiled
-        run instead (outside the runs), and return its breakdown. A run whose ports were taken
-        before its processes bound them starts again on fresh ports (``MAX_ATTEMPTS`` in all),
-        and its record lists each attempt given up."""
-        what = "profile" if profile else f"run {run}"
+        run instead (outside the runs), and return its breakdown; with ``probe`` (a mode),
+        round ``run`` of the case's mode probe, short, outside the runs. A run whose ports
+        were taken before its processes bound them starts again on fresh ports
+        (``MAX_ATTEMPTS`` in all), and its record lists each attempt given up."""
+        what = ("profile" if profile else f"probe {probe} {run}" if probe else f"run {run}")
         label = " ".join(filter(None, (self.plan.variant, case.key.name,
                                       f"b{case.batch_size} {what}")))
-        run_dir = self.out / "runs" / (f"{case.key.name}_b{case.batch_size}_"
-                                       f"{'profile' if profile else f'run{run}'}")
+        name = ("profile" if profile else f"probe-{probe}-{run}" if probe else f"run{run}")
+        run_dir = self.out / "runs" / f"{case.key.name}_b{case.batch_size}_{name}"
         run_dir.mkdir(parents=True, exist_ok=True)
         measure = self.plan.measure
+        key = (case.key.name, case.batch_size)
+        tuning = replace(self.plan.tuning, mode=probe) if probe else self._tuning(key)
+        if probe:
+            warmup, steps = mode_choice.probe_shape(measure.warmup, measure.window_steps)
+            measure = replace(measure, runs=1, iters=warmup + steps, warmup=warmup)
         profile_spec = None
         if profile:
             steps = self.plan.profile_steps or ProfileSpec().steps
@@ -397,7 +451,7 @@ class Runner:
         if train is not None:
             train = train.replace(checkpoint_dir=str((run_dir / "checkpoints").resolve()))
         spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
-                       self.plan.tuning, case.topology.device,
+                       tuning, case.topology.device,
                        measure.threads or cpu_threads_per_process(case.topology.devices_per_node),
                        self.plan.align,
                        self.plan.data, train, profile_spec)
@@ -405,6 +459,8 @@ class Runner:
         tags = {"case": case.key.name, "batch": case.batch_size, "run": run}
         if profile:
             tags["profile"] = True
+        if probe:
+            tags["probe"] = probe
         self._append_event({"event": "run_start", "t": time.time(), **tags})
         retries: list[dict] = []
         while True:
@@ -417,6 +473,8 @@ class Runner:
                     record["retries"] = retries
                 if profile:
                     return breakdown.summarize({}, record)
+                if probe:
+                    return record
                 self._append_event({"event": "run_end", "t": time.time(), **tags,
                                     "record": record})
                 self.progress.run_finished(label, record)
@@ -450,6 +508,8 @@ class Runner:
             self._append_event({"event": "profile_end", "t": time.time(), **tags,
                                 "breakdown": summary})
             return summary
+        if probe:
+            return record  # the probe's figures are kept together, in its ``mode_probe``
         self._append_event({"event": "run_end", "t": time.time(), **tags, "record": record})
         return record
 
@@ -480,7 +540,7 @@ class Runner:
             cluster_path = run_dir / "cluster.json"
             cluster_path.write_text(cluster.to_json(), encoding="utf-8")
             launch = self.backend.launch(LaunchRequest(
-                self.python, case.topology, self.plan.tuning, run_dir / "spec.json",
+                self.python, case.topology, spec.tuning, run_dir / "spec.json",
                 worker_events, cluster, cluster_path, run_dir.resolve()))
             env = self._run_env(case, spec, run_dir, launch.env)
             if attempt > 1:
@@ -627,7 +687,7 @@ class Runner:
                 warnings.append(f"worker broke the protocol ({exc}); the event was ignored")
                 continue
             seen.append(event)
-            if isinstance(event, Start):
+            if isinstance(event, Start) and "probe" not in tags:
                 self.start_events.setdefault((tags["case"], tags["batch"]), event)
             elif isinstance(event, Step):
                 steps += 1

@@ -71,6 +71,7 @@ def training_plans(recipe_name: str, *, frameworks: list[str], fcs: list[str] | 
     from .data.binset import read_bin
     from .data.pipeline import first_image_size
     from .recipes import get_recipe
+    from .plans import layout_for
     from .runner import Plan, check_plan, plan_cases
 
     recipe = get_recipe(recipe_name)
@@ -101,7 +102,12 @@ def training_plans(recipe_name: str, *, frameworks: list[str], fcs: list[str] | 
     base_plan = Plan(recipe.name, workload, measure, cases,
                      out or default_folder(f"train-{recipe.name}"), tuning,
                      recipe.reference_model, data=spec, data_role="real", train=train)
+    if tuning.mode == "best":
+        raise ValueError("train runs one mode through to its target: name it (--mode), or "
+                         "leave each framework's default")
     chosen_plans = plans(base_plan, chosen)
     for plan in chosen_plans:
+        plan.workload = plan.workload.replace(
+            channels_last=layout_for(plan.framework, tuning.memory_format, base.device))
         check_plan(plan)  # before any output: what a backend cannot train is refused now
     return chosen_plans

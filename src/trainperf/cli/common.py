@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 
 from ..backends import BACKENDS
-from ..config import (MXNET_KVSTORES, TF32_MODES, Measure, Topology, Tuning, parse_bytes,
-                      parse_int_list)
+from ..config import (MEMORY_FORMATS, MXNET_KVSTORES, TF32_MODES, Measure, Topology, Tuning,
+                      parse_bytes, parse_int_list)
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130
@@ -39,7 +39,16 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                    help="tf: turn TensorFlow's oneDNN custom CPU ops on (off by default: "
                         "they corrupt memory on AVX-512 CPUs in 1x1 stride-2 convolutions "
                         "with few channels)")
-    p.add_argument("--channels-last", action="store_true", help="channels-last backbone")
+    p.add_argument("--memory-format", choices=list(MEMORY_FORMATS), default="auto",
+                   help="backbone layout: auto (each framework's default on the device: "
+                        "channels-last for torch on a GPU, `trainperf list --frameworks`), "
+                        "channels_last or channels_first (the seeds' NCHW rows)")
+    p.add_argument("--mode", default=None,
+                   help="execution mode(s) in each framework's own terms (torch eager, "
+                        "compile; oneflow eager, graph; ...: `trainperf list --frameworks`), "
+                        "default (each framework's first) or best (each mode probed, the "
+                        "runs in the fastest); a list sweeps them. Default: best when "
+                        "several frameworks are compared, else default")
     p.add_argument("--tf32", choices=list(TF32_MODES), default="default",
                    help="GPU fp32: default (torch's: TF32 convolutions, fp32 matrix products), "
                         "off (all full fp32), on (all TF32)")
@@ -103,7 +112,7 @@ def tuning_from_args(args: argparse.Namespace) -> Tuning:
                   ddp_static_graph=not args.no_ddp_static_graph,
                   ddp_broadcast_buffers=args.ddp_broadcast_buffers,
                   mxnet_kvstore=args.mxnet_kvstore, tf_onednn=args.tf_onednn,
-                  tf32=args.tf32)
+                  tf32=args.tf32, memory_format=args.memory_format)
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -125,7 +134,7 @@ def measure_from_args(args: argparse.Namespace) -> Measure:
 
 def plan_from_args(args: argparse.Namespace) -> list:
     """The plans of `trainperf run` (``search`` and ``slurm`` plan with them too)."""
-    from ..plans import (open_data, parse_fcs, parse_frameworks, parse_num_classes,
+    from ..plans import (open_data, parse_fcs, parse_frameworks, parse_modes, parse_num_classes,
                          parse_ratios, sweep_points, throughput_plans, workload_changes)
     from ..recipes import get_recipe
 
@@ -138,8 +147,7 @@ def plan_from_args(args: argparse.Namespace) -> list:
     changes = workload_changes(None if heads_vary else (fcs or [None])[0],
                                None if heads_vary else (ratios or [None])[0],
                                precision=args.precision, pfc_update=args.pfc_update,
-                               num_classes=classes[0] if classes and len(classes) == 1 else None,
-                               channels_last=True if args.channels_last else None)
+                               num_classes=classes[0] if classes and len(classes) == 1 else None)
     batches = (parse_int_list(args.batch_size, "--batch-size") if args.batch_size else None)
     out = getattr(args, "resume", None) or args.out
     data = None
@@ -151,4 +159,5 @@ def plan_from_args(args: argparse.Namespace) -> list:
                             parse_int_list(args.devices, "--devices"), measure_from_args(args),
                             tuning_from_args(args), topology_from_args(args), frameworks,
                             Path(out) if out else None, data,
-                            not getattr(args, "no_synthetic_baseline", False), sweep)
+                            not getattr(args, "no_synthetic_baseline", False), sweep,
+                            parse_modes(args.mode, frameworks) if args.mode else None)

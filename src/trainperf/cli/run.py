@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import parse_accuracy, parse_int_list, parse_list
@@ -222,8 +223,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     changes = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr),
                                  ("pfc_update", args.pfc_update),
-                                 ("num_classes", args.num_classes),
-                                 ("channels_last", args.channels_last or None))
+                                 ("num_classes", args.num_classes))
                if v is not None}
     out = args.resume or args.out
     data = open_data(args.data, args.decoder, args.loader_workers)
@@ -237,7 +237,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, runs=args.runs, warmup=args.warmup,
         timeout_s=args.timeout, devices=parse_int_list(args.devices, "--devices"),
-        base=topology_from_args(args), tuning=tuning_from_args(args),
+        base=topology_from_args(args),
+        tuning=replace(tuning_from_args(args), mode=args.mode or "default"),
         out=Path(out) if out else None)
     workload, recipe_side = plans[0].workload, _recipe_side(args.recipe)
     if workload.input_size != recipe_side:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from .. import alignments, parities, significance
+from ..mode_choice import describe as describe_probe
 
 SPANS_ONE = "~"
 
@@ -107,12 +108,21 @@ def single_table(doc: dict) -> str:
             pct(c.get("spread")), fmt(c["speedup"]), pct(c["scaling_efficiency"]),
             fmt(c["median_samples_per_s"] / c["world_size"]) if c["median_samples_per_s"] else "-",
             pct(c.get("mfu")), gib(c.get("peak_memory_bytes")),
-            pct(c.get("memory_model_error")), status,
+            pct(c.get("memory_model_error")), c.get("mode") or "-",
+            fmt(c.get("startup_s"), 1), fmt(c.get("compile_s"), 1), status,
             ", ".join(c["flags"]) or "-",
         ])
     return table(["node_num", "gpu_num", "batch/device", "samples/s (median)", "average",
                   "IQR/median", "speedup", "efficiency", "per device", "MFU", "peak memory",
-                  "memory model off by", "runs ok", "flags"], rows)
+                  "memory model off by", "mode", "start-up s", "compile s", "runs ok",
+                  "flags"], rows)
+
+
+def mode_lines(doc: dict) -> list[str]:
+    """How each case's mode was chosen (``--mode best``), one line per case probed."""
+    name = framework_name(doc)
+    return [f"- {c['case']} b{c['batch_size_per_device']}: {describe_probe(name, c['mode_probe'])}"
+            for c in doc["cases"] if c.get("mode_probe")]
 
 
 def failures(doc: dict) -> list[str]:
@@ -356,6 +366,10 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
                       "also rests on:", "", *native, ""]
     for doc, label in zip(docs, labels):
         parts += [f"## {label}", "", describe(doc), "", single_table(doc), ""]
+        chosen = mode_lines(doc)
+        if chosen:
+            parts += ["Execution mode chosen by a short probe of each (`--mode best`; the probe "
+                      "is never one of the runs):", "", *chosen, ""]
         fails = failures(doc)
         if fails:
             parts += ["Runs without a figure:", "", *fails, ""]
@@ -371,5 +385,8 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
               "samples/s than a smaller case; `high_spread` IQR above 5% of the median; "
               "`failed_runs` some runs gave no figure; `loss_nonfinite` / `loss_clamped` a run's "
               "loss diverged, `steps_skipped` fp16 skipped updates inside a run's window (such "
-              "a run's speed is left out)."]
+              "a run's speed is left out); `recompiled_in_window` the step compiled again "
+              "inside the window (its time holds a compilation, so its speed is left out too). Start-up: seconds from a "
+              "process's start to the end of its first step; compile: how much longer the "
+              "first step took than a window step (tracing and compilation, never measured)."]
     return "\n".join(parts) + "\n"
