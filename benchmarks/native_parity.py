@@ -7,12 +7,14 @@ that module for the method).
     python benchmarks/native_parity.py [--device cpu] [--frameworks torch,jax,...]
         [--case rn50:8] [--case face:8] [--pairs 3] [--iters 6] [--warmup 2] [--threads 2]
         [--precision fp32] [--channels-last] [--input-size 224] [--out DIR] [--budget-s S]
+        [--modes default|all|MODE,...]
 
 A case is MODEL:BATCH, MODEL ``rn50`` (ResNet50 v1b, 224x224 unless --input-size, 1000 classes)
 or ``face`` (IResNet-50 ArcFace, PLSC's recipe, 112x112, 85,742 classes). The record goes to
 ``benchmarks/results/native_parity-<device>/``: ``parity.json`` (every pair, both sides'
 settings and versions) and ``parity.md`` (median ratio, spread, the pairs). Each row's ratio is
-also filed where trainperf's reports look for it (``trainperf.parities``).
+also filed where trainperf's reports look for it (``trainperf.parities``). With ``--modes all``
+every framework gets a row per execution mode it declares, both sides in that mode.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="threads per process on CPU (default: cores)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--modes", default="default",
+                   help="execution modes per framework: default (each one's first on the "
+                        "device), all (every mode it declares: a row each) or a list of names")
     p.add_argument("--input-size", type=int, help="ResNet50's input side (default 224)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per side")
     p.add_argument("--budget-s", type=float, help="start no new pair after this many seconds")
@@ -54,17 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parity.check_frameworks(frameworks)
         cases = [parity.parse_case(c) for c in a.case or DEFAULT_CASES[a.device]]
+        modes = {f: parity.row_modes(f, a.device, a.modes) for f in frameworks}
     except ValueError as exc:
         p.error(str(exc))
     settings = parity.Settings(device=a.device, precision=a.precision,
                                channels_last=a.channels_last, threads=a.threads,
                                iters=a.iters, warmup=a.warmup, timeout_s=a.timeout,
                                input_size=a.input_size)
-    rows = [parity.Row(f, m, b) for m, b in cases for f in frameworks]
+    rows = [parity.Row(f, m, b, mode) for m, b in cases for f in frameworks for mode in modes[f]]
     out = Path(a.out or HERE / "results" / f"native_parity-{a.device}")
 
     def tell(row: dict, pair: dict) -> None:
-        print(f"{row['framework']} {row['model']} b{row['batch']} pair {len(row['pairs']) - 1}: "
+        print(f"{row['framework']} {row.get('mode') or ''} {row['model']} b{row['batch']} pair "
+              f"{len(row['pairs']) - 1}: "
               + (f"{pair['ratio']:.3f} ({pair['trainperf']:.2f} / {pair['native']:.2f})"
                  if "ratio" in pair else pair["error"]), file=sys.stderr, flush=True)
 

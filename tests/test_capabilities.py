@@ -26,7 +26,9 @@ END = "<!-- /frameworks -->"
      "the mxnet backend runs --precision fp32 on a CPU"),
     (["--framework", "oneflow", "--precision", "fp16"],
      "the oneflow backend runs --precision fp32 on a CPU"),
-    (["--framework", "paddle", "--channels-last"], "channels-first only"),
+    (["--framework", "paddle", "--memory-format", "channels_last"], "channels-first only"),
+    (["--framework", "torch", "--mode", "graph"],
+     "the torch backend runs --mode eager"),
     (["--framework", "torch,mxnet", "--devices", "2", "--mxnet-kvstore", "device", "--fc",
       "mp"], "kvstore device runs data parallel only"),
 ])

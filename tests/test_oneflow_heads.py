@@ -489,8 +489,8 @@ def test_unsupported_settings_are_refused_with_a_reason(one_process):
     assert bf16 == "the oneflow backend runs --precision fp32 on a CPU"
     assert y1.startswith("the oneflow backend has no backbone 'mobilefacenet_y1'")
     assert rn50.startswith("the oneflow backend has no backbone 'resnet50_v1b'")
-    assert nhwc == ("the oneflow backend runs its backbones channels-first only: drop "
-                    "--channels-last")
+    assert nhwc == ("the oneflow backend runs its backbones channels-first only: use "
+                    "--memory-format auto or channels_first")
 
 
 # ------------------------------------------------------------------------- pfc, one rank

@@ -68,8 +68,8 @@ def test_pairs_interleave_and_every_pair_is_written(tmp_path, stand_in_sides):
     on_disk = json.loads((tmp_path / "parity.json").read_text())
     assert on_disk["rows"] == doc["rows"] and on_disk["threads"] == 2
     md = (tmp_path / "parity.md").read_text()
-    assert "| torch | rn50 | 8 | **0.900** | 0.900 | 0.900 | 3 | 9.00 | 10.00 | zoo model |" in md
-    assert "| mxnet | rn50 | 8 | - | | | 0 | | | native: native mxnet exited 1: boom |" in md
+    assert "| torch | default | rn50 | 8 | **0.900** | 0.900 | 0.900 | 3 | 9.00 | 10.00 | zoo model |" in md
+    assert "| mxnet | default | rn50 | 8 | - | | | 0 | | | native: native mxnet exited 1: boom |" in md
     # the registry holds the row that has a figure, for reports to find
     found = parities.find("rn50-v1b-imagenet", "torch", "9.9", "cpu", "Test CPU", "fp32")
     assert found["median_ratio"] == pytest.approx(0.9) and found["pairs_ok"] == 3
@@ -82,18 +82,19 @@ def test_a_budget_starts_no_new_pair_and_says_which(tmp_path, stand_in_sides):
     doc = parity.campaign(rows, parity.Settings(), tmp_path, pairs=3, budget_s=0.0)
     # the budget is read before each pair, and none fits in 0 s
     assert doc["rows"][0]["pairs"] == [] and doc["rows"][0]["not_started"] == [0, 1, 2]
-    assert "| torch | face | 2 | - | | | 0 | | | not run |" in (tmp_path / "parity.md").read_text()
+    assert "| torch | default | face | 2 | - | | | 0 | | | not run |" in (tmp_path / "parity.md").read_text()
 
 
 def test_what_trainperf_does_not_run_is_said_and_not_timed(tmp_path, stand_in_sides):
     calls, _ = stand_in_sides
-    doc = parity.campaign([parity.Row("oneflow", "rn50", 8), parity.Row("torch", "rn50", 8)],
+    doc = parity.campaign([parity.Row("jax", "rn50", 8, "graph"),
+                           parity.Row("torch", "rn50", 8)],
                           parity.Settings(), tmp_path, pairs=1)
-    oneflow, torch_row = doc["rows"]
-    assert oneflow["pairs"] == [] and "has no backbone 'resnet50_v1b'" in oneflow["unsupported"]
+    refused, torch_row = doc["rows"]
+    assert refused["pairs"] == [] and "the jax backend runs --mode jit" in refused["unsupported"]
     assert {fw for _, fw in calls} == {"torch"} and torch_row["summary"]["pairs_ok"] == 1
-    assert "| oneflow | rn50 | 8 | - | | | 0 | | | trainperf: the oneflow backend has no " \
-           "backbone" in (tmp_path / "parity.md").read_text()
+    assert "| jax | graph | rn50 | 8 | - | | | 0 | | | trainperf: the jax backend runs --mode " \
+           "jit" in (tmp_path / "parity.md").read_text()
 
 
 def test_bad_cases_and_frameworks_are_one_line_errors(tmp_path):

@@ -41,7 +41,7 @@ def sbatch_lines(script: str) -> list[str]:
      "--time", "1:00:00", "--account", "perf", "--precision", "fp16", "--fc", "pfc",
      "--batch-size", "64,96", "--rdzv-port", "31000"],
     ["tiny-arcface", "--nodes", "1", "--tasks-per-node", "2", "--device", "cpu",
-     "--channels-last", "--job-name", "smoke"],
+     "--memory-format", "channels_last", "--job-name", "smoke"],
 ])
 def test_script_is_valid_bash(tmp_path, argv, capsys):
     script = make_script(tmp_path, *argv)
@@ -85,7 +85,7 @@ def test_run_options_round_trip():
             "--fc", "pfc", "--sample-ratio", "0.25", "--pfc-update", "dense",
             "--num-classes", "2000", "--runs", "3", "--iters", "40", "--warmup", "5",
             "--device", "cpu", "--timeout", "99.5", "--memory-limit", "4GiB",
-            "--channels-last", "--no-cudnn-benchmark", "--ddp-bucket-mb", "12.5",
+            "--memory-format", "channels_last", "--mode", "eager", "--no-cudnn-benchmark", "--ddp-bucket-mb", "12.5",
             "--ddp-broadcast-buffers", "--no-ddp-static-graph", "--mxnet-kvstore", "device"]
     if "rdzv_timeout" in slurm_cli.run_option_defaults():
         argv += ["--rdzv-timeout", "77"]

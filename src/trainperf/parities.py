@@ -32,8 +32,8 @@ def put(name: str, record: dict[str, Any]) -> Path:
     return records.put(registry(), name, record)
 
 
-def name_for(recipe: str, framework: str, stamp: str, batch: int) -> str:
-    return f"{recipe}-{framework}-b{batch}-{stamp}"
+def name_for(recipe: str, framework: str, stamp: str, batch: int, mode: str = "") -> str:
+    return f"{recipe}-{framework}-b{batch}{'-' + mode if mode else ''}-{stamp}"
 
 
 def find(recipe: str, framework: str, version: str | None, device_type: str,

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import envs, parities
-from .config import Measure, Topology, Workload
+from .config import MODE_DEFAULT, Measure, Topology, Tuning, Workload
 from .env import cpu_model
 from .progress import QuietProgress
 from .recipes import get_recipe
@@ -75,6 +75,9 @@ class Row:
     framework: str
     model: str
     batch: int
+    mode: str = ""
+    """The execution mode both sides run in (``Capabilities.modes``); empty: the
+    framework's default on the device."""
 
     @property
     def recipe(self) -> str:
@@ -97,6 +100,21 @@ def input_side(model: str, asked: int | None) -> int:
     if asked and model == "rn50":
         return asked
     return get_recipe(RECIPES[model]).workload.input_size
+
+
+def row_modes(framework: str, device: str, asked: str) -> list[str]:
+    """The modes a framework's rows run in: ``default`` (its first on the device), ``all``
+    (every one it declares there) or a list of names, each checked against its declaration."""
+    from .backends import get_backend
+    from .backends.base import require
+
+    backend = get_backend(framework)
+    if asked == "all":
+        return list(backend.modes_on(device))
+    names = [m.strip() for m in asked.split(",") if m.strip()] or [MODE_DEFAULT]
+    for name in names:
+        require(backend.mode_refusal(name, device))
+    return [backend.resolve_mode(name, device) for name in names]
 
 
 def parse_case(text: str) -> tuple[str, int]:
@@ -159,6 +177,8 @@ def run_native(row: Row, s: Settings) -> dict:
         cmd += ["--threads", str(s.threads)]
     if s.channels_last:
         cmd.append("--channels-last")
+    if row.mode:
+        cmd += ["--mode", row.mode]
     if s.input_size and row.model == "rn50":
         cmd += ["--input-size", str(s.input_size)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -196,7 +216,8 @@ def trainperf_plan(row: Row, s: Settings, out: Path) -> Plan:
                       timeout_s=s.timeout_s, threads=s.threads)
     return Plan(recipe.name, workload, measure,
                 [RunnerCase(Topology(1, device=s.device), row.batch)], out,
-                model=recipe.reference_model, framework=row.framework)
+                Tuning(mode=row.mode or MODE_DEFAULT), model=recipe.reference_model,
+                framework=row.framework)
 
 
 def run_trainperf(row: Row, s: Settings, out: Path | None = None) -> dict:
@@ -242,7 +263,8 @@ def run_pair(row: Row, s: Settings, k: int, work: Path | None) -> dict:
     pair: dict = {"order": "trainperf first" if k % 2 == 0 else "native first"}
     sides: list[tuple[str, Callable[[], dict]]] = [
         ("trainperf", lambda: run_trainperf(
-            row, s, work / f"{row.framework}-{row.model}-b{row.batch}-pair{k}" if work else None)),
+            row, s, work / f"{row.framework}{'-' + row.mode if row.mode else ''}-{row.model}-"
+                           f"b{row.batch}-pair{k}" if work else None)),
         ("native", lambda: run_native(row, s))]
     for name, fn in (sides if k % 2 == 0 else sides[::-1]):
         try:
@@ -266,6 +288,8 @@ def registry_record(doc: dict, row: dict, out: Path) -> dict:
                      if p.get("trainperf_detail", {}).get("versions")), {})
     names = versions.get("device_names") or []
     return {"recipe": RECIPES[row["model"]], "framework": row["framework"],
+            "mode": row.get("mode") or next(((p.get("trainperf_settings") or {}).get("mode")
+                                             for p in ok), None),
             "framework_version": versions.get("framework_version"),
             "device_type": doc["device"],
             "device_name": names[0] if names else versions.get("cpu_model"),
@@ -286,21 +310,23 @@ def markdown(doc: dict) -> str:
              f"median of interleaved pairs; {doc['iters']} timed steps after {doc['warmup']} "
              f"warm-up on each side, threads {doc['threads'] or 'default'}, precision "
              f"{doc['precision']}{', channels-last' if doc['channels_last'] else ''}{size}.", "",
-             "| framework | case | batch | trainperf / native | min | max | pairs | "
+             "| framework | mode | case | batch | trainperf / native | min | max | pairs | "
              "trainperf samples/s | native samples/s | native step |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         s = r.get("summary") or {}
         if not s.get("pairs_ok"):
             why = r.get("unsupported") or next((p.get("error") for p in r["pairs"]
                                                 if p.get("error")), "not run")
-            lines.append(f"| {r['framework']} | {r['model']} | {r['batch']} | - | | | 0 | | | "
+            lines.append(f"| {r['framework']} | {r.get('mode') or 'default'} | {r['model']} | "
+                         f"{r['batch']} | - | | | 0 | | | "
                          f"{why} |")
             continue
         zoo = next((p["native_settings"].get("zoo", "") for p in r["pairs"]
                     if p.get("native_settings")), "")
         lines.append(
-            f"| {r['framework']} | {r['model']} | {r['batch']} | **{s['median_ratio']:.3f}** | "
+            f"| {r['framework']} | {r.get('mode') or 'default'} | {r['model']} | {r['batch']} | "
+            f"**{s['median_ratio']:.3f}** | "
             f"{s['min_ratio']:.3f} | {s['max_ratio']:.3f} | {s['pairs_ok']} | "
             f"{s['trainperf_median']:.2f} | {s['native_median']:.2f} | {zoo} |")
     lines += ["", "Every pair, both sides' settings and versions: `parity.json`.", ""]
@@ -320,6 +346,7 @@ def campaign(rows: list[Row], settings: Settings, out: Path, pairs: int = 3,
            **{k: v for k, v in asdict(settings).items() if k != "timeout_s"},
            "pairs_asked": pairs,
            "rows": [{"framework": r.framework, "model": r.model, "batch": r.batch,
+                     "mode": r.mode or None,
                      "pairs": [], "summary": {"pairs_ok": 0}} for r in rows],
            "machine": {"device_name": device_name(settings.device), "cpus": os.cpu_count(),
                        "platform": platform.platform(), "python": sys.version.split()[0]}}
@@ -343,7 +370,8 @@ def campaign(rows: list[Row], settings: Settings, out: Path, pairs: int = 3,
             # Written after every pair: a cut campaign keeps what it measured.
             write(doc, out)
             if rec["summary"]["pairs_ok"]:
-                parities.put(parities.name_for(row.recipe, row.framework, stamp, row.batch),
+                parities.put(parities.name_for(row.recipe, row.framework, stamp, row.batch,
+                                               row.mode),
                              registry_record(doc, rec, out))
             if on_pair:
                 on_pair(rec, pair)

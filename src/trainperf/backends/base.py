@@ -249,8 +249,8 @@ class Backend:
             if why:
                 return why
         if workload.channels_last and not caps.channels_last:
-            return (f"the {name} backend runs its backbones channels-first only: drop "
-                    "--channels-last")
+            return (f"the {name} backend runs its backbones channels-first only: use "
+                    "--memory-format auto or channels_first")
         return None
 
     def work_refusal(self, workload: Workload, device_kind: str, train: bool = False,
