@@ -33,7 +33,7 @@ def test_caps_fit_a_borrowed_machine():
     """Part 1 in one call of 6 minutes on one H100, install included; every later part in 5;
     every stage's expected time under its cap, on a GPU, and the CPU mode's parts under
     theirs."""
-    assert plan.PART_BUDGET_S == {1: 360, 2: 300, 3: 300, 4: 300}
+    assert plan.PART_BUDGET_S == {1: 360, 2: 300, 3: 300, 4: 300, 5: 300}
     for part in plan.PARTS:
         assert plan.part_cap_s(part) <= plan.PART_BUDGET_S[part]
         assert budget.part_estimate_s(part) <= plan.part_cap_s(part)
@@ -50,7 +50,7 @@ def test_stage_selection_errors():
     with pytest.raises(ValueError, match="--part must be one of"):
         plan.stages_of(9)
     with pytest.raises(ValueError, match="unknown gpucheck stage"):
-        plan.select(1, ["11"])
+        plan.select(1, ["13"])
     with pytest.raises(ValueError, match="not in part 1"):
         plan.select(1, ["5"])
     assert [s.id for s in plan.select(3, ["8", "7"])] == ["7", "8"]
@@ -66,6 +66,11 @@ def test_the_estimate_grows_with_what_a_stage_runs(monkeypatch):
     no_tuning = gpu_cases.CASES_GPU["8"][1]
     assert no_tuning.tuning == {"cudnn_benchmark": False}
     assert budget.case_s(no_tuning) > budget.case_s(replace(no_tuning, tuning={}))
+    # A compiled mode pays its compilation, once: stage 11 runs each case once.
+    compiled = gpu_cases.CASES_GPU["11"][0]
+    assert compiled.tuning == {"mode": "compile"} and gpu_cases.measure("gpu", "11").runs == 1
+    assert budget.case_s(compiled, "11") == pytest.approx(
+        budget.case_s(replace(compiled, tuning={}), "11") + budget.COMPILE_S["r100"])
 
 
 # -- the CPU mode, end to end -----------------------------------------------------------------
@@ -80,7 +85,9 @@ def cpu_check(tmp_path_factory):
     proc = subprocess.run(["make", "--no-print-directory", "gpu-check",
                            f"PYTHON={sys.executable}", f"GPUCHECK_OUT={out}",
                            f"GPUCHECK_WORK={work}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+                          cwd=REPO, capture_output=True, text=True,
+                          # every stage is stopped at its cap: the whole cannot take longer
+                          timeout=sum(s.cpu_cap_s for s in plan.STAGES) + 120)
     took = time.monotonic() - started
     doc = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() \
         else None

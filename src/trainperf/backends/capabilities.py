@@ -9,7 +9,8 @@ from . import BACKENDS, catalog
 from .base import Backend
 
 COLUMNS = ("framework", "version", "heads", "precisions on a CPU", "precisions on a GPU",
-           "backbones", "channels-last", "real data (`--data`)", "trains to a target",
+           "backbones", "modes on a CPU", "modes on a GPU", "layout on a GPU",
+           "channels-last", "real data (`--data`)", "trains to a target",
            "several nodes", "written as", "ranks start through")
 FAMILY_NAMES = {"iresnet": "IResNet", "mobilefacenet": "MobileFaceNet",
                 "resnet_v1b": "ResNet v1b"}
@@ -27,6 +28,16 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def modes_text(backend: Backend, kind: str) -> str:
+    """Its modes on a device kind, the one a single-framework run takes first and marked."""
+    modes = backend.modes_on(kind)
+    return ", ".join(f"**{m}**" if i == 0 else m for i, m in enumerate(modes)) or "-"
+
+
+def layout_text(backend: Backend, kind: str) -> str:
+    return "NHWC" if backend.default_layout(kind) == "channels_last" else "NCHW"
+
+
 def row(backend: Backend) -> dict[str, str]:
     caps = backend.capabilities
     families = [f for f in catalog.FAMILIES if f in caps.families]
@@ -37,6 +48,9 @@ def row(backend: Backend) -> dict[str, str]:
         "precisions on a CPU": ", ".join(caps.precisions.get("cpu", ())) or "-",
         "precisions on a GPU": ", ".join(caps.precisions.get("cuda", ())) or "-",
         "backbones": ", ".join(FAMILY_NAMES[f] for f in families),
+        "modes on a CPU": modes_text(backend, "cpu"),
+        "modes on a GPU": modes_text(backend, "cuda"),
+        "layout on a GPU": layout_text(backend, "cuda"),
         "channels-last": _yes(caps.channels_last),
         "real data (`--data`)": _yes(caps.real_data),
         "trains to a target": _yes(caps.trains),

@@ -30,6 +30,10 @@ STEP_S = {("r100", "fp32"): 0.060, ("r100", "bf16"): 0.054, ("r100", "fp16"): 0.
 """Seconds a step on the H200, from the record's samples/s at each case's batch and its step
 events; ResNet50 bf16 in NCHW (only its channels-last step, 0.030 s, was measured) is given
 1.5x that."""
+COMPILE_S = {"r100": 75.0, "rn50": 50.0}
+"""torch.compile's compilation of a training step (inductor, forward and backward) on a GPU
+machine: not yet measured; assumed from its usual order (about a minute for a ResNet-sized
+model, more for 100 layers). Stage 11's run records what it took (``compile_s``)."""
 NO_AUTOTUNE_FACTOR = 2.0
 """cuDNN's heuristic choice instead of its measured one: not yet measured; assumed at most 2x."""
 ALIGN_RUN_S = 9.5
@@ -57,12 +61,14 @@ def torch_run_s(steps: int, step: float) -> float:
     return TORCH_START_S + FIRST_STEP_S + (steps - 1) * step
 
 
-def case_s(case: cases.Case) -> float:
-    m = cases.GPU_MEASURE
+def case_s(case: cases.Case, stage_id: str = "") -> float:
+    m = cases.measure("gpu", stage_id)
     step = step_s(model_key(case), case.precision)
     if case.tuning.get("cudnn_benchmark") is False:
         step *= NO_AUTOTUNE_FACTOR
-    total = m.runs * torch_run_s(m.iters, step)
+    compile_s = COMPILE_S[model_key(case)] if case.tuning.get("mode", "").startswith(
+        "compile") else 0.0
+    total = m.runs * (torch_run_s(m.iters, step) + compile_s)
     if case.label in cases.BREAKDOWN_CASES:
         total += torch_run_s(m.warmup + cases.BREAKDOWN_STEPS, step)
     return total
@@ -120,7 +126,7 @@ def work_s(stage: Stage) -> float:
     if stage.kind == "ceiling":
         return CEILING_S
     if stage.kind == "cases":
-        return sum(case_s(c) for c in cases.CASES_GPU[stage.id])
+        return sum(case_s(c, stage.id) for c in cases.CASES_GPU[stage.id])
     if stage.kind == "parity":
         return parity_s(stage.id)
     return {"correctness": correctness_s, "capacity": capacity_s, "peers": peers_s,

@@ -16,6 +16,9 @@ GPU_MEASURE = Measure(runs=2, iters=40, warmup=10, timeout_s=180)
 rather than more runs of each (the full protocol is ``trainperf run``'s)."""
 CPU_MEASURE = Measure(runs=1, iters=6, warmup=3, timeout_s=120)
 """Three warm-up steps: fp16's loss scale, starting at 2^16, skips its first steps."""
+ONE_RUN_STAGES = ("11",)
+"""Case stages that run each case once: a compiled mode's run holds its compilation, which a
+lent machine's minutes cannot pay twice (its speed is set against stage 4's two eager runs)."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,17 @@ def _r100(fc: str, precision: str) -> Case:
 
 
 CASES_GPU: dict[str, list[Case]] = {
-    # Part 1: the headline cases, in the default layout.
-    "4": [_r100("pfc", "bf16"), _r100("mp", "bf16"), _r100("pfc", "fp32"), _r100("mp", "fp32"),
+    # Part 1: the headline cases, in the default layout (channels-last for torch on a GPU),
+    # eager; then the same in torch.compile (issue 43: JAX's ResNet50 ran 1.41x torch eager's
+    # on the H200, and whether torch's own compiler closes that had not been measured).
+    "4": [_r100("pfc", "bf16"), _r100("mp", "bf16"),
           Case("RN50 v1b bf16", "rn50-v1b-imagenet", {"precision": "bf16"})],
+    "11": [Case("R100 emore pfc 0.1 bf16, torch.compile", "r100-arcface-emore",
+                {"fc": "pfc", "sample_ratio": 0.1, "precision": "bf16"}, {"mode": "compile"}),
+           Case("RN50 v1b bf16, torch.compile", "rn50-v1b-imagenet", {"precision": "bf16"},
+                {"mode": "compile"})],
+    # Part 5: the headline in fp32.
+    "12": [_r100("pfc", "fp32"), _r100("mp", "fp32")],
     # Part 2: the rest of the seeds' table (on one device, dp runs at mp's speed: the H200
     # record has 1,188.5 against 1,179.7 in bf16, 1,037.6 against 1,062.6 in fp32).
     "6": [_r100(fc, "fp16") for fc in ("pfc", "mp", "dp")]
@@ -92,7 +103,7 @@ def tiny(case: Case) -> Case:
     return case
 
 
-CPU_PICKS = {"4": (0, 3, 4), "6": (0, 3, 4, 5), "8": (0,)}
+CPU_PICKS = {"4": (0, 2), "11": (0,), "12": (1,), "6": (0, 3, 4, 5), "8": (0,)}
 """The cases of each case stage that the CPU mode runs: every model, recipe, precision and
 sampling head at least once (R100 mp fp32 and both RN50 precisions among them, which the
 peers are set against), not every combination: the CPU mode checks the machinery, and each run
@@ -104,8 +115,11 @@ def stage_cases(stage_id: str, mode: str) -> list[Case]:
     return cases if mode == "gpu" else [tiny(cases[i]) for i in CPU_PICKS[stage_id]]
 
 
-def measure(mode: str) -> Measure:
-    return GPU_MEASURE if mode == "gpu" else CPU_MEASURE
+def measure(mode: str, stage_id: str = "") -> Measure:
+    if mode != "gpu":
+        return CPU_MEASURE
+    return GPU_MEASURE.__class__(**{**GPU_MEASURE.to_dict(), "runs": 1}) \
+        if stage_id in ONE_RUN_STAGES else GPU_MEASURE
 
 
 def device(mode: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PART_BUDGET_S = {1: 6 * 60, 2: 5 * 60, 3: 5 * 60, 4: 5 * 60}
+PART_BUDGET_S = {1: 6 * 60, 2: 5 * 60, 3: 5 * 60, 4: 5 * 60, 5: 5 * 60}
 """What one call may take, part by part, on a GPU."""
 INSTALL_S = 10.0
 """``make gpu-check``'s offline install (``pip install --no-deps -e .``) before the stages."""
@@ -44,11 +44,12 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    # Part 1: what no GPU has proven yet.
+    # Part 1: what no GPU has proven yet, the headline in each framework's best mode first.
     Stage("1", "Machine ceiling", 1, "ceiling", 15, 30),
-    Stage("2", "GPU correctness", 1, "correctness", 80, 90),
-    Stage("3", "Native parity: JAX, bf16", 1, "parity", 95, 30),
-    Stage("4", "Headline cases: R100 pfc 0.1 and mp, RN50", 1, "cases", 155, 90),
+    Stage("2", "GPU correctness", 1, "correctness", 75, 90),
+    Stage("4", "Headline cases: R100 pfc 0.1 and mp, RN50, bf16, eager", 1, "cases", 95, 90),
+    Stage("11", "Execution modes: torch.compile on R100 pfc 0.1 and RN50, bf16", 1, "cases",
+          160, 60),
     # Part 2: torch's parity (proven on the H200) and the rest of the seeds' table.
     Stage("5", "Native parity: torch, bf16", 2, "parity", 70, 120),
     Stage("6", "The rest of the seeds' table: fp16, Y1, glint360k, RN50 fp32", 2, "cases",
@@ -59,6 +60,9 @@ STAGES: tuple[Stage, ...] = (
     # Part 4: against other implementations, and real data.
     Stage("9", "Peers: timm, JAX on R100 and ResNet50", 4, "peers", 110, 120),
     Stage("10", "Real data", 4, "realdata", 110, 60),
+    # Part 5: JAX's parity in bf16 and the headline in fp32, moved out of part 1 for the modes.
+    Stage("3", "Native parity: JAX, bf16", 5, "parity", 105, 30),
+    Stage("12", "Headline cases in fp32: R100 pfc 0.1 and mp, eager", 5, "cases", 70, 45),
 )
 
 PARTS = tuple(sorted({s.part for s in STAGES}))

@@ -51,7 +51,8 @@ def run(log: StageLog, mode: str, work: Path, stage_id: str) -> None:
             log.note("samples per joule: not measured (neither NVML, through nvidia-ml-py, "
                      "nor nvidia-smi is available)")
         for case in cases.stage_cases(stage_id, mode):
-            plan = plan_for(case, work, cases.measure(mode), device, Tuning(**case.tuning))
+            plan = plan_for(case, work, cases.measure(mode, stage_id), device,
+                            Tuning(**case.tuning))
             if mode == "gpu" and case.label in cases.BREAKDOWN_CASES:
                 plan.profile_steps = cases.BREAKDOWN_STEPS
             got = summarise(run_plan(plan), plan.out_dir, sampler)

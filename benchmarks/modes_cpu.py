@@ -1,0 +1,136 @@
+"""Every framework in every execution mode it declares on this CPU, on 1 and 2 ranks, and the
+choice ``--mode best`` makes from its probe.
+
+    python benchmarks/modes_cpu.py [--frameworks torch,oneflow,...] [--cases tiny,rn50,face]
+        [--out benchmarks/results/modes-cpu]
+
+Each (framework, case) is one ``trainperf run --mode best --devices 1,2``: before each case's
+timed run, every mode the framework declares is probed in two rounds of opposite order
+(``trainperf.mode_choice``), and the timed run goes in the fastest. The cases are the tiny
+recipe, ResNet50 v1b at 64x64 and the face step (PLSC's IResNet-50 ArcFace at 112x112, 1,000
+classes), small enough for 2 cores. Each framework's folders are kept under OUT/runs/, and
+OUT/modes.json and OUT/modes.md gather every probe, choice and timed figure; a framework run
+again replaces its own rows only, so the record can be made one framework at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from trainperf.backends import BACKENDS
+from trainperf.config import Measure, Topology, Tuning
+from trainperf.env import cpu_model
+from trainperf.plans import run_plans, throughput_plans
+
+HERE = Path(__file__).resolve().parent
+CASES = {
+    "tiny": ("tiny-arcface", {}, 8),
+    "rn50": ("rn50-v1b-imagenet", {"input_size": 64}, 4),
+    "face": ("r50-arcface-plsc", {"num_classes": 1000}, 2),
+}
+"""Name -> (recipe, workload changes, batch per rank)."""
+MEASURE = Measure(runs=1, iters=10, warmup=3, timeout_s=900)
+"""One timed run per case: each mode's two probe rounds are the comparison between modes; the
+timed run is the figure in the chosen one."""
+
+
+def measure_one(framework: str, case: str, out: Path) -> list[dict]:
+    """The framework's run of the case on 1 and 2 ranks under ``--mode best``; a row per rank
+    count: each mode's probe rates, the choice, the timed figure and the start-up."""
+    recipe, changes, batch = CASES[case]
+    folder = out / "runs" / f"{framework}-{case}"
+    plans = throughput_plans(recipe, changes, [batch], [1, 2], MEASURE, Tuning(),
+                             Topology(device="cpu"), [framework], folder, modes=["best"])
+    try:
+        docs = run_plans(plans, resume=(folder / "events.jsonl").exists())
+    except ValueError as exc:
+        return [{"framework": framework, "case": case, "refused": str(exc).splitlines()[0]}]
+    rows = []
+    for c in docs[0]["cases"]:
+        probe = c.get("mode_probe") or {}
+        runs = c["runs"]
+        rows.append({
+            "framework": framework, "case": case, "ranks": c["world_size"], "batch": batch,
+            "modes": probe.get("modes"), "probe_rates": probe.get("rates"),
+            "probe_medians": probe.get("medians"), "refused": probe.get("refused"),
+            "errors": probe.get("errors"), "chosen": probe.get("chosen"),
+            "why": probe.get("why"), "margin": probe.get("margin"),
+            "samples_per_s": c.get("median_samples_per_s"), "mode_ran": c.get("mode"),
+            "startup_s": c.get("startup_s"), "compile_s": c.get("compile_s"),
+            "status": [r["status"] for r in runs],
+            "error": next((r["error"] for r in runs if r.get("error")), None),
+            "folder": str(folder.relative_to(out))})
+    return rows
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# Execution modes on {doc['machine']}", "",
+             f"Every mode each framework declares on this CPU, probed by `--mode best` (two "
+             f"rounds of opposite order, {doc['probe']} steps after its warm-up each), and the "
+             f"timed run in the chosen mode ({doc['measure']}). Samples/s; threads: the node's "
+             f"cores shared among the ranks.", "",
+             "| framework | case | ranks | probe medians (samples/s) | chosen | why | "
+             "timed samples/s | start-up s | compile s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        if "ranks" not in r:
+            lines.append(f"| {r['framework']} | {r['case']} | - | - | - | {r['refused']} | - | "
+                         "- | - |")
+            continue
+        medians = ", ".join(f"{m} {v:.2f}" for m, v in (r["probe_medians"] or {}).items())
+        extra = "; ".join(f"{m}: {why}" for m, why in {**(r["refused"] or {}),
+                                                        **(r["errors"] or {})}.items())
+        rate = _num(r["samples_per_s"], 2) if r["samples_per_s"] else (r["error"] or "-")
+        why = f"{r['why']} ({extra})" if extra else r["why"]
+        lines.append(f"| {r['framework']} | {r['case']} | {r['ranks']} | {medians or '-'} | "
+                     f"{r['chosen']} | {why} | {rate} | {_num(r['startup_s'], 1)} | "
+                     f"{_num(r['compile_s'], 2)} |")
+    lines += ["", "Every probe's rates and each run's folder: `modes.json`.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frameworks", default=",".join(BACKENDS))
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--out", default=str(HERE / "results" / "modes-cpu"))
+    a = p.parse_args(argv)
+    frameworks = [f for f in a.frameworks.split(",") if f]
+    cases = [c for c in a.cases.split(",") if c]
+    unknown = [f for f in frameworks if f not in BACKENDS] + [c for c in cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown framework or case: {', '.join(unknown)}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "modes.json"
+    doc = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    from trainperf.mode_choice import probe_shape
+
+    doc.update(machine=cpu_model(), cpus=os.cpu_count(),
+               probe=probe_shape(MEASURE.warmup, MEASURE.window_steps)[1],
+               measure=f"{MEASURE.runs} run of {MEASURE.iters} steps, {MEASURE.warmup} not "
+                       "counted")
+    for framework in frameworks:
+        for case in cases:
+            print(f"{framework} {case} ...", file=sys.stderr, flush=True)
+            rows = measure_one(framework, case, out)
+            doc["rows"] = [r for r in doc["rows"]
+                           if (r["framework"], r["case"]) != (framework, case)] + rows
+            doc["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            path.write_text(json.dumps(doc, indent=1))
+            (out / "modes.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
