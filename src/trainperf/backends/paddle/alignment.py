@@ -31,12 +31,21 @@ exact where the native kernel is off by its 32-bit number. Where Paddle's rule i
 unbiased one), the alignment run keeps Paddle's rule and the backend declares the difference
 (``Capabilities.rule_differences`` in ``backend.py``). A throughput run, and a float32
 alignment run, use none of this.
+
+In ``static`` mode (``step.py``) the backbone's stand-ins run inside its static program, where
+two more things would cost float64 its exactness or its gradient (seen with Paddle 3.3.1): a
+Python float operand of an arithmetic operation becomes a 32-bit attribute (``x * 0.9`` is a
+``scale`` operation off by 2.9e-8), so the stand-ins hold every constant as a tensor of the
+run's dtype (:func:`_held`); and dy2static cannot derive the backward of a PyLayer whose forward
+writes to a parameter, so the running statistics move beside :class:`ExactBatchNorm`, not in
+it. Both modes run the same stand-ins (three steps of each tiny backbone in float64 gave
+the same numbers in both, to the last bit).
 """
 
 from __future__ import annotations
 
-import functools
 import math
+import types
 from typing import Any
 
 import paddle
@@ -91,24 +100,38 @@ class ExactMomentum:
 
 # ------------------------------------------------------------------------------- BatchNorm
 
+def _held(value: float, like: paddle.Tensor) -> paddle.Tensor:
+    """``value`` as a 0-d tensor of ``like``'s dtype, for a constant of a stand-in's rule: in a
+    static program (``static`` mode) a Python float operand becomes a 32-bit attribute of a
+    ``scale`` operation (``x * 0.9`` is off by 2.9e-8 in float64, seen with Paddle 3.3.1), the
+    kernels' own fault again; a tensor operand stays exact in both modes."""
+    return paddle.full([], value, dtype=like.dtype)
+
+
+def _batch_statistics(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """Per channel: the batch mean, ``x`` centred on it, and the *biased* variance."""
+    axes, shape = _channel_axes(x)
+    mean = paddle.mean(x, axis=axes)
+    centred = x - mean.reshape(shape)
+    return mean, centred, paddle.mean(centred * centred, axis=axes)
+
+
 class ExactBatchNorm(PyLayer):
-    """Paddle's training-mode ``batch_norm`` kernel with the layer's epsilon and momentum held
-    as Python floats. Per channel, over the ``n`` values of a batch: ``mean``, the *biased*
-    variance ``var = sum((x - mean)^2) / n`` and ``invstd = sqrt(1 / (var + eps))``; ``y = x *
-    (invstd * w) + (b - mean * invstd * w)``; the running statistics move as ``r = r * m +
-    s * (1 - m)`` (``s`` the batch mean or that variance, ``m`` the layer's momentum). Backward:
-    ``dx = (dy - sum(dy) / n - (x - mean) * dot * invstd^2 / n) * invstd * w``, ``dw = dot *
-    invstd``, ``db = sum(dy)`` with ``dot = sum((x - mean) * dy)``."""
+    """Paddle's training-mode ``batch_norm`` kernel with the layer's epsilon held as a Python
+    float. Per channel, over the ``n`` values of a batch: ``mean``, the *biased* variance ``var
+    = sum((x - mean)^2) / n`` and ``invstd = sqrt(1 / (var + eps))``; ``y = x * (invstd * w) +
+    (b - mean * invstd * w)``. Backward: ``dx = (dy - sum(dy) / n - (x - mean) * dot * invstd^2
+    / n) * invstd * w``, ``dw = dot * invstd``, ``db = sum(dy)`` with ``dot = sum((x - mean) *
+    dy)``. The kernel's move of the running statistics is :func:`_move_running_statistics`,
+    outside: inside a static program (``static`` mode) dy2static cannot derive the backward of
+    a PyLayer whose forward writes to a parameter (seen with Paddle 3.3.1)."""
 
     @staticmethod
     def forward(ctx: Any, x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor,
                 layer: nn.Layer) -> paddle.Tensor:
-        axes, shape = _channel_axes(x)
-        mean = paddle.mean(x, axis=axes)
-        centred = x - mean.reshape(shape)
-        var = paddle.mean(centred * centred, axis=axes)
-        _move_running_statistics(layer, mean, var)
-        invstd = paddle.sqrt(1.0 / (var + float(layer._epsilon)))
+        _, shape = _channel_axes(x)
+        mean, centred, var = _batch_statistics(x)
+        invstd = paddle.sqrt(1.0 / (var + _held(layer._epsilon, var)))
         alpha = invstd * weight
         ctx.save_for_backward(centred, invstd, weight)
         return x * alpha.reshape(shape) + (bias - mean * alpha).reshape(shape)
@@ -117,32 +140,36 @@ class ExactBatchNorm(PyLayer):
     def backward(ctx: Any, dy: paddle.Tensor) -> tuple[paddle.Tensor, ...]:
         centred, invstd, weight = ctx.saved_tensor()
         axes, shape = _channel_axes(dy)
-        n = math.prod(int(d) for d in dy.shape) // int(dy.shape[1])
+        n = _held(math.prod(int(d) for d in dy.shape) // int(dy.shape[1]), dy)
         total = paddle.sum(dy, axis=axes)
         dot = paddle.sum(centred * dy, axis=axes)
-        k = dot * invstd * invstd / float(n)
-        dx = (dy - (total / float(n)).reshape(shape) - centred * k.reshape(shape)) \
+        k = dot * invstd * invstd / n
+        dx = (dy - (total / n).reshape(shape) - centred * k.reshape(shape)) \
             * (invstd * weight).reshape(shape)
         return dx, dot * invstd, total
 
 
 @paddle.no_grad()
-def _move_running_statistics(layer: nn.Layer, mean: paddle.Tensor, var: paddle.Tensor
-                             ) -> None:
-    """The running statistics' move that Paddle's kernel makes in its forward, in place. Safe
-    here: no graph holds the running tensors under :class:`ExactBatchNorm`."""
-    m = float(layer._momentum)
-    paddle.assign(layer._mean * m + mean * (1.0 - m), output=layer._mean)
-    paddle.assign(layer._variance * m + var * (1.0 - m), output=layer._variance)
+def _move_running_statistics(layer: nn.Layer, x: paddle.Tensor) -> None:
+    """The running statistics' move that Paddle's kernel makes in its forward, in place, with
+    the layer's momentum ``m`` held as a Python float: ``r = r * m + s * (1 - m)``, ``s`` the
+    batch mean or its biased variance. Safe here: no graph holds the running tensors under
+    :class:`ExactBatchNorm`."""
+    mean, _, var = _batch_statistics(x)
+    m, rest = _held(layer._momentum, x), _held(1.0 - float(layer._momentum), x)
+    paddle.assign(layer._mean * m + mean * rest, output=layer._mean)
+    paddle.assign(layer._variance * m + var * rest, output=layer._variance)
 
 
 def use_exact_kernels(net: nn.Layer) -> None:
     """A float64 run's layers (module doc): every BatchNorm normalises with
     :class:`ExactBatchNorm` in training mode (in evaluation mode it stays Paddle's), and a
     global average pool is a ``paddle.mean`` over the map."""
+    # Bound methods, not partials: dy2static (``static`` mode) transcribes a layer's forward
+    # only where it is a function or a method.
     for layer in net.sublayers(include_self=True):
         if isinstance(layer, (nn.BatchNorm1D, nn.BatchNorm2D)):
-            layer.forward = functools.partial(_exact_batch_norm_forward, layer)
+            layer.forward = types.MethodType(_exact_batch_norm_forward, layer)
         elif isinstance(layer, nn.AdaptiveAvgPool2D) and _is_global(layer._output_size):
             layer.forward = _exact_global_pool
 
@@ -159,6 +186,7 @@ def _exact_global_pool(x: paddle.Tensor) -> paddle.Tensor:
 def _exact_batch_norm_forward(layer: nn.Layer, x: paddle.Tensor) -> paddle.Tensor:
     if not layer.training:
         return type(layer).forward(layer, x)
+    _move_running_statistics(layer, x)
     return ExactBatchNorm.apply(x, layer.weight, layer.bias, layer)
 
 

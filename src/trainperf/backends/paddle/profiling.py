@@ -13,6 +13,7 @@ import paddle
 import paddle.profiler as profiler
 
 from ..phases import chrome_trace_hint, matmul_rate as timed_matmul_rate
+from .backend import STATIC
 from .comm import Comm
 from .step import AMP_DTYPES, TrainStep
 
@@ -24,6 +25,8 @@ def method(comm: Comm, step: TrainStep) -> str:
              if comm.device_type == "gpu" else
              "the host clock between phases (Paddle's CPU ops finish before their call returns)")
     parts = [f"paddle.profiler RecordEvent ranges; {clock}"]
+    if step.mode == STATIC:
+        parts.append("backbone_forward and backward are the backbone's static programs")
     if step.head is not None:
         parts.append("the head's hand-written backward to the embeddings runs in head")
     if comm.distributed:

@@ -1,12 +1,30 @@
-"""The training step that trainperf measures in Paddle (dynamic graph), equal to torch's
-``TrainStep``.
+"""The training step that trainperf measures in Paddle (dynamic graph, or its backbone as a
+static program), equal to torch's ``TrainStep``.
 
-Backbone (a ``paddle.nn.Layer`` run eagerly, recorded by autograd), head (``heads.py``, forward
-and backward by hand, its embedding gradient handed to the backbone's graph with
+Backbone (a ``paddle.nn.Layer``, recorded by autograd), head (``heads.py``, forward and backward
+by hand, its embedding gradient handed to the backbone's graph with
 ``paddle.autograd.backward``), gradient all-reduce, clipping, SGD with momentum and weight
 decay. This module owns precision. Nothing is read back to the host inside a step except, in
 fp16, the one overflow decision of loss scaling, and in a sampling ``pfc`` head the count of
 positives when it could exceed the sample (``heads.sample_classes``).
+
+Modes (``Capabilities.modes``): ``dygraph`` runs every operation eagerly. ``static`` turns the
+backbone into a static program with ``paddle.jit.to_static(net, full_graph=True)``, the way
+PaddleClas's ``Global.to_static`` trains (its model wrapped, loss and optimizer in dygraph):
+dy2static transcribes the forward's source into one PIR program, with no fallback to Python,
+and derives its backward program; autograd runs the pair as one operation, so the head's
+gradient reaches it through ``paddle.autograd.backward`` as before. One program is built per
+input shape and mode of the layer (training here): :meth:`TrainStep.compile_count`. The rest
+of the step stays in dygraph, in both modes the same code:
+
+- The head: its backward is written by hand, not derived, so it cannot join the backbone's
+  program, and dy2static refuses it as a program of its own (seen with 3.3.1: in-place
+  operations on views, "subtract_'s output variable is a viewed Tensor in dygraph"; its state
+  kept in attributes; sampling's count read back to the host). Its collectives are not what
+  stops it: an all-reduce in a static program runs on gloo, given the default group (static
+  mode refuses a group passed by name).
+- The gradient all-reduce, clipping and the optimizers: Paddle's own optimizer is a dygraph
+  object in a to_static training loop, as in PaddleClas.
 
 Gradients, as torch's DDP set-up:
 
@@ -74,7 +92,7 @@ from ..scaling import LossScale
 from ..workerkit import breaks_margin, computes_in, dumps_state, start_batch
 from . import models
 from .alignment import ExactMomentum, use_exact_kernels
-from .backend import BACKEND
+from .backend import BACKEND, DYGRAPH, STATIC
 from .comm import Comm
 from .heads import MarginSoftmaxHead
 
@@ -125,6 +143,22 @@ def native_optimizer(params: list[paddle.Tensor], lr: float, momentum: float,
                                      weight_decay=weight_decay or None, use_multi_tensor=True)
 
 
+def static_backbone(net: paddle.nn.Layer) -> paddle.nn.Layer:
+    """``net`` with its forward converted by dy2static (module doc): ``net`` itself, its
+    parameters and buffers the program's, its ``forward`` a ``StaticFunction`` that builds a
+    program the first time it sees an input shape and runs it after."""
+    return paddle.jit.to_static(net, full_graph=True)
+
+
+def static_executor() -> dict:
+    """How Paddle's executor schedules a static program's operations, as a run records it: on
+    its own pool of host threads (Paddle's default) or one after another on the calling
+    thread (``FLAGS_new_executor_serial_run``); each operation's own threads are the run's
+    intra-op threads either way."""
+    flags = paddle.get_flags(["FLAGS_new_executor_serial_run"])
+    return {"serial_run": bool(flags["FLAGS_new_executor_serial_run"])}
+
+
 def _buckets(params: list[paddle.Tensor], bucket_bytes: float) -> list[list[int]]:
     """Consecutive parameter indices grouped into buckets of at most ``bucket_bytes`` of
     float32 gradient (a larger parameter is a bucket of its own)."""
@@ -154,9 +188,13 @@ class TrainStep:
     it dumps, and its rule breaks."""
 
     def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
-                 init: Any = None, align: AlignSpec | None = None) -> None:
+                 init: Any = None, align: AlignSpec | None = None, mode: str = DYGRAPH
+                 ) -> None:
         require(BACKEND.model_refusal(workload))
         check_precision(workload.precision, comm.device_type)
+        if mode not in (DYGRAPH, STATIC):
+            raise ValueError(f"the paddle step runs in {DYGRAPH} or {STATIC}, not {mode!r}")
+        self.mode = mode
         self.workload = workload
         self.comm = comm
         self.tuning = tuning or Tuning()
@@ -182,7 +220,7 @@ class TrainStep:
         if self.dtype == "float64":
             use_exact_kernels(net)
         net.train()
-        self.net = net
+        self.net = static_backbone(net) if mode == STATIC else net
         self.params = models.trainable_parameters(net)
         # Every rank starts from rank 0's backbone (what torch's DDP does at construction).
         for p, _ in models.torch_names(net).values():
@@ -227,9 +265,18 @@ class TrainStep:
         first), read from the optimizer (a read from the device for Paddle's)."""
         return float(self.opt.get_lr())
 
+    def compile_count(self) -> int | None:
+        """Static: how many programs dy2static has built for the backbone so far (its program
+        cache: one per input shape). Dygraph: None, nothing is compiled."""
+        if self.mode != STATIC:
+            return None
+        return len(self.net.forward.program_cache)
+
     @property
     def settings(self) -> dict:
-        return {"graph": "dynamic (eager)",
+        return {"graph": "dynamic (eager)" if self.mode == DYGRAPH else
+                "backbone: paddle.jit.to_static(full_graph=True), PIR programs run by Paddle's "
+                "executor; head, all-reduce and optimizer dynamic",
                 "gradient_allreduce": None if not self.comm.distributed else
                 {"after_backward": True, "bucket_mb": self.tuning.ddp_bucket_mb,
                  "buckets": len(self._buckets), "backend": self.comm.backend},
@@ -237,7 +284,8 @@ class TrainStep:
                 else "paddle.optimizer.Momentum(use_multi_tensor=True), L2 decay in op",
                 "amp": None if self.amp_dtype is None else f"paddle.amp O1 {self.amp_dtype}",
                 "loss_scaling": "dynamic, one overflow decision for all ranks"
-                if self.fp16 else None}
+                if self.fp16 else None,
+                **({"static_executor": static_executor()} if self.mode == STATIC else {})}
 
     @property
     def pfc_update(self) -> str | None:

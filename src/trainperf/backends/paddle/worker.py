@@ -6,8 +6,9 @@ The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``s
 events are ``workerkit``'s, as for every framework; this module is Paddle's side of a run.
 
 Timing: ``trainperf.backends.loop``. On a CPU Paddle's dynamic graph runs every operation to
-the end before the call returns, so a step's markers are empty and the watcher's stamp after
-each call is the step's time. On a GPU kernels are queued on the device's stream: each step
+the end before the call returns (and so does the executor that runs the backbone's program in
+``static`` mode), so a step's markers are empty and the watcher's stamp after each call is the
+step's time. On a GPU kernels are queued on the device's stream: each step
 records a ``paddle.device.Event`` on that stream after its last update, and the watcher waits
 for it by polling ``Event.query()`` between short sleeps (a sleep releases the GIL, so the main
 thread queues the next step meanwhile, whether or not ``Event.synchronize()`` would have); the
@@ -107,7 +108,8 @@ class PaddleRun(FrameworkRun):
         spec, comm = self.spec, self.comm
         configure(spec.threads)
         init = load_init(spec)
-        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init, align=spec.align)
+        self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init, align=spec.align,
+                                    mode=self.mode)
         if spec.data is not None:
             self.real = RealData(spec, [comm.rank], comm.world_size, self.real_batch)
             return
@@ -131,6 +133,9 @@ class PaddleRun(FrameworkRun):
                     if comm.device_type == "gpu" else None}
         return {"env": framework_env(comm, self.spec.threads), "settings": settings,
                 "backbone_params": models.param_count(step.net), "pfc_update": step.pfc_update}
+
+    def compile_count(self) -> int | None:
+        return self.train_step.compile_count()
 
     def step(self, index: int) -> paddle.Tensor:
         if self.real is not None:

@@ -1,0 +1,164 @@
+"""Paddle's two execution modes: ``dygraph`` and ``static`` (its backbone turned into a static
+program by ``paddle.jit.to_static``; ``backends/paddle/step.py``).
+
+A static run on 1 and 2 ranks reaches the worker and is recorded in that mode, with its one
+program built before the window and none inside it; its first loss is dygraph's (the same
+operations on the same start), and it aligns with torch in float64 on 2 ranks. In the worker's
+own environment: how many programs static mode builds (``compile_count``). The two modes run
+the same cases: no head or rank count is refused in either; a mode Paddle lacks is, in one
+line. The runs go through the
+runner (``Plan``/``Runner``), each mode's two cases in one plan shared by the module's tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainperf import results
+from trainperf.backends import get_backend
+from trainperf.config import Measure, Topology, Tuning
+from trainperf.recipes import get_recipe
+from trainperf.runner import Case, Plan, Runner
+from align_checks import align, assert_strictly_aligned
+from run_util import left_behind
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("static", "dygraph")
+RANKS = (1, 2)
+FLOAT32_ROUNDING = 1e-6
+"""Relative: two float32 computations of one loss by the same operations (both modes run the
+same kernels; on this CPU their losses have been bit-identical)."""
+
+
+def run_in(mode: str, out: Path) -> dict:
+    """tiny-arcface with the sharded head (``mp``: the head's collectives run on 2 ranks) on 1
+    and 2 CPU ranks in ``mode``: 4 steps, the first one warm-up; the results document."""
+    recipe = get_recipe("tiny-arcface")
+    plan = Plan(recipe.name, recipe.workload.replace(fc="mp"),
+                Measure(runs=1, iters=4, warmup=1),
+                [Case(Topology(devices_per_node=d, device="cpu"), 8) for d in RANKS], out,
+                tuning=Tuning(mode=mode), framework="paddle")
+    Runner(plan).run()
+    return results.load(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, paddle_python) -> dict[str, tuple[Path, dict]]:
+    folder = tmp_path_factory.mktemp("paddle_modes")
+    return {mode: (folder / mode, run_in(mode, folder / mode)) for mode in MODES}
+
+
+def records(doc: dict) -> list[dict]:
+    """The one run of each case, 1 rank then 2."""
+    assert [c["world_size"] for c in doc["cases"]] == list(RANKS)
+    return [c["runs"][0] for c in doc["cases"]]
+
+
+def starts(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
+            if '"event": "start"' in line]
+
+
+def test_both_modes_are_declared_on_both_devices():
+    backend = get_backend("paddle")
+    for kind in ("cpu", "cuda"):
+        assert backend.modes_on(kind) == ("dygraph", "static")  # dygraph the default
+        assert backend.resolve_mode("default", kind) == "dygraph"
+    assert "to_static" in backend.capabilities.mode_words["static"]
+
+
+def test_a_mode_paddle_lacks_is_refused_in_one_line():
+    why = get_backend("paddle").mode_refusal("compile", "cpu")
+    assert why is not None and "\n" not in why and "dygraph, static" in why
+
+
+PADDLE_SIDE = r"""
+import json
+import paddle
+from trainperf.recipes import get_recipe
+from trainperf.backends.paddle.comm import Comm
+from trainperf.backends.paddle.step import TrainStep, synthetic_batch
+
+workload = get_recipe("tiny-arcface").workload.replace(batch_size=4)
+out = {}
+for mode in ("static", "dygraph"):
+    step = TrainStep(workload, Comm(), mode=mode)
+    images, labels = synthetic_batch(workload, 0)
+    counts = [step.compile_count()]
+    # Batch 4, again, 2 (a new shape), 4 again (its program is kept).
+    for n in (4, 4, 2, 4):
+        step(images[:n], labels[:n])
+        counts.append(step.compile_count())
+    out[mode] = counts
+print(json.dumps(out))
+"""
+
+
+def test_compile_count_is_the_programs_built(paddle_python):
+    """In the worker's environment: static builds the backbone's program at its first step and
+    one more for a new batch shape, none for a shape it has seen; dygraph builds nothing."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    env.pop("TRAINPERF_FAULT", None)
+    proc = subprocess.run([paddle_python, "-c", PADDLE_SIDE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["static"] == [0, 1, 1, 2, 2]
+    assert counts["dygraph"] == [None] * 5
+
+
+def test_a_static_run_on_one_and_two_ranks_is_recorded(runs):
+    out, doc = runs["static"]
+    for run in records(doc):
+        assert run["status"] == "ok" and run["samples_per_s"] > 0
+        assert run["mode"] == "static"
+        losses = run["losses"]
+        assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+        assert losses[-1] < losses[0]  # four steps on one batch: it learns
+        # The backbone's program is built in the first step, and never again in the window.
+        assert run["recompiles_in_window"] == 0
+        assert run["first_step_s"] > 0 and run["compile_s"] is not None
+    for start in starts(out):
+        assert start["settings"]["mode"] == "static"
+        assert "to_static" in start["settings"]["graph"]
+        assert start["settings"]["static_executor"]["serial_run"] is False
+    assert left_behind(out) == []
+
+
+def test_a_dygraph_run_compiles_nothing(runs):
+    _, doc = runs["dygraph"]
+    for run in records(doc):
+        assert run["status"] == "ok" and run["mode"] == "dygraph"
+        assert run["recompiles_in_window"] is None  # nothing is compiled to count
+
+
+def test_static_starts_where_dygraph_does(runs):
+    """Same start, same operations: the first loss of each case is dygraph's to float32
+    rounding, on 1 rank and on 2 (the sharded softmax over ranks)."""
+    static, dygraph = (records(runs[mode][1]) for mode in ("static", "dygraph"))
+    for s, d in zip(static, dygraph):
+        assert math.isclose(s["losses"][0], d["losses"][0], rel_tol=FLOAT32_ROUNDING), \
+            (s["losses"], d["losses"])
+
+
+def test_static_aligns_with_torch_in_float64(tmp_path, paddle_python, capsys):
+    """The static program computes in float64 (the stand-ins of ``alignment.py`` inside it):
+    ``mp`` on 2 ranks (the backbone's program, its summed gradients and the sharded head),
+    every tensor within float64's tolerance of torch's. torch's side is the one
+    ``test_paddle_runs.py`` checks dygraph against (shared in a session)."""
+    code, outcome = align("paddle", tmp_path / "align", "2", "mp", "--mode", "static")
+    table = capsys.readouterr().out
+    assert code == 0, table
+    assert outcome["aligned"] and outcome["dtype"] == "float64", table
+    assert outcome["mode"] == "static"
+    assert [(c["fc"], c["ranks"]) for c in outcome["checks"]] == [("mp", 2)]
+    for check in outcome["checks"]:
+        assert_strictly_aligned(check)
+    assert left_behind(tmp_path) == []
