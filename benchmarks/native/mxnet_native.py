@@ -3,14 +3,17 @@ MXNet worker is measured against (issue 26, native parity).
 
 ResNet50 comes from Gluon's model zoo (``vision.resnet50_v1``) with its bottleneck blocks turned
 into the v1b layout (stride on the 3x3, bias-free convolutions); the face backbone is IResNet-50
-from ``gluon.nn``'s stock layers with an ArcFace head. Both are hybridized with
-``static_alloc=True, static_shape=True`` and trained with ``autograd.record()``,
-``loss.backward()`` and ``gluon.Trainer('sgd').step(batch_size)``.
+from ``gluon.nn``'s stock layers with an ArcFace head. Both are trained with
+``autograd.record()``, ``loss.backward()`` and ``gluon.Trainer('sgd').step(batch_size)``, in one
+of Gluon's two modes (``--mode``): ``hybrid`` (the usual one) hybridizes the network, the head
+and the loss with ``static_alloc=True, static_shape=True``; ``imperative`` leaves them the plain
+Gluon blocks they are built as, run operator by operator.
 
 Imports only mxnet (and its model zoo), numpy and the standard library.
 
     python benchmarks/native/mxnet_native.py --case rn50|face --batch B --threads T --iters N --warmup W
         [--device cpu|cuda] [--precision fp32|bf16|fp16] [--channels-last] [--classes C]
+        [--mode hybrid|imperative]
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ import native_cli
 
 NAME = "native mxnet"
 RN50_STAGES = ((3, 64), (4, 128), (6, 256), (3, 512))  # (blocks, bottleneck width)
+MODES = ("hybrid", "imperative")
+"""Gluon's modes, in trainperf's names; the first is what the reference runs by default."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = native_cli.parser(NAME, __doc__)
     a = native_cli.parse(p, argv)
+    a.mode = a.mode or MODES[0]
+    if a.mode not in MODES:
+        p.error(f"--mode {a.mode}: Gluon trains {' or '.join(MODES)}")
     if a.channels_last:
         p.error("--channels-last: Gluon's zoo and MXNet's CPU convolution are NCHW only")
     if a.device == "cpu" and a.precision != "fp32":
@@ -156,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
                "(L2Normalization, FullyConnected, pick/arccos/cos, one_hot)")
     backbone.initialize(mx.init.Xavier(rnd_type="gaussian", factor_type="in", magnitude=2),
                         ctx=ctx)
-    hybrid = {"static_alloc": True, "static_shape": True}
-    backbone.hybridize(**hybrid)
-    params = backbone.collect_params()
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    blocks = [backbone, loss_fn] if head is None else [backbone, head, loss_fn]
     if head is not None:
         head.initialize(ctx=ctx)
-        head.hybridize(**hybrid)
+    if a.mode == "hybrid":
+        # Gluon's graph mode: each block traced once into a cached graph, its memory planned
+        # once for the fixed shapes. Imperative mode is simply not calling it.
+        for block in blocks:
+            block.hybridize(static_alloc=True, static_shape=True)
+    params = backbone.collect_params()
+    if head is not None:
         params.update(head.collect_params())
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    loss_fn.hybridize(**hybrid)
     # Gluon's idiom: per-sample losses, backward() sums them, and trainer.step(batch) sets
     # rescale_grad = 1/batch, so every update is mean-loss SGD (wd added after the rescale).
     trainer = gluon.Trainer(params, "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": wd})
@@ -225,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         "mxnet", a, window, threads=a.threads or (int(threads_env) if threads_env else None),
         settings={
             "zoo": zoo,
+            "mode": a.mode,
             "compile": "hybridize(static_alloc=True, static_shape=True) on the network, the "
-                       "head and the loss",
+                       "head and the loss" if a.mode == "hybrid" else
+                       "none: Gluon imperative (no hybridize), each operator run as it is "
+                       "called under autograd.record()",
             "layout": "NCHW",
             "optimizer": "gluon.Trainer('sgd', momentum 0.9, wd %g), loss = "
                          "SoftmaxCrossEntropyLoss per sample, loss.backward(), "
@@ -237,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                      "check_isfinite=False; trainer.update(batch)"
                      if head is not None else "none"),
             "prelu": ("gluon nn.PReLU (fused LeakyReLU act_type='prelu'); trainperf found its "
-                      "CPU gradient wrong in MXNet 1.9.1 when the PReLU input is an "
-                      "intermediate result (see trainperf's MXNet PReLU): kept here because it "
-                      "is what a Gluon user writes, the reference is about speed"
+                      "CPU gradient wrong in MXNet 1.9.1 in graph mode when the PReLU input "
+                      "is an intermediate result (see trainperf's MXNet PReLU; imperative "
+                      "mode is right): kept here because it is what a Gluon user writes, the "
+                      "reference is about speed"
                       if head is not None else "n/a"),
             "amp": "mxnet.contrib.amp float16 (dynamic loss scale: reads an overflow flag "
                    "to the host every step)" if amp is not None else "off",

@@ -20,6 +20,21 @@ RULE_DIFFERENCES = {
 """Where MXNet's own kernels train by another rule than torch's (``Capabilities.
 rule_differences``); alignment runs follow MXNet's (``alignment.py``)."""
 
+HYBRID, IMPERATIVE = "hybrid", "imperative"
+MODES = (HYBRID, IMPERATIVE)
+"""How the backbone executes, on either device kind; the first is the default. ``hybrid``
+is the seeds' MXNet (insightface's symbolic Module and gluon-cv's hybridized Gluon each run one
+cached graph); the head, the collectives and the update are NDArray operations in both. The
+mode changes nothing else, so each runs every case the other does (every head, both kvstores,
+real data, fp16 AMP, whose casts wrap MXNet's imperative operators as they wrap its symbols):
+no case is refused for its mode."""
+MODE_WORDS = {
+    HYBRID: "Gluon hybridize(static_alloc=True, static_shape=True): the backbone as one "
+            "cached graph (CachedOp), built at the first step",
+    IMPERATIVE: "Gluon imperative: the backbone's operators one by one under "
+                "autograd.record(), no hybridize",
+}
+
 
 def launch(req: LaunchRequest) -> Launch:
     """One rank on several nodes still needs the parameter server (``dist_sync``); the
@@ -49,15 +64,15 @@ def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str
 BACKEND = Backend(
     name="mxnet", framework="mxnet", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(
-        modes={"cpu": ("hybrid",), "cuda": ("hybrid",)},
-        mode_words={"hybrid": "Gluon hybridize(static_alloc, static_shape)"},
+        modes={"cpu": MODES, "cuda": MODES},
+        mode_words=MODE_WORDS,
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
         families=FAMILIES, real_data=True,
         rule_differences=RULE_DIFFERENCES,
         why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
                          "not benchmarked here"}),
-    runs_as="Gluon, hybridized; fp16 through AMP; pfc as insightface's memory bank, sparse or "
-            "dense update",
+    runs_as="Gluon (the mode: hybridized or imperative); fp16 through AMP; pfc as "
+            "insightface's memory bank, sparse or dense update",
     ranks_start="a scheduler and server (`dist_sync`) or one process (`device`)",
     refuse_more=kvstore_rules)

@@ -1,8 +1,18 @@
 """The training step that trainperf measures in MXNet, equal to torch's ``TrainStep``.
 
-Backbone (a hybridized Gluon block, recorded by autograd), head (``heads.py``, forward and
-backward by hand, its embedding gradient injected with ``backward(out_grad)``), gradient
-all-reduce over the kvstore, clipping, SGD with momentum and weight decay. Nothing is read back
+Backbone (a Gluon block recorded by autograd), head (``heads.py``, forward and backward by
+hand, its embedding gradient injected with ``backward(out_grad)``), gradient all-reduce over the
+kvstore, clipping, SGD with momentum and weight decay.
+
+Modes (``backend.MODES``): ``hybrid`` (the default, the seeds' MXNet) hybridizes the backbone
+with ``static_alloc`` and ``static_shape``: Gluon traces it into one graph at the first step and
+runs it as a ``CachedOp`` whose memory is planned once; ``imperative`` leaves it a plain Gluon
+block, each operator dispatched from Python as the forward reaches it and recorded by autograd
+(the backward replays the recorded operators). The head, the collectives and the update are
+NDArray operations in both modes, so only the backbone's execution differs. Both run the same
+operators (PReLU composed from elementwise ones, ``models.PReLU``, in both): their float32
+losses agree to rounding (tiny-arcface's first, to one float32 ulp), and both align with torch
+in float64, with the same stand-ins (``tests/test_mxnet_modes.py``). Nothing is read back
 to the host inside a step except, in fp16, the one overflow decision of loss scaling, and in a
 sampling ``pfc`` head the count of positives when it could exceed the sample
 (``heads.sample_classes``).
@@ -79,7 +89,7 @@ from ..scaling import LossScale
 from ..workerkit import breaks_margin, computes_in, dumps_state, start_batch
 from . import models
 from .alignment import MXNetRunningStatistics
-from .backend import BACKEND, kvstore_rules
+from .backend import BACKEND, HYBRID, kvstore_rules
 from .comm import Comm
 from .heads import MarginSoftmaxHead, put_rows
 
@@ -182,16 +192,55 @@ def init_batch(workload: Workload, arrays: Any, rank: int, ctx: mx.Context,
     return to_device(workload, *start_batch(workload, arrays, rank, dtype), ctx, dtype)
 
 
+class GraphBuilds:
+    """How many times a hybridized network's graph was made ready to run: each time Gluon
+    built its ``CachedOp`` (at the first call, and again after anything cleared it: a
+    ``hybridize``, a ``cast``), and each time the ``CachedOp`` planned it again for an input
+    whose shape or dtype differs from the last one on that context (with ``static_shape`` MXNet
+    infers the graph's shapes and types, plans and allocates its memory again then; the first
+    call on each context is part of the build). MXNet keeps no such count itself: the builds are
+    counted by wrapping the network's ``_build_cache`` (Gluon's own method that makes the
+    ``CachedOp``), the plans by the inputs the step hands the network."""
+
+    def __init__(self, net: mx.gluon.HybridBlock) -> None:
+        self.builds = 0
+        self.replans = 0
+        self._last: dict[str, tuple] = {}
+        build = net._build_cache
+
+        def counted(*args: Any) -> Any:
+            self.builds += 1
+            self._last.clear()  # a new CachedOp plans every context afresh
+            return build(*args)
+
+        net._build_cache = counted
+
+    def saw(self, images: mx.nd.NDArray) -> None:
+        """Note an input the network is about to run."""
+        where, signature = str(images.context), (images.shape, images.dtype)
+        last = self._last.get(where)
+        if last is not None and last != signature:
+            self.replans += 1
+        self._last[where] = signature
+
+    @property
+    def count(self) -> int:
+        return self.builds + self.replans
+
+
 class TrainStep:
     """Call with one (images, labels) pair per context of ``comm``; returns the loss NDArray of
     the first context (rank 0's loss in ``device`` mode) without waiting for it.
 
     ``init``: an alignment start's arrays (``workerkit.load_init``); ``align``: the alignment
-    run's spec (its dtype, whether it dumps, its rule breaks), None in a throughput run."""
+    run's spec (its dtype, whether it dumps, its rule breaks), None in a throughput run;
+    ``mode``: ``hybrid`` or ``imperative`` (``backend.MODES``; ``default``: the first)."""
 
     def __init__(self, workload: Workload, comm: Comm, tuning: Tuning | None = None,
-                 init: Any = None, align: AlignSpec | None = None) -> None:
+                 init: Any = None, align: AlignSpec | None = None, mode: str = HYBRID) -> None:
         require(BACKEND.model_refusal(workload))
+        self.mode = BACKEND.resolve_mode(mode, "cuda" if comm.device_type == "gpu" else "cpu")
+        """How the backbone executes (module doc)."""
         if comm.mode == "device":  # the declaration's kvstore rule, on this process's contexts
             require(kvstore_rules(workload, Topology(devices_per_node=len(comm.contexts)),
                                   Tuning(mxnet_kvstore="device")))
@@ -231,9 +280,13 @@ class TrainStep:
         """MXNet's update kernel in float32: ``multi`` (``preloaded_multi_sgd_mom_update``,
         fewest launches) on a GPU, ``per_array`` (``sgd_mom_update``, multi-threaded) on a
         CPU (module doc)."""
-        # Before the first forward: it sets the BatchNorms' momentum for the graph.
+        # Before the first forward: it sets the BatchNorms' momentum for the graph (the
+        # imperative blocks read it at every call).
         self.running = None if self.fused else MXNetRunningStatistics(net)
-        net.hybridize(static_alloc=True, static_shape=True)
+        self.graph: GraphBuilds | None = None
+        if self.mode == HYBRID:
+            self.graph = GraphBuilds(net)
+            net.hybridize(static_alloc=True, static_shape=True)
         self.net = net
         self.params = [p for p in net.collect_params().values() if p.grad_req != "null"]
 
@@ -298,7 +351,8 @@ class TrainStep:
     @property
     def settings(self) -> dict:
         return {"kvstore": self.comm.mode, "contexts": len(self.contexts),
-                "hybridize": {"static_alloc": True, "static_shape": True},
+                "hybridize": {"static_alloc": True, "static_shape": True}
+                if self.mode == HYBRID else None,
                 "update": (f"elementwise momentum SGD in {self.dtype}" if not self.fused
                            else "fused preloaded_multi_sgd_mom_update"
                            if self.update_kernel == "multi" else "sgd_mom_update per array")
@@ -306,6 +360,12 @@ class TrainStep:
                 "amp": "float16" if self.fp16 else None,
                 "loss_scaling": "dynamic, one overflow decision for all ranks"
                 if self.fp16 else None}
+
+    def compile_count(self) -> int | None:
+        """Hybrid: how many times the backbone's graph was built or planned again so far
+        (:class:`GraphBuilds`). Imperative: None, there is no graph to build (each operator
+        runs as it is called)."""
+        return self.graph.count if self.graph is not None else None
 
     @property
     def pfc_update(self) -> str | None:
@@ -353,11 +413,19 @@ class TrainStep:
         if self.running is not None:
             self.running.update()  # after the backward pass that left the batch statistics
 
+    def _backbone(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]]
+                  ) -> list[mx.nd.NDArray]:
+        """The backbone's forward on every context (inside the record)."""
+        if self.graph is not None:
+            for images, _ in batches:
+                self.graph.saw(images)
+        return [self.net(images) for images, _ in batches]
+
     def _forward_backward(self, batches: Sequence[tuple[mx.nd.NDArray, mx.nd.NDArray]],
                           grad_scale: float) -> list[mx.nd.NDArray]:
         self._check(batches)
         with autograd.record():
-            outs = [self.net(images) for images, _ in batches]
+            outs = self._backbone(batches)
             if not self.heads:
                 losses, upstream = self._class_loss(outs, batches, grad_scale)
         if self.heads:
@@ -522,7 +590,7 @@ class TrainStep:
         grad_scale = self.loss_scale if self.fp16 else 1.0
         with autograd.record():
             with clock.phase("backbone_forward"):
-                outs = [self.net(images) for images, _ in batches]
+                outs = self._backbone(batches)
             if not self.heads:
                 with clock.phase("head"):
                     losses, upstream = self._class_loss(outs, batches, grad_scale)

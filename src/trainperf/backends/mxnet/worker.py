@@ -4,6 +4,9 @@
 The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``step``/``end``
 events are ``workerkit``'s, as for every framework; this module is MXNet's side of a run.
 
+Modes: the step's backbone runs hybridized (``hybrid``, the default) or imperative
+(``imperative``), as ``workerkit`` resolved the spec's mode (``step.py``).
+
 Timing: ``trainperf.backends.loop`` (MXNet runs every operation asynchronously on its engine);
 a step's markers are small arrays that become ready when the step's last update has run
 (``TrainStep.markers``), waited on with ``wait_to_read``, which releases the GIL.
@@ -129,7 +132,7 @@ class MXNetRun(FrameworkRun):
         configure(spec.tuning, spec.threads)
         init = load_init(spec)
         self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init,
-                                    align=spec.align)
+                                    align=spec.align, mode=self.mode)
         dtype = align_dtype(spec)
         if spec.data is not None:
             self.real = RealData(spec, comm.ranks, comm.world_size, self.real_batch)
@@ -156,6 +159,9 @@ class MXNetRun(FrameworkRun):
         return {"env": framework_env(comm, self.spec.threads), "settings": settings,
                 "backbone_params": models.param_count(step.net),
                 "pfc_update": step.pfc_update}
+
+    def compile_count(self) -> int | None:
+        return self.train_step.compile_count()
 
     def step(self, index: int) -> mx.nd.NDArray:
         return self.train_step(self.real.next() if self.real is not None else self.batches)
