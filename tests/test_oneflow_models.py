@@ -1,10 +1,11 @@
-"""OneFlow IResNets (``trainperf.backends.oneflow.models``) equal the torch ones.
+"""OneFlow backbones (``trainperf.backends.oneflow.models``) equal the torch ones.
 
 The same state_dict names and shapes and the same parameter counts for the tiny, the R50 (PLSC's
-ResNet50 layout, E block) and the R100 backbones; and, with torch's weights loaded, the same
-training-mode output, input gradient and parameter gradients in float64, for both output blocks
-(E and FC). The torch side runs here; the OneFlow side in its own environment, on an ``.npz`` of
-torch's weights and inputs.
+ResNet50 layout, E block) and the R100 IResNets, MobileFaceNet Y1 and ResNet50 v1b; and, with
+torch's weights loaded, the same training-mode output, input gradient and parameter gradients in
+float64, for both IResNet output blocks (E and FC), the tiny MobileFaceNet (PReLU, depthwise
+convolutions, GDC) and the tiny ResNet v1b (max pool, average pool, logits). The torch side runs
+here; the OneFlow side in its own environment, on an ``.npz`` of torch's weights and inputs.
 
 float64 is the proof of equality (agreement to ~1e-12). In float32 the frameworks round
 differently and an activation within rounding of a PReLU kink can take the other branch, so
@@ -28,14 +29,22 @@ from test_oneflow_heads import of_env
 
 pytestmark = pytest.mark.slow
 
-# case -> (backbone, build kwargs, batch)
+# case -> (backbone, build kwargs, batch, input side, the parameters torch holds fixed)
 CASES = {
-    "tiny_E": ("iresnet_tiny", {"embedding_size": 16, "output_block": "E"}, 4),
-    "tiny_FC": ("iresnet_tiny", {"embedding_size": 16, "output_block": "FC"}, 4),
+    "tiny_E": ("iresnet_tiny", {"embedding_size": 16, "output_block": "E"}, 4, 112,
+               ["features.weight"]),
+    "tiny_FC": ("iresnet_tiny", {"embedding_size": 16, "output_block": "FC"}, 4, 112,
+                ["features.weight"]),
+    "mobilefacenet_tiny": ("mobilefacenet_tiny", {"embedding_size": 16, "input_size": 32}, 4,
+                           32, []),
+    "resnet_v1b_tiny": ("resnet_v1b_tiny", {"num_classes": 10}, 4, 32, []),
 }
-# Default builds (embedding 512) with each output block: key -> (backbone, output block).
+# Default builds (the catalogue's embedding or classes) and the output block IResNet takes:
+# key -> (backbone, output block).
 FULL_SIZE = {"iresnet_tiny_E": ("iresnet_tiny", "E"), "iresnet_tiny_FC": ("iresnet_tiny", "FC"),
-             "iresnet50_E": ("iresnet50", "E"), "iresnet100_E": ("iresnet100", "E")}
+             "iresnet50_E": ("iresnet50", "E"), "iresnet100_E": ("iresnet100", "E"),
+             "mobilefacenet_y1": ("mobilefacenet_y1", "E"),
+             "resnet50_v1b": ("resnet50_v1b", "E")}
 TOL = 1e-8
 
 ONEFLOW_SIDE = r"""
@@ -81,7 +90,7 @@ json.dump(report, open(f"{work}/report.json", "w"))
 """
 
 
-def _torch_case(case: str, name: str, kwargs: dict, batch: int, work: Path) -> dict:
+def _torch_case(case: str, name: str, kwargs: dict, batch: int, side: int, work: Path) -> dict:
     torch.manual_seed(sum(map(ord, case)))
     model = build_backbone(name, **kwargs)
     with torch.no_grad():  # non-trivial BN and PReLU values, so a mix-up cannot hide
@@ -95,8 +104,9 @@ def _torch_case(case: str, name: str, kwargs: dict, batch: int, work: Path) -> d
             elif isinstance(m, torch.nn.PReLU):
                 m.weight.uniform_(0.1, 0.4)
     arrays = {f"backbone/{k}": v.detach().clone().numpy() for k, v in model.state_dict().items()}
-    x = torch.randn(batch, 3, 112, 112, dtype=torch.float64)
-    r = torch.randn(batch, kwargs["embedding_size"], dtype=torch.float64)
+    x = torch.randn(batch, 3, side, side, dtype=torch.float64)
+    width = kwargs.get("embedding_size") or kwargs["num_classes"]
+    r = torch.randn(batch, width, dtype=torch.float64)
     np.savez(work / f"{case}.torch.npz", x=x.numpy(), r=r.numpy(), **arrays)
     model = model.double().train()
     x.requires_grad_(True)
@@ -111,8 +121,8 @@ def _torch_case(case: str, name: str, kwargs: dict, batch: int, work: Path) -> d
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, oneflow_python):
     work = tmp_path_factory.mktemp("oneflow_models")
-    torch_side = {case: _torch_case(case, *args, work) for case, args in CASES.items()}
-    spec = {"cases": {case: {"name": n, "kwargs": kw} for case, (n, kw, _) in CASES.items()},
+    torch_side = {case: _torch_case(case, *args[:4], work) for case, args in CASES.items()}
+    spec = {"cases": {case: {"name": n, "kwargs": kw} for case, (n, kw, *_) in CASES.items()},
             "full": FULL_SIZE}
     (work / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([oneflow_python, "-c", ONEFLOW_SIDE, str(work)],
@@ -153,7 +163,7 @@ def test_float64_forward_and_gradients_equal_torchs(runs, case):
         np.testing.assert_allclose(o["grad/" + name], grad, rtol=TOL,
                                    atol=TOL * max(float(np.abs(grad).max()), 1e-3 * scale),
                                    err_msg=name)
-    assert report["cases"][case]["no_grad"] == t["fixed"] == ["features.weight"]
+    assert report["cases"][case]["no_grad"] == t["fixed"] == CASES[case][4]
 
 
 def test_load_names_every_problem(runs):

@@ -1,12 +1,14 @@
 """OneFlow's own training step, as a OneFlow user writes it: the reference that trainperf's oneflow
 worker is measured against (benchmarks/native_parity.py).
 
-Default: eager mode (``oneflow.nn.Module``), ``flow.optim.SGD``, then ``loss.backward()``,
-``opt.step()``, ``opt.zero_grad()``. ``--graph`` instead runs the step as an ``oneflow.nn.Graph``,
-OneFlow's documented static-graph training path (``add_optimizer`` + ``loss.backward()`` inside
-``build``); there the face backbone's gradient clipping is the optimizer param group's
-``clip_grad_max_norm`` / ``clip_grad_norm_type`` (the graph's own clip), in eager it is
-``flow.nn.utils.clip_grad_norm_``.
+``--mode eager`` (the default, and what an empty ``--mode`` runs): eager mode
+(``oneflow.nn.Module``), ``flow.optim.SGD``, then ``loss.backward()``, ``opt.step()``,
+``opt.zero_grad()``. ``--mode graph`` runs the step as an ``oneflow.nn.Graph``, OneFlow's
+documented static-graph training path as its model zoo and oneflow_face write it:
+``add_optimizer`` + ``loss.backward()`` inside ``build``, with ``allow_fuse_add_to_output`` and
+``allow_fuse_model_update_ops`` on; there the face backbone's gradient clipping is the optimizer
+param group's ``clip_grad_max_norm`` / ``clip_grad_norm_type`` (the graph's own clip), in eager
+it is ``flow.nn.utils.clip_grad_norm_``. ``--graph`` is the older spelling of ``--mode graph``.
 
 ResNet50 comes from flowvision, OneFlow's model zoo (a separate package, which
 trainperf.parity.ZOOS installs); its Bottleneck is torchvision's, stride on the 3x3
@@ -16,7 +18,8 @@ The face backbone is IResNet-50 built from oneflow.nn's stock layers.
 Imports only oneflow, flowvision, numpy and the standard library.
 
     python benchmarks/native/oneflow_native.py --case rn50|face --batch B --threads T --iters N --warmup W
-        [--device cpu|cuda] [--precision fp32|bf16|fp16] [--channels-last] [--classes C] [--graph]
+        [--device cpu|cuda] [--precision fp32|bf16|fp16] [--channels-last] [--classes C]
+        [--mode eager|graph]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import NoReturn
 import native_cli
 
 NAME = "native oneflow"
+MODES = ("eager", "graph")
 
 
 def fail(msg: str) -> NoReturn:
@@ -42,15 +46,21 @@ def fail(msg: str) -> NoReturn:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = native_cli.parser(NAME, __doc__)
-    p.add_argument("--graph", action="store_true",
-                   help="run the step as a oneflow.nn.Graph (static graph) instead of eager")
+    p.add_argument("--graph", action="store_true", help="the same as --mode graph")
     a = native_cli.parse(p, argv)
+    if a.graph and a.mode not in ("", "graph"):
+        fail(f"--graph runs --mode graph, not --mode {a.mode}")
+    a.mode = a.mode or ("graph" if a.graph else "eager")
+    if a.mode not in MODES:
+        fail(f"--mode {a.mode}: OneFlow runs {', '.join(MODES)}")
+    a.graph = a.mode == "graph"
     if a.channels_last:
         fail("--channels-last: OneFlow 0.9 has no channels-last memory format for training")
     if a.device == "cpu" and a.precision != "fp32":
         fail(f"--precision {a.precision} needs --device cuda (OneFlow 0.9 disables CPU autocast)")
     if a.precision == "fp16" and not a.graph:
-        fail("--precision fp16 needs --graph (OneFlow 0.9's GradScaler only works in nn.Graph)")
+        fail("--precision fp16 needs --mode graph (OneFlow 0.9's GradScaler only works in "
+             "nn.Graph)")
     return a
 
 
@@ -213,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 self.backbone = backbone
                 if head is not None:
                     self.head = head
+                # What OneFlow's own training graphs (its model zoo, oneflow_face) switch on.
+                self.config.allow_fuse_add_to_output(True)
+                self.config.allow_fuse_model_update_ops(True)
                 self.add_optimizer(opt)
                 if amp_dtype is not None:
                     self.config.enable_amp(True, dtype=amp_dtype)
@@ -231,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         def step():
             return graph(images, labels)
 
-        compile_desc = ("oneflow.nn.Graph (add_optimizer, loss.backward() in build; "
-                        "compiled on the first warm-up step)")
+        compile_desc = ("oneflow.nn.Graph (add_optimizer, loss.backward() in build, "
+                        "allow_fuse_add_to_output, allow_fuse_model_update_ops; compiled on the "
+                        "first warm-up step)")
     else:
         def step():
             with (flow.autocast(a.device, dtype=amp_dtype) if amp_dtype is not None
@@ -268,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     native_cli.report(
         "oneflow", a, window,
         settings={
-            "zoo": zoo, "compile": compile_desc, "layout": "NCHW",
+            "zoo": zoo, "mode": a.mode, "compile": compile_desc, "layout": "NCHW",
             "optimizer": f"flow.optim.SGD(lr=0.1, momentum=0.9, weight_decay={wd})",
             "clip": clip_desc,
             "amp": ("nn.Graph config.enable_amp" if a.graph else "flow.autocast")

@@ -104,6 +104,7 @@ def request(recipe_name: str, framework: str, devices: list[int], fc_modes: list
         raise ValueError("align checks one mode at a time: name it (--mode "
                          f"{', '.join(backend.modes_on('cpu'))})")
     require(backend.mode_refusal(mode, "cpu"))
+    require(backend.capabilities.float32_modes.get(backend.resolve_mode(mode, "cpu")))
     if backend.name == "torch" and backend.resolve_mode(mode, "cpu") == "eager":
         raise ValueError("align compares another framework, or torch in another mode, with "
                          "torch eager: pass --framework mxnet or --mode compile")

@@ -135,6 +135,10 @@ class Capabilities:
     ``compile``, ``graph``...), its default first. ``--mode best`` probes them all."""
     mode_words: dict[str, str] = field(default_factory=dict)
     """What each mode is, in the framework's API (``compile``: ``torch.compile, inductor``)."""
+    float32_modes: dict[str, str] = field(default_factory=dict)
+    """Modes that cannot compute in float64, with why: `trainperf align` refuses them before
+    torch's side runs (their equivalence with the framework's own default mode is tested in
+    float32 instead)."""
     channels_last: bool = False
     """Its backbones can run channels-last (``--memory-format channels_last``)."""
     layouts: dict[str, str] = field(default_factory=dict)

@@ -15,6 +15,7 @@ import glob
 import os
 from pathlib import Path
 
+from ...config import Topology, Tuning, Workload
 from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
 
 PORT_VARIABLE = "TRAINPERF_DEPARTURE_PORT"
@@ -49,16 +50,46 @@ def launch(req: LaunchRequest) -> Launch:
     return spawn_launch(req, "oneflow", {"LD_LIBRARY_PATH": library_path(req.python)})
 
 
+GRAPH_FLOAT64 = ("the oneflow backend's --mode graph computes in float32 only: OneFlow 0.9's "
+                 "nn.Graph has no float64 update (no sgd_update kernel for float64 weights); "
+                 "align it with --mode eager")
+"""Why a float64 alignment run cannot run in graph mode (``graph_step.py`` has the measurement)."""
+
+
+def graph_refusal(workload: Workload) -> str | None:
+    """Why ``--mode graph`` cannot run the workload, or None (``graph_step.py`` says more)."""
+    if workload.task == "face" and workload.fc == "pfc" and workload.sample_ratio < 1.0:
+        return ("the oneflow backend runs --fc pfc with sampling (--sample-ratio below 1) in "
+                "--mode eager only: its sparse update writes the sampled rows outside any "
+                "optimizer, which an nn.Graph's job cannot hold, and the sample grows to hold "
+                "every positive, a shape known only when the step runs")
+    if any(scale > 1.0 for scale in workload.lr_scales):
+        return ("the oneflow backend's --mode graph runs a rate that only falls (lr scales in "
+                "[0, 1]): the graph's schedule is OneFlow's ConstantLR, whose factor is at most 1")
+    return None
+
+
+def mode_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str | None:
+    """Why the case's ``--mode`` cannot run it, or None. ``best`` probes ``graph`` only where
+    this says None for it."""
+    return graph_refusal(workload) if tuning.mode == "graph" else None
+
+
 BACKEND = Backend(
     name="oneflow", framework="oneflow", launch=launch,
     env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
     capabilities=Capabilities(
-        modes={"cpu": ("eager",), "cuda": ("eager",)},
-        mode_words={"eager": "eager nn.Modules"},
+        float32_modes={"graph": GRAPH_FLOAT64},
+        modes={"cpu": ("eager", "graph"), "cuda": ("eager", "graph")},
+        mode_words={"eager": "eager nn.Modules",
+                    "graph": "nn.Graph with the graph's own optimizer, clipping and LR "
+                             "schedule; global tensors on several ranks (the seeds' lazy "
+                             "OneFlow)"},
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
-        families=("iresnet",), real_data=True,
+        families=("iresnet", "mobilefacenet", "resnet_v1b"), real_data=True,
         why_not={"fp16": "OneFlow 0.9's eager mode has no dynamic loss "
                          "scaler"}),
-    runs_as="eager; mp and pfc as global tensors, `split(0)`",
-    ranks_start="one process per rank, torch-style variables")
+    runs_as="eager; mp and pfc as global tensors, `split(0)`; `--mode graph`: one nn.Graph",
+    ranks_start="one process per rank, torch-style variables",
+    refuse_more=mode_rules)

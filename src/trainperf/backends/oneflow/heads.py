@@ -70,6 +70,11 @@ past theta_max = (pi - m2) / m1 the logit continues as cos(theta) - m3 - (1 + co
 CosFace and plain softmax (m1 = 1, m2 = 0) are c - m3. The head runs in fp32 whatever the
 precision, or in float64 where the embeddings and the class matrix are (an alignment run's).
 
+In graph mode (``graph_step.py``) the same head runs inside an ``nn.Graph``: ``dp``'s class
+matrix is a global ``broadcast`` tensor there, its batch ``split(0)``; a sharded head is told so
+(``in_graph``), for the two things a graph needs done differently; each sample's loss is returned
+(``per_sample``).
+
 ``straight_through`` (an alignment run's negative control only, ``AlignSpec.breaks``): the
 target logit keeps the margin's value, but its gradient reaches the cosine unchanged
 (derivative 1), as insightface's arcface_torch computes it.
@@ -210,6 +215,21 @@ class MarginSoftmaxHead(nn.Module):
         ``grad`` the backward fills; :meth:`sparse_step` reads it."""
         self.momentum: flow.Tensor | None = None
         """The sparse update's momentum, one row per row of the shard (local)."""
+        self.in_graph = False
+        """A sharded head inside an ``nn.Graph`` (``graph_step.py``), set by the graph step.
+        Two things then differ, both measured on 2 ranks against the eager step:
+
+        - the log-sum-exp is shifted by the logits' bound, the scale ``s``, not by each row's
+          max: the max of split(1) logits over their split axis cannot read each rank's shard
+          there (``to_local`` is not allowed in a graph), and OneFlow's own reduction would
+          move the [N, C] logits between ranks. Every logit is at most ``s`` (a cosine, or the
+          margin's target logit, times ``s``), so no exponential overflows; the sum underflows
+          only where every cosine of a row is below ``1 - 103 / s`` (-0.6 at s = 64).
+        - the gathered embeddings' gradient is made ``split(0)`` (each rank's rows of the
+          summed gradient) as it leaves the head: left to itself, a graph hands the backbone's
+          last BatchNorm a gradient of another SBP, and its backward then mixes the ranks'
+          batches (the backbone's updates 2% to 12% off the eager step's; with ``split(0)``
+          within 4e-6)."""
 
     @property
     def update(self) -> str:
@@ -296,6 +316,9 @@ class MarginSoftmaxHead(nn.Module):
     def _gather(self, local: flow.Tensor) -> flow.Tensor:
         """Every rank's rows of ``local`` in rank order, as a global ``broadcast`` tensor (its
         gradient: this rank's rows of the summed gradients)."""
+        if self.in_graph:
+            # Already global split(0) there; the gradient's SBP must be said (``in_graph``).
+            return local.to_global(sbp=flow.sbp.broadcast, grad_sbp=flow.sbp.split(0))
         return self._split(local, 0).to_global(sbp=flow.sbp.broadcast)
 
     def _row_max(self, logits: flow.Tensor) -> flow.Tensor:
@@ -308,12 +331,15 @@ class MarginSoftmaxHead(nn.Module):
         return flow.amax(per_rank.to_global(sbp=flow.sbp.broadcast), dim=0)
 
     def forward(self, emb: flow.Tensor, labels: flow.Tensor, keep_logits: bool = False,
-                scores: flow.Tensor | None = None) -> flow.Tensor:
+                scores: flow.Tensor | None = None, per_sample: bool = False) -> flow.Tensor:
         """Mean loss of the batch: this rank's (dp) or the gathered global batch's (mp, pfc; a
         global ``broadcast`` scalar). ``emb`` [n, D] is this rank's embeddings, ``labels`` [n]
         its class ids (int64). With ``keep_logits`` (tests) this rank's scaled logits [N,
         count] (its sampled columns' [N, S] in a sampling pfc) are kept in ``self.logits``;
-        ``scores`` (tests) [count] ranks this shard's negatives instead of a uniform draw."""
+        ``scores`` (tests) [count] ranks this shard's negatives instead of a uniform draw;
+        ``per_sample``: each sample's loss, not their mean (graph mode, ``graph_step.py``,
+        whose dp batch is one global ``split(0)`` tensor: the mean of this rank's part is the
+        loss an eager run records)."""
         m1, m2, m3 = self.margins
         s = self.scale
         e = at_least_fp32(emb)
@@ -338,15 +364,20 @@ class MarginSoftmaxHead(nn.Module):
             if self.sampling:
                 kept = kept[:, :self.index.shape[0]]
             self.logits = kept.detach().clone()
-        row_max = self._row_max(logits)
-        exp = flow.exp(logits - row_max.unsqueeze(1))
+        if self.in_graph:
+            row_max: flow.Tensor | float = s
+            exp = flow.exp(logits - s)
+        else:
+            row_max = self._row_max(logits)
+            exp = flow.exp(logits - row_max.unsqueeze(1))
         if real is not None:
             exp = exp * real
         row_sum = exp.sum(dim=1)
         if self.sharded:
             row_sum = self._to_broadcast(row_sum)
         # The log-sum-exp form: exact where the target probability underflows.
-        return (flow.log(row_sum) + row_max - value).mean()
+        losses = flow.log(row_sum) + row_max - value
+        return losses if per_sample else losses.mean()
 
     def sparse_step(self, lr: float, momentum: float, weight_decay: float) -> None:
         """torch's SGD on the rows the last forward sampled, with their own momentum (sparse

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import oneflow as flow
 
-from ..phases import matmul_rate as timed_matmul_rate
+from ..phases import compiled_step_phase, matmul_rate as timed_matmul_rate
 from .dist import Dist
 from .step import TrainStep
 
@@ -30,10 +30,26 @@ NO_TRACE = ("OneFlow writes no trace (oneflow.profiler.profile aborts without a 
             "has no timeline export); the phases are NVTX ranges for Nsight Systems")
 
 
+GRAPH_METHOD = ("one nn.Graph job per step (--mode graph): data, then the job as one phase, each "
+                "closed by OneFlow's virtual-machine sync (and CUDA synchronize on a GPU) and "
+                "the host clock; oneflow.profiler.range_push ranges (NVTX), no trace")
+
+
+def graph_merged_phases(world_size: int) -> dict[str, str]:
+    """The phases a graph-mode step runs as one: the job OneFlow compiled from ``build``."""
+    comm = ", the all-reduces its global tensors' SBP asks for" if world_size > 1 else ""
+    return {compiled_step_phase(world_size):
+            f"one nn.Graph job: the backbone's forward, the head, autograd's backward{comm}, "
+            f"the clip and the SGD update are compiled together, and the host launches and "
+            f"waits for the job as a whole"}
+
+
 def method(dist: Dist, step: TrainStep) -> str:
     parts = ["OneFlow virtual-machine sync (and CUDA synchronize on a GPU) and the host clock "
              "between phases; oneflow.profiler.range_push ranges (NVTX), no trace"]
-    if step.head_in_backward:
+    if step.head is None:
+        parts.append("classification: the head phase is the loss, its backward in backward")
+    elif step.head_in_backward:
         parts.append("dp under DDP: the head's backward runs in backward")
     if step.ddp is not None:
         parts.append("gradient communication not hidden = backward less backward with DDP's "

@@ -20,6 +20,8 @@ Gradients, as torch's DDP set-up:
   ``pfc`` head's sparse update has a gradient of its sampled rows only, which no optimizer
   holds: the head applies it itself (``MarginSoftmaxHead.sparse_step``), after the backbone's
   update.
+- classification (ResNet v1b): no head; the backbone's last Linear gives the logits, the loss
+  is their softmax cross-entropy, and the backbone is under DDP as in ``dp``.
 - One process: no DDP, nothing to reduce.
 
 Clipping: ``oneflow.nn.utils.clip_grad_norm_`` on the (reduced) backbone gradient, as
@@ -41,6 +43,9 @@ momentum, rate and weight decay as 32-bit floats, and its DDP takes float32 para
 Profiled steps (``run --breakdown``): :meth:`TrainStep.profiled` runs the same step split into
 phases (``backends.phases``); ``profiling.py`` says how they are timed.
 
+Graph mode (``--mode graph``) is ``graph_step.py``: the same model from :func:`build_model` in
+one ``nn.Graph`` with the graph's own optimizer, clipping and schedule.
+
 Precision: fp32 only; ``fp16`` and ``bf16`` are refused (the backend's declaration,
 :func:`check_workload`). OneFlow's eager mode has autocast but no dynamic loss scaler (its
 ``GradScaler`` serves ``nn.Graph`` only), and a hand-written one could not be run here (no
@@ -53,6 +58,7 @@ from typing import Any
 
 import oneflow as flow
 import oneflow.nn as nn
+import oneflow.nn.functional as F
 
 from ...config import Tuning, Workload
 from ..base import require
@@ -60,7 +66,7 @@ from ..workerkit import start_batch
 from . import exact, models
 from .backend import BACKEND
 from .dist import Dist
-from .heads import MarginSoftmaxHead
+from .heads import MarginSoftmaxHead, at_least_fp32
 
 DDP_BUCKET_PARAMS = 10
 """Parameters per all-reduce bucket of OneFlow's DDP (its default: it counts arrays, not
@@ -92,6 +98,38 @@ def init_batch(workload: Workload, arrays: Any, dist: Dist, dtype: flow.dtype = 
     images, labels = start_batch(workload, arrays, dist.rank, DTYPE_NAMES[dtype])
     return (flow.tensor(images, dtype=dtype, device=dist.device),
             flow.tensor(labels, dtype=flow.int64, device=dist.device))
+
+
+def build_model(workload: Workload, dist: Dist, init: Any = None,
+                dtype: flow.dtype = flow.float32, straight_through: bool = False,
+                exact_statistics: bool = False) -> tuple[nn.Module, MarginSoftmaxHead | None]:
+    """(backbone, head) on this rank's device, from ``init`` (an alignment start) where given;
+    the head is None in classification, whose classes are the backbone's last Linear. The same
+    seed on every rank: identical initial backbones (DDP broadcasts rank 0's too)."""
+    flow.manual_seed(workload.seed)
+    backbone = models.build_backbone(
+        workload.backbone, embedding_size=workload.embedding_size,
+        num_classes=workload.num_classes, input_size=workload.input_size,
+        output_block=workload.output_block, dropout=workload.dropout,
+        exact_statistics=exact_statistics).to(device=dist.device, dtype=dtype)
+    if init is not None:
+        models.load_torch_arrays(backbone, init)
+    if workload.task != "face":
+        return backbone, None
+    head = MarginSoftmaxHead(workload.num_classes, workload.embedding_size,
+                             workload.resolved_margins, workload.scale, dist,
+                             mode=workload.fc, seed=workload.seed, dtype=dtype,
+                             straight_through=straight_through,
+                             sample_ratio=workload.sample_ratio, update=workload.pfc_update)
+    if init is not None:
+        head.set_weight(init["head/weight"])
+    return backbone, head
+
+
+def classification_loss(logits: flow.Tensor, labels: flow.Tensor,
+                        reduction: str = "mean") -> flow.Tensor:
+    """Softmax cross-entropy of a classification backbone's logits, in fp32 or wider."""
+    return F.cross_entropy(at_least_fp32(logits), labels, reduction=reduction)
 
 
 class FaceModel(nn.Module):
@@ -141,33 +179,19 @@ class TrainStep:
         self.dist = dist
         self.tuning = tuning or Tuning()
         self.step_index = 0
-        self.sharded = workload.fc in ("mp", "pfc")
+        self.sharded = workload.task == "face" and workload.fc in ("mp", "pfc")
         self.exact_float64 = exact_float64 = dtype == flow.float64
         self.data_parallel: exact.DataParallel | None = None
         """A float64 run's data-parallel wrapper on several ranks (OneFlow's DDP takes float32
         only), whose gradients the step averages itself."""
-        # Same seed on every rank: identical initial backbones (DDP broadcasts rank 0's too).
-        flow.manual_seed(workload.seed)
-        backbone = models.build_backbone(
-            workload.backbone, embedding_size=workload.embedding_size,
-            input_size=workload.input_size, output_block=workload.output_block,
-            dropout=workload.dropout, exact_statistics=exact_float64
-        ).to(device=dist.device, dtype=dtype)
-        if init is not None:
-            models.load_torch_arrays(backbone, init)
-        head = MarginSoftmaxHead(workload.num_classes, workload.embedding_size,
-                                 workload.resolved_margins, workload.scale, dist,
-                                 mode=workload.fc, seed=workload.seed, dtype=dtype,
-                                 straight_through=straight_through,
-                                 sample_ratio=workload.sample_ratio,
-                                 update=workload.pfc_update)
-        if init is not None:
-            head.set_weight(init["head/weight"])
+        backbone, head = build_model(workload, dist, init, dtype, straight_through,
+                                     exact_statistics=exact_float64)
         self.backbone, self.head = backbone, head
         self.model, self.embedding_model = self._wrap(backbone, head)
 
         self.clip_params = [p for p in backbone.parameters() if p.requires_grad]
-        main = list(self.clip_params) + ([] if self.sharded else [head.weight])
+        main = list(self.clip_params) + ([head.weight] if head is not None and not self.sharded
+                                         else [])
         self.optimizers = [self._sgd(main, fused=dist.device_type == "cuda",
                                      exact_float64=exact_float64)]
         if self.sharded and not head.sparse:
@@ -199,12 +223,12 @@ class TrainStep:
             module, broadcast_buffers=self.tuning.ddp_broadcast_buffers,
             bucket_size=DDP_BUCKET_PARAMS)
 
-    def _wrap(self, backbone: nn.Module, head: MarginSoftmaxHead
+    def _wrap(self, backbone: nn.Module, head: MarginSoftmaxHead | None
               ) -> tuple[nn.Module | None, nn.Module]:
-        """(the module that maps (images, labels) to the loss in dp, or None when sharded; the
-        module that maps images to embeddings)."""
+        """(the module that maps (images, labels) to the loss in dp, images to logits in
+        classification, or None when sharded; the module that maps images to embeddings)."""
         if not self.sharded:
-            model = FaceModel(backbone, head)
+            model = FaceModel(backbone, head) if head is not None else backbone
             return (self._ddp(model) if self.dist.distributed else model), backbone
         return None, (self._ddp(backbone) if self.dist.distributed else backbone)
 
@@ -215,7 +239,8 @@ class TrainStep:
             exact_dp = self.data_parallel is not None
             ddp = {"module": "trainperf.backends.oneflow.exact.DataParallel" if exact_dp
                    else "oneflow.nn.parallel.DistributedDataParallel",
-                   "wraps": "backbone" if self.sharded else "backbone and head",
+                   "wraps": "backbone" if self.sharded or self.head is None
+                   else "backbone and head",
                    "bucket_params": None if exact_dp else DDP_BUCKET_PARAMS,
                    "broadcast_buffers": self.tuning.ddp_broadcast_buffers,
                    "backbone_gradient": "sum (embedding gradient times world size)"
@@ -223,7 +248,9 @@ class TrainStep:
         # Not under "ddp": that key holds torch DDP's arguments (bucket MiB, static graph),
         # which the report reads and OneFlow's DDP does not have.
         head = "global split(0) class matrix" if self.sharded else "local class matrix"
-        if self.head.sampling:
+        if self.head is None:
+            head = "none: the classes are the backbone's last Linear"
+        elif self.head.sampling:
             head += (f"; pfc samples {self.workload.sample_ratio} of each shard, "
                      f"{self.head.update} update")
         return {"ddp": None, "oneflow_ddp": ddp, "head": head,
@@ -236,6 +263,8 @@ class TrainStep:
         return grad * float(self.dist.world_size)
 
     def forward_loss(self, images: flow.Tensor, labels: flow.Tensor) -> flow.Tensor:
+        if self.head is None:
+            return classification_loss(self.model(images), labels)
         if not self.sharded:
             return self.model(images, labels)
         emb = self.embedding_model(images)
@@ -273,7 +302,7 @@ class TrainStep:
             self.last_grad_norm = nn.utils.clip_grad_norm_(self.clip_params, float("inf"))
         for opt in self.optimizers:
             opt.step()
-        if self.head.sparse:
+        if self.head is not None and self.head.sparse:
             w = self.workload
             self.head.sparse_step(self.optimizers[0].param_groups[0]["lr"], w.momentum,
                                   w.weight_decay)
@@ -294,8 +323,9 @@ class TrainStep:
 
     @property
     def head_in_backward(self) -> bool:
-        """Whether the head's backward runs with the backbone's (``dp`` under DDP)."""
-        return self.model is not None and self.dist.distributed
+        """Whether the head's backward runs with the backbone's (``dp`` under DDP; always in
+        classification, whose head phase is the loss alone)."""
+        return self.head is None or (self.model is not None and self.dist.distributed)
 
     def _skip_all_reduce(self) -> None:
         """Let the coming backward reduce nothing. OneFlow 0.9's DDP has no ``no_sync``: its
@@ -311,10 +341,16 @@ class TrainStep:
         (one process, ``mp``, ``pfc``) its backward to the embeddings runs inside ``head``,
         through a detached copy of them, and the backbone's backward after it from their
         gradient; under DDP (``dp`` on several ranks) it runs with the backbone's in
-        ``backward``."""
+        ``backward``. Classification's head phase is its loss, whose backward is the
+        backbone's."""
         with clock.phase("optimizer"):
             self._begin()
-        if self.head_in_backward:
+        if self.head is None:
+            with clock.phase("backbone_forward"):
+                logits = self.model(images)
+            with clock.phase("head"):
+                loss = classification_loss(logits, labels)
+        elif self.head_in_backward:
             face = self.model.module if self.data_parallel is not None else self.model
             face.phase_clock = clock
             try:
@@ -345,9 +381,10 @@ class TrainStep:
         return _local(loss)
 
     @property
-    def pfc_update(self) -> str:
-        """Which class-matrix update ran: ``full`` (no sampling), ``sparse`` or ``dense``."""
-        return self.head.update
+    def pfc_update(self) -> str | None:
+        """Which class-matrix update ran: ``full`` (no sampling), ``sparse`` or ``dense``; None
+        in classification."""
+        return None if self.head is None else self.head.update
 
     @property
     def lr(self) -> float:
@@ -358,6 +395,7 @@ class TrainStep:
     def markers(self) -> list[flow.Tensor]:
         """Small fresh tensors that are ready once the last step's updates have run (one
         element of the last array each optimizer updates, copied after the update)."""
-        head = self.head.local_weight()
-        return [self._last_backbone.detach().view(-1)[:1].clone(),
-                head.detach().view(-1)[:1].clone()]
+        marks = [self._last_backbone.detach().view(-1)[:1].clone()]
+        if self.head is not None:
+            marks.append(self.head.local_weight().detach().view(-1)[:1].clone())
+        return marks

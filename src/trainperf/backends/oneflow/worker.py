@@ -9,6 +9,12 @@ machine and returns, so a step's markers (``TrainStep.markers``: one element of 
 the step updates, copied after the update) are waited on by the loop's watcher thread with
 ``numpy()``, which releases the GIL while it blocks. The window's edges wait for the virtual
 machine (``Dist.sync``). Losses stay on the device until the window has ended.
+
+Modes (``Capabilities.modes``): ``eager`` runs ``step.TrainStep``; ``graph`` runs
+``graph_step.GraphTrainStep``, one ``nn.Graph`` whose job OneFlow compiles on the first step
+(``compile_count``: how many times its ``build`` was traced) and launches once per step; its
+batches are each rank's piece of a global ``split(0)`` batch (``placed``), and a profiled step
+is the data and that job as one phase.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import oneflow as flow  # noqa: E402
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
                          cudnn_version, dumps_state, environment, load_init, memory_fields,
                          leave, rss_now_bytes, rss_peak_bytes, worker_entry)
-from ..phases import NO_COMM, PhaseClock
+from ..phases import NO_COMM, PhaseClock, compiled_step_phase
 from . import models, profiling
 from .alignment import step_state
 from .backend import BACKEND
 from .dist import Dist, dist_from_env
+from .graph_step import GraphTrainStep
 from .step import TrainStep, init_batch, synthetic_batch
 
 
@@ -124,15 +131,32 @@ class OneFlowRun(FrameworkRun):
         init = load_init(spec)
         align = spec.align
         dtype = getattr(flow, align_dtype(spec))
-        self.train_step = TrainStep(
+        step_class = GraphTrainStep if self.graph_mode else TrainStep
+        self.train_step = step_class(
             spec.workload, dist, spec.tuning, init=init, dtype=dtype,
             keep_grad_norm=dumps_state(align),
             straight_through=breaks_margin(align))
         if spec.data is not None:
             self.real = RealData(spec, [dist.rank], dist.world_size, self.real_batch)
             return
-        self.images, self.labels = (init_batch(spec.workload, init, dist, dtype)
-                                    if init is not None else synthetic_batch(spec.workload, dist))
+        batch = (init_batch(spec.workload, init, dist, dtype)
+                 if init is not None else synthetic_batch(spec.workload, dist))
+        self.images, self.labels = self.placed(*batch)
+
+    @property
+    def graph_mode(self) -> bool:
+        """Whether the step is one ``nn.Graph`` (``--mode graph``, ``graph_step.py``)."""
+        return self.mode == "graph"
+
+    def placed(self, images: flow.Tensor, labels: flow.Tensor
+               ) -> tuple[flow.Tensor, flow.Tensor]:
+        """A batch as the step takes it: local in eager mode, this rank's piece of a global
+        batch in graph mode."""
+        return self.train_step.place(images, labels) if self.graph_mode else (images, labels)
+
+    def compile_count(self) -> int | None:
+        """The graph's compilations; None in eager mode, which compiles nothing to count."""
+        return self.train_step.compiles if self.graph_mode else None
 
     def real_batch(self, images, labels, position: int) -> tuple[flow.Tensor, flow.Tensor]:
         """A real batch on the device: the uint8 NHWC images copied over, then made NCHW
@@ -141,7 +165,8 @@ class OneFlowRun(FrameworkRun):
         mean, std = self.real.constants(position, lambda *ms: [
             flow.tensor(v, dtype=flow.float32, device=device).reshape(1, 3, 1, 1) for v in ms])
         x = flow.tensor(images, device=device).permute(0, 3, 1, 2).to(flow.float32)
-        return (x - mean) / std, flow.tensor(labels, dtype=flow.int64, device=device)
+        return self.placed((x - mean) / std, flow.tensor(labels, dtype=flow.int64,
+                                                         device=device))
 
     def start_fields(self, baseline: int) -> dict:
         step = self.train_step
@@ -169,10 +194,16 @@ class OneFlowRun(FrameworkRun):
         return [float(v) for v in flow.stack([loss.reshape(()) for loss in outputs]).numpy()]
 
     # -- profiled runs (``profiling.py``) ------------------------------------------------------
-    merged_phases: dict[str, str] = {}
+    @property
+    def merged_phases(self) -> dict[str, str]:  # type: ignore[override]
+        if self.graph_mode:
+            return profiling.graph_merged_phases(self.world_size)
+        return {}
 
     @property
     def phase_method(self) -> str:
+        if self.graph_mode:
+            return profiling.GRAPH_METHOD
         return profiling.method(self.dist, self.train_step)
 
     def annotate(self, name: str) -> contextlib.AbstractContextManager:
@@ -181,11 +212,13 @@ class OneFlowRun(FrameworkRun):
     def profiler(self, trace_dir: str | None) -> contextlib.AbstractContextManager:
         return profiling.profiler(trace_dir if self.rank == 0 else None)
 
-    def head_has_backward(self) -> bool:
+    def head_has_backward(self) -> bool | None:
+        if self.graph_mode:
+            return None
         return not self.train_step.head_in_backward
 
     def can_skip_comm(self) -> bool:
-        return self.train_step.ddp is not None
+        return not self.graph_mode and self.train_step.ddp is not None
 
     def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> flow.Tensor:
         with clock.phase("data"):
@@ -193,6 +226,10 @@ class OneFlowRun(FrameworkRun):
                 images, labels = self.real.next()[0]
             else:
                 images, labels = self.images, self.labels
+        if self.graph_mode:
+            # One job: the host can only wait for the whole of it.
+            with clock.phase(compiled_step_phase(self.world_size)):
+                return self.train_step(images, labels)
         return self.train_step.profiled(images, labels, clock, skip_comm=variant == NO_COMM)
 
     def matmul_rate(self) -> tuple[float, str]:
