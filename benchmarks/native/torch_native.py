@@ -1,7 +1,12 @@
 """PyTorch's own training step, as a PyTorch user writes it: the reference that trainperf's torch
 worker is measured against (benchmarks/native_parity.py).
 
-Eager mode, torch.optim.SGD with its defaults, ``zero_grad()`` / ``backward()`` / ``step()``.
+Eager mode by default, or ``--mode compile``: the forward and loss as one function under
+``torch.compile`` (inductor), or ``--mode compile-cudagraphs`` (``mode="reduce-overhead"``,
+CUDA only), compiled in the warm-up; torch.optim.SGD with its defaults, ``zero_grad()`` /
+``backward()`` / ``step()`` eager around it, as torch's tutorials write a compiled training
+step. A compiled run keeps the layout asked for (inductor's ``layout_optimization`` off
+without ``--channels-last``), as trainperf's worker does (``backends/torch/modes.py`` says why).
 ResNet50 comes from torchvision's model zoo (timm's where torchvision is not installed; both are
 the ResNet-B layout, stride on the 3x3), or is written out in torchvision's layout from stock
 layers where neither loads. The face backbone
@@ -12,6 +17,7 @@ Imports only torch, its model zoo, numpy and the standard library.
 
     python benchmarks/native/torch_native.py --case rn50|face --batch B --threads T --iters N --warmup W
         [--device cpu|cuda] [--precision fp32|bf16|fp16] [--channels-last] [--classes C]
+        [--mode eager|compile|compile-cudagraphs]
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 NAME = "native torch"
+MODES = {"eager": None, "compile": "default", "compile-cudagraphs": "reduce-overhead"}
+"""trainperf's names of torch's modes, and ``torch.compile``'s ``mode`` for each."""
 
 
 class Bottleneck(nn.Module):
@@ -131,7 +139,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: torch sees no GPU")
     if a.device == "cpu" and a.precision == "fp16":
         p.error("--precision fp16 needs --device cuda (its GradScaler is a GPU idiom)")
+    a.mode = a.mode or "eager"
+    if a.mode not in MODES:
+        p.error(f"--mode {a.mode}: torch runs {', '.join(MODES)}")
+    if a.mode == "compile-cudagraphs" and a.device != "cuda":
+        p.error("--mode compile-cudagraphs needs --device cuda (CUDA graphs)")
     return a
+
+
+def in_mode(forward, mode: str, channels_last: bool):
+    """``forward`` as ``mode`` runs it: itself, or compiled by inductor with the mode's own
+    options and the layout asked for."""
+    if MODES[mode] is None:
+        return forward
+    from torch._inductor import list_mode_options
+
+    options = dict(list_mode_options(MODES[mode]))
+    if not channels_last:
+        options["layout_optimization"] = False
+    return torch.compile(forward, backend="inductor", options=options)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,11 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
     scaler = torch.amp.GradScaler(enabled=a.precision == "fp16")
 
+    def forward(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = backbone(images)
+        return F.cross_entropy(out, labels) if rn50 else head(out, labels)
+
+    forward_loss = in_mode(forward, a.mode, a.channels_last)
+    graphs = a.mode == "compile-cudagraphs"
+
     def step() -> torch.Tensor:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: replay over the last
         opt.zero_grad()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            out = backbone(images)
-            loss = F.cross_entropy(out, labels) if rn50 else head(out, labels)
+            loss = forward_loss(images, labels)
         scaler.scale(loss).backward()
         if not rn50:
             scaler.unscale_(opt)
@@ -192,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     window = time.perf_counter() - start
     native_cli.report(
         "torch", a, window, threads=a.threads or torch.get_num_threads(),
-        settings={"zoo": zoo, "compile": "eager",
+        settings={"zoo": zoo, "compile": a.mode if MODES[a.mode] is None else
+                  f"torch.compile(forward and loss, inductor, mode={MODES[a.mode]!r})",
+                  "mode": a.mode,
                   "layout": "NHWC (channels_last)" if a.channels_last else "NCHW",
                   "optimizer": "torch.optim.SGD (defaults)",
                   "amp": f"autocast {a.precision}" if amp_dtype else "off",

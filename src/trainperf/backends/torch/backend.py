@@ -30,10 +30,18 @@ def launch(req: LaunchRequest) -> Launch:
 BACKEND = Backend(
     name="torch", framework="pytorch", launch=launch,
     capabilities=Capabilities(
-        modes={"cpu": ("eager",), "cuda": ("eager",)},
-        mode_words={"eager": "eager nn.Modules"},
+        modes={"cpu": ("eager", "compile"),
+               "cuda": ("eager", "compile", "compile-cudagraphs")},
+        mode_words={"eager": "eager nn.Modules",
+                    "compile": "torch.compile, inductor",
+                    "compile-cudagraphs": 'torch.compile(mode="reduce-overhead"), inductor '
+                                          "kernels replayed as CUDA graphs"},
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32", "fp16", "bf16"), "cuda": ("fp32", "fp16", "bf16")},
-        families=FAMILIES, channels_last=True, real_data=True, trains=True),
-    runs_as="eager modules, DDP; pfc with a sparse (default) or dense update",
+        families=FAMILIES, channels_last=True, real_data=True, trains=True,
+        # The H200 record (benchmarks/results/gpu-h200-2026-11-26/): R100 channels-last ran
+        # 1.47x (fp32) to 1.97x (bf16) NCHW. On a CPU torch's convolutions stay channels-first.
+        layouts={"cuda": "channels_last"}),
+    runs_as="eager modules or torch.compile (inductor; CUDA graphs on a GPU), DDP; pfc with a "
+            "sparse (default) or dense update",
     ranks_start="one process per rank, `torch.distributed.run`'s variables")

@@ -16,6 +16,7 @@ def framework_env(device: torch.device) -> dict:
         "device_names": [],
         "device_count": 0,
         "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
         "tf32_matmul": None,
         "tf32_cudnn": None,
         "cudnn_benchmark": None,

@@ -25,7 +25,10 @@ def method(ctx: DistContext, step: TrainStep) -> str:
     clock = ("CUDA events recorded between phases" if ctx.device.type == "cuda"
              else "the host clock between phases (CPU ops finish before their call returns)")
     parts = [f"torch.profiler record_function ranges; {clock}"]
-    if step.head is not None and step._ddp() is step.model:
+    if step.one_graph:
+        parts.append("dp compiled as one graph: the head's forward is in backbone_forward+head, "
+                     "its backward in backward")
+    elif step.head_with_backbone:
         parts.append("dp under DDP: the head's backward runs in backward")
     if ctx.distributed:
         parts.append("gradient communication not hidden = backward less backward under "

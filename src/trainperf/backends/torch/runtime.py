@@ -98,6 +98,7 @@ def step_settings(step: TrainStep, device: torch.device) -> dict:
     """The speed settings this run's step actually runs with."""
     return {"cudnn_benchmark": torch.backends.cudnn.benchmark if device.type == "cuda" else None,
             "ddp": step.ddp_settings,
+            "torch_compile": step.compile_settings,
             "loss_scaling": "dynamic, one overflow decision for all ranks"
             if step.workload.precision == "fp16" else None}
 

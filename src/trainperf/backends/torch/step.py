@@ -1,8 +1,19 @@
 """The training step that trainperf measures: backbone, head, loss, backward, clip, SGD.
 
-This module owns precision and the optimizers. It does no timing, no logging and reads nothing
-back to the host (.item()) but, in fp16, the one skip decision of loss scaling (loss_scale.py),
-so the loop that times it decides every other sync.
+This module owns precision, the optimizers and the execution mode (``modes.py``): in a compiled
+mode, ``torch.compile`` wraps the module that DDP wraps (or would wrap on several ranks), DDP
+included, as torch's guide to DDP with ``torch.compile`` writes it, so that TorchDynamo's DDP
+optimizer splits the graph at the gradient buckets and the all-reduce still overlaps the
+backward. In ``dp`` that is backbone and head as one graph; in ``mp`` and ``pfc`` the backbone
+alone: their head's collectives (the embeddings gathered, the sharded softmax's all-reduces)
+are custom autograd functions around ``torch.distributed`` calls that run eagerly on their
+own, and Partial FC's sampling counts its positives on the host and swaps the sampled rows'
+storage every step. The head stays eager there. The optimizers and clipping stay eager in
+every mode, as a ``torch.compile`` user's training loop has them.
+
+It does no timing, no logging and reads nothing back to the host (.item()) but, in fp16, the
+one skip decision of loss scaling (loss_scale.py), so the loop that times it decides every
+other sync.
 """
 
 from __future__ import annotations
@@ -22,7 +33,12 @@ from .dist import DistContext
 from .heads import MarginSoftmaxHead, SampledRowsSGD
 from .heads.margin import at_least_fp32
 from .loss_scale import DynamicLossScaler
+from .modes import (COMPILE_MODES, EAGER, compiled, inductor_options, is_compiled, kept,
+                    step_begins, unwrapped)
 
+ONE_GRAPH_PHASE = "backbone_forward+head"
+ONE_GRAPH_WHY = ("torch.compile runs the dp backbone and head as one graph: their forward has no "
+                 "boundary to time")
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch 2.13 renamed DDP's broadcast_buffers (re-send buffers before every forward) to
 # forward_sync_buffers; the package supports releases on both sides of the rename.
@@ -72,10 +88,12 @@ class TrainStep:
 
     ``dtype``: what the weights, activations, gradients and optimizer state are held in
     (float64 for a strict alignment run); ``keep_grad_norm``: keep every step's gradient norm
-    before clipping (``last_grad_norm``) even where no clipping needs it."""
+    before clipping (``last_grad_norm``) even where no clipping needs it; ``mode``: the
+    execution mode (``modes.py``), resolved already (``eager``, ``compile``...)."""
 
     def __init__(self, workload: Workload, ctx: DistContext, tuning: Tuning | None = None,
-                 dtype: torch.dtype = torch.float32, keep_grad_norm: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, keep_grad_norm: bool = False,
+                 mode: str = EAGER) -> None:
         spec = get_spec(workload.backbone)
         if spec.task != workload.task:
             raise ValueError(f"backbone {workload.backbone!r} is a {spec.task} backbone, "
@@ -83,6 +101,7 @@ class TrainStep:
         self.workload = workload
         self.ctx = ctx
         self.tuning = tuning or Tuning()
+        self.mode = mode
         self.step_index = 0
         device = ctx.device
         # Same seed on every rank: identical initial backbones (DDP would broadcast anyway).
@@ -130,20 +149,50 @@ class TrainStep:
 
     def _wrap(self, backbone: nn.Module) -> nn.Module:
         ctx, head = self.ctx, self.head
+        whole = head is None or self.workload.fc == "dp"
         model: nn.Module = backbone if head is None else FaceModel(backbone, head)
+
+        def in_mode(module: nn.Module) -> nn.Module:
+            return compiled(module, self.mode, self.workload.channels_last)
+
         if not ctx.distributed:
-            return model
+            return in_mode(model) if whole else FaceModel(in_mode(backbone), head)
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         settings = dict(self.ddp_settings)
         settings[_BUFFER_SYNC_ARG] = settings.pop("broadcast_buffers")
-        if head is None or self.workload.fc == "dp":
-            return DDP(model, device_ids=ids, process_group=ctx.group, **settings)
+        if whole:
+            return in_mode(DDP(model, device_ids=ids, process_group=ctx.group, **settings))
         # mp / pfc: the head is sharded and stays out of DDP. Its loss is the mean over the global
         # batch and identical on every rank, so each rank's backbone gradient is one partial of
         # the true gradient: they must be summed, not averaged as DDP does by default.
         wrapped = DDP(backbone, device_ids=ids, process_group=ctx.group, **settings)
         wrapped.register_comm_hook(ctx.group, _sum_allreduce_hook)
-        return FaceModel(wrapped, head)
+        return FaceModel(in_mode(wrapped), head)
+
+    @property
+    def compile_settings(self) -> dict | None:
+        """What ``torch.compile`` wraps and with which options (None in eager)."""
+        if not is_compiled(self.mode):
+            return None
+        wraps = "backbone" if self.head is None or not self.head_with_backbone else (
+            "backbone and head")
+        if self.ctx.distributed:
+            wraps += ", under DDP (its DDP optimizer splits the graph at the buckets)"
+        return {"backend": "inductor", "mode": COMPILE_MODES[self.mode],
+                "options": inductor_options(self.mode, self.workload.channels_last),
+                "wraps": wraps}
+
+    @property
+    def head_with_backbone(self) -> bool:
+        """The head runs inside the module that runs the backbone (``dp`` under DDP, or ``dp``
+        compiled): its backward runs in the backbone's backward, never apart."""
+        return self.head is not None and not isinstance(self.model, FaceModel)
+
+    @property
+    def one_graph(self) -> bool:
+        """Backbone and head compiled as one graph (``dp`` in a compiled mode): their forward
+        cannot be timed apart."""
+        return self.head_with_backbone and unwrapped(self.model) is not self.model
 
     @property
     def pfc_update(self) -> str | None:
@@ -166,10 +215,11 @@ class TrainStep:
         scaler = self.scaler
         (loss if scaler is None else scaler.scale_loss(loss)).backward()
         self._update()
-        return loss.detach()
+        return kept(loss.detach(), self.mode)
 
     def _begin(self) -> None:
         """Clear the gradients and set this step's rate."""
+        step_begins(self.mode)
         lr = self.workload.lr_at(self.step_index)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -199,9 +249,10 @@ class TrainStep:
 
     def _ddp(self) -> DDP | None:
         """The DDP module whose all-reduce carries the replicated gradients (None: one process)."""
-        if isinstance(self.model, DDP):
-            return self.model
-        backbone = getattr(self.model, "backbone", None)
+        model = unwrapped(self.model)
+        if isinstance(model, DDP):
+            return model
+        backbone = unwrapped(getattr(model, "backbone", None))
         return backbone if isinstance(backbone, DDP) else None
 
     def profiled(self, images: torch.Tensor, labels: torch.Tensor, clock,
@@ -224,7 +275,11 @@ class TrainStep:
                 with clock.phase("head"):
                     loss = F.cross_entropy(at_least_fp32(logits), labels)
                 scaled = loss if scaler is None else scaler.scale_loss(loss)
-            elif self.model is ddp:
+            elif self.one_graph:
+                with clock.phase(ONE_GRAPH_PHASE):
+                    loss = self.model(images, labels)
+                scaled = loss if scaler is None else scaler.scale_loss(loss)
+            elif self.head_with_backbone:  # dp under DDP
                 face = ddp.module
                 face.phase_clock = clock
                 try:
@@ -248,7 +303,7 @@ class TrainStep:
                     embeddings.backward(cut.grad)
         with clock.phase("optimizer"):
             self._update()
-        return loss.detach()
+        return kept(loss.detach(), self.mode)
 
     @property
     def lr(self) -> float:

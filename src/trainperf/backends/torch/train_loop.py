@@ -32,6 +32,7 @@ from ...data.binset import read_bin
 from ...faults import inject, parse_faults
 from ...protocol import End, Eval, EventWriter, RunSpec, Step
 from . import checkpoint
+from .backend import BACKEND
 from .data import real_feed
 from .dist import DistContext
 from .evaluation import evaluate_sets
@@ -94,7 +95,9 @@ def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     sets = ([read_bin(p, size=workload.input_size) for p in plan.val]
             if ctx.rank == 0 else [])
     configure_backend(spec.tuning, ctx.device)
-    step = TrainStep(workload, ctx, spec.tuning)
+    # Not through workerkit's measured run, which resolves the mode for the others.
+    mode = BACKEND.resolve_mode(spec.tuning.mode, ctx.device.type)
+    step = TrainStep(workload, ctx, spec.tuning, mode=mode)
     progress = fresh_progress()
     found = checkpoint.step_dirs(plan.checkpoint_dir) if plan.checkpoint_dir else []
     if found:
@@ -111,7 +114,7 @@ def train(spec: RunSpec, events: EventWriter, ctx: DistContext) -> None:
     global_batch = workload.batch_size * ctx.world_size
     feed, input_info = real_feed(spec.data, workload, ctx,
                                  start=progress["samples"] // ctx.world_size)
-    emit_start(events, ctx, step, baseline, input_info,
+    emit_start(events, ctx, step, baseline, input_info, mode=mode,
                resumed_from_step=progress["step"] if found else None)
 
     timer = make_timer(ctx.device)

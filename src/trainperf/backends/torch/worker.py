@@ -4,8 +4,11 @@
 The entry, failures and the ``start``/``step``/``end`` events are ``workerkit``'s, as for every
 framework; this module is torch's side of a measured run. Its step times come from CUDA events
 on a GPU and the host clock on a CPU (``timing.py``), never from a sync inside the window. A
-spec with ``train`` trains to a verification accuracy instead (``train_loop.py``). For tests,
-TRAINPERF_FAULT injects failures at steps (``trainperf.faults``).
+spec with ``train`` trains to a verification accuracy instead (``train_loop.py``). The step runs
+in the mode the spec resolves to (``modes.py``: eager, or ``torch.compile``'d, which compiles
+in the first step, inside the warm-up). For tests, TRAINPERF_FAULT injects failures at steps
+(``trainperf.faults``), and TRAINPERF_TEST_RECOMPILE_AT=STEP drops the compiled graphs before
+that step (``modes.RECOMPILE_AT_ENV``).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from .alignment import load_start, step_state
 from .backend import BACKEND
 from .data import real_feed, synthetic_batch
 from .dist import init_from_env
+from .modes import (CUDA_GRAPH_MODES, cudagraph_skips, force_recompile, graphs_compiled,
+                    recompile_step)
 from .runtime import (configure_backend, current_memory, is_oom, memory_over_ranks,
                       peak_memory, start_fields, start_window_peak, waits_over_ranks)
-from .step import TrainStep
+from .step import ONE_GRAPH_PHASE, ONE_GRAPH_WHY, TrainStep
 from .timing import make_timer, timed_loop
 
 
@@ -40,7 +45,10 @@ class TorchRun(FrameworkRun):
 
     def connect(self) -> None:
         if self.spec.threads:
+            # This rank's share of the cores, for both of torch's pools: the intra-op one (and
+            # OpenMP's, which inductor's CPU kernels size from it) and the inter-op one.
             torch.set_num_threads(self.spec.threads)
+            torch.set_num_interop_threads(self.spec.threads)
         self.ctx = ctx = init_from_env(self.spec.device)
         self.rank, self.world_size, self.distributed = ctx.rank, ctx.world_size, ctx.distributed
         self.device, self.device_kind = str(ctx.device), ctx.device.type
@@ -69,9 +77,13 @@ class TorchRun(FrameworkRun):
         align = spec.align
         self.train_step = TrainStep(spec.workload, ctx, spec.tuning,
                                     getattr(torch, align_dtype(spec)),
-                                    keep_grad_norm=dumps_state(align))
+                                    keep_grad_norm=dumps_state(align), mode=self.mode)
         if breaks_margin(align) and self.train_step.head:
             self.train_step.head.straight_through = True
+        self.recompile_at = recompile_step()
+        # CUDA graphs are captured in the first step, or skipped there: ``start`` waits for it
+        # to say how many graphs ran without one.
+        self.start_after_first_step = self.mode in CUDA_GRAPH_MODES
         self.feed, self.input_info = None, None
         self.waits: list[float] = []
         if spec.data:
@@ -82,9 +94,15 @@ class TorchRun(FrameworkRun):
             self.images, self.labels = synthetic_batch(spec.workload, ctx)
 
     def start_fields(self, baseline: int) -> dict:
-        return start_fields(self.ctx, self.train_step, baseline, self.input_info)
+        return start_fields(self.ctx, self.train_step, baseline, self.input_info,
+                            cudagraph_skips=cudagraph_skips(self.mode))
+
+    def compile_count(self) -> int | None:
+        return graphs_compiled(self.mode)
 
     def step(self, index: int) -> torch.Tensor:
+        if index == self.recompile_at:
+            force_recompile()
         if self.feed is None:
             return self.train_step(self.images, self.labels)
         batch = next(self.feed)
@@ -119,7 +137,9 @@ class TorchRun(FrameworkRun):
         return torch.stack(outputs).double().tolist()
 
     # -- profiled runs ------------------------------------------------------------------------
-    merged_phases: dict[str, str] = {}
+    @property
+    def merged_phases(self) -> dict[str, str]:  # type: ignore[override]
+        return {ONE_GRAPH_PHASE: ONE_GRAPH_WHY} if self.train_step.one_graph else {}
 
     @property
     def phase_method(self) -> str:
@@ -144,7 +164,7 @@ class TorchRun(FrameworkRun):
         step = self.train_step
         if step.head is None:
             return None
-        return step._ddp() is not step.model  # dp under DDP: the backward runs in backward
+        return not step.head_with_backbone  # dp under DDP or compiled: it runs in backward
 
     def profiled_step(self, index: int, clock: PhaseClock, variant: str) -> torch.Tensor:
         with clock.phase("data"):

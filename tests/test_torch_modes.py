@@ -1,0 +1,121 @@
+"""torch's execution modes end to end on CPU: ``--mode compile`` (``torch.compile``, inductor)
+reaches the worker, is recorded with its compile time and trains as eager does; a
+recompilation inside the window is flagged (the worker's test hook
+``TRAINPERF_TEST_RECOMPILE_AT`` drops the compiled graphs mid-window); ``compile-cudagraphs``
+is refused on a CPU in one line; and the compiled step aligns in float64 with torch eager on one
+and two ranks, dp and mp.
+
+Inductor keeps what it compiled in its cache on disk: the second compiled run of a graph
+loads it instead of compiling again, so the runs here share one recipe and shape."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from align_checks import align, assert_strictly_aligned
+from run_util import left_behind
+from trainperf import results
+from trainperf.backends.torch.modes import RECOMPILE_AT_ENV
+from trainperf.cli import main
+
+pytestmark = pytest.mark.slow
+
+WARMUP, ITERS = 2, 5
+SHORT = ["--device", "cpu", "--devices", "1", "--runs", "1", "--iters", str(ITERS),
+         "--warmup", str(WARMUP)]
+
+
+def one_run(out: Path, mode: str, recompile_at: int | None = None) -> tuple[dict, dict]:
+    """``trainperf run tiny-arcface --mode MODE`` on one CPU rank: its case and its run."""
+    if recompile_at is not None:
+        os.environ[RECOMPILE_AT_ENV] = str(recompile_at)
+    try:
+        code = main(["run", "tiny-arcface", "--mode", mode, *SHORT, "--out", str(out)])
+    finally:
+        os.environ.pop(RECOMPILE_AT_ENV, None)
+    [case] = results.load(out)["cases"]
+    assert code == 0 or recompile_at is not None, case["runs"][0]["error"]
+    return case, case["runs"][0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """One eager run, one compiled run, and one compiled run whose graphs are dropped at the
+    window's second step (it loads them back from inductor's cache, inside the window)."""
+    base = tmp_path_factory.mktemp("modes")
+    return {"eager": one_run(base / "eager", "eager"),
+            "compile": one_run(base / "compile", "compile"),
+            "recompiled": one_run(base / "recompiled", "compile", recompile_at=WARMUP + 1)}
+
+
+def test_compile_reaches_the_worker_and_is_recorded(runs):
+    case, run = runs["compile"]
+    assert run["status"] == "ok" and run["samples_per_s"] > 0, run["error"]
+    assert run["mode"] == "compile"
+    compiled = case["settings"]["torch_compile"]
+    assert compiled["backend"] == "inductor" and compiled["wraps"] == "backbone and head"
+    # tiny-arcface on a CPU runs channels-first: inductor is told to keep that layout.
+    assert compiled["options"] == {"layout_optimization": False}
+    # The compilation happened in the first step, inside the warm-up, and none in the window.
+    assert run["first_step_s"] > 0 and run["compile_s"] > 0 and run["startup_s"] > 0
+    assert run["first_step_s"] > max(run["step_times_s"])
+    assert run["recompiles_in_window"] == 0 and "recompiled_in_window" not in run["flags"]
+    _, eager = runs["eager"]
+    assert eager["mode"] == "eager" and eager["recompiles_in_window"] is None
+    assert runs["eager"][0]["settings"]["torch_compile"] is None
+
+
+def test_the_compiled_step_trains_as_eager_does(runs):
+    """The same start, batch and step: the first loss agrees to float32's rounding, and the
+    later ones stay close (inductor fuses and reorders, so they drift by rounding only)."""
+    _, eager = runs["eager"]
+    _, compiled = runs["compile"]
+    assert compiled["loss_first"] == pytest.approx(eager["loss_first"], rel=1e-5)
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
+
+
+def test_a_recompilation_inside_the_window_is_flagged(runs):
+    case, run = runs["recompiled"]
+    assert run["mode"] == "compile" and run["recompiles_in_window"] >= 1
+    assert "recompiled_in_window" in run["flags"]
+    # Its window holds a compilation: its speed is left out of the case's figures.
+    assert case["median_samples_per_s"] is None and case["ok_runs"] == 0
+    # Otherwise the same run: its steps are timed and its losses those of the clean one.
+    assert len(run["step_times_s"]) == ITERS - WARMUP
+    assert run["losses"] == pytest.approx(runs["compile"][1]["losses"], rel=1e-5)
+
+
+def test_cuda_graphs_are_refused_on_a_cpu_in_one_line(tmp_path, capsys):
+    code = main(["run", "tiny-arcface", "--mode", "compile-cudagraphs", *SHORT,
+                 "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith("trainperf: error:")
+    assert "the torch backend runs --mode eager, compile on a CPU" in err
+    assert "compile-cudagraphs needs a GPU" in err
+    assert not (tmp_path / "r" / "results.json").exists()
+
+
+def test_compiled_step_aligns_in_float64_on_two_ranks(tmp_path, capsys):
+    # Two ranks, both heads: a compiled backbone under DDP and beside the sharded head. One
+    # rank was checked by hand (`trainperf align tiny-arcface --framework torch --mode compile
+    # --devices 1,2 --fc dp,mp`); each check compiles in float64, minutes on a cold cache.
+    code, outcome = align("torch", tmp_path / "align", "2", "dp,mp", "--mode", "compile")
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert outcome["aligned"] and outcome["dtype"] == "float64", printed
+    assert outcome["framework"] == "torch" and outcome["mode"] == "compile"
+    assert {(c["fc"], c["ranks"]) for c in outcome["checks"]} == {("dp", 2), ("mp", 2)}
+    for check in outcome["checks"]:
+        assert_strictly_aligned(check)
+    assert left_behind(tmp_path) == []
+    # Each check's candidate compiled its step: its record says so, not only the request.
+    candidates = sorted((tmp_path / "align" / "runs").glob("*/candidate-torch/results.json"))
+    assert len(candidates) == 2
+    for path in candidates:
+        [case] = json.loads(path.read_text())["cases"]
+        assert case["mode"] == "compile" and case["settings"]["torch_compile"], path
