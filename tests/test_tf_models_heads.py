@@ -2,9 +2,10 @@
 float64 oracle.
 
 TensorFlow runs in its own environment (``tf_python``, no torch there): ONE script run there
-(TensorFlow takes seconds to start) builds the backbones, runs the forward and backward of two
-tiny ones on torch's weights, the dp head on the oracle's inputs, three training steps, the
-Partial FC sample and update and the BatchNorm bridge (below), and writes ``.npz`` / JSON files;
+(TensorFlow takes seconds to start) builds the backbones, runs the forward and backward of four
+small ones on torch's weights, the dp head on the oracle's inputs, three training steps, the
+Partial FC sample and update and the BatchNorm bridge (below; also compiled by XLA, as ``--mode
+xla`` runs it), and writes ``.npz`` / JSON files;
 ONE launch of two ranks (``trainperf.backends.spawn``, a ``MultiWorkerMirroredStrategy`` on
 RING, as a run starts them) runs the sharded heads and steps. The comparisons happen here,
 against torch and ``tests/oracle.py``.
@@ -53,13 +54,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
 SCALE = 64.0
-# Parameter names, shapes and counts: tiny-arcface's and rn50-v1b-imagenet's backbones and the
-# tiny ResNet v1b (the full IResNets come from the same code as iresnet_tiny and take seconds to
-# initialise: iresnet50 and iresnet100 were compared by hand).
-BUILDS = {"iresnet_tiny": {"embedding_size": 64}, "resnet50_v1b": {}, "resnet_v1b_tiny": {}}
+# Parameter names, shapes and counts: tiny-arcface's and rn50-v1b-imagenet's backbones, the tiny
+# ResNet v1b and the three MobileFaceNets (Y1, the 512-d model, the tiny one) (the full IResNets
+# come from the same code as iresnet_tiny and take seconds to initialise: iresnet50 and
+# iresnet100 were compared by hand).
+BUILDS = {"iresnet_tiny": {"embedding_size": 64}, "resnet50_v1b": {}, "resnet_v1b_tiny": {},
+          "mobilefacenet_y1": {}, "mobilefacenet": {}, "mobilefacenet_tiny": {}}
 # Forward and backward on torch's (randomised) weights: (backbone, build kwargs, side, batch).
 FORWARD = {"iresnet_tiny": ("iresnet_tiny", {"embedding_size": 16}, 32, 4),
-           "resnet_v1b_tiny": ("resnet_v1b_tiny", {"num_classes": 10}, 32, 4)}
+           "resnet_v1b_tiny": ("resnet_v1b_tiny", {"num_classes": 10}, 32, 4),
+           "mobilefacenet_tiny": ("mobilefacenet_tiny", {"embedding_size": 16}, 32, 4),
+           # The 512-d model: its second stem convolution is grouped but not depthwise.
+           "mobilefacenet": ("mobilefacenet", {"embedding_size": 16}, 32, 2)}
 # Three steps of TrainStep: (workload fields, rates of the three steps, clip norm).
 UPDATES = {
     "face": (dict(backbone="iresnet_tiny", num_classes=37, batch_size=4, embedding_size=8,
@@ -146,8 +152,8 @@ for case, (name, kwargs, side, _) in spec["forward"].items():
 # both in float32 and inside a tf.function, as TrainStep runs them: one BatchNorm built twice
 # from the same values, the second forced onto the composed path; a few training steps, then an
 # inference forward.
-def bn_training_step(bn):
-    @tf.function
+def bn_training_step(bn, jit_compile=False):
+    @tf.function(jit_compile=jit_compile)
     def step(x, r):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -161,19 +167,19 @@ report["bn_fused"] = {dtype: models.BatchNorm(models.Params(0, dtype), "bn", 3).
                       for dtype in ("float32", "float64")}
 for case in spec["bridge"]:
     data = np.load(f"{work}/bn_{case}.npz")
-    for path in ("fused", "composed"):
+    for path in ("fused", "composed", "xla"):
         bn = models.BatchNorm(models.Params(0), "bn", data["weight"].size)
         for key in ("weight", "bias", "running_mean", "running_var"):
             getattr(bn, key).assign(data[key])
-        bn.fused = path == "fused"
-        step, res = bn_training_step(bn), {}
+        bn.fused = path != "composed"
+        step, res = bn_training_step(bn, jit_compile=path == "xla"), {}
         for i in range(int(data["steps"])):
             values = step(tf.constant(data[f"x{i}"]), tf.constant(data[f"r{i}"]))
             for key, v in zip(("out", "grad_x", "grad_weight", "grad_bias"), values):
                 res[f"{i}/{key}"] = v.numpy()
             res[f"{i}/running_mean"] = bn.running_mean.numpy()
             res[f"{i}/running_var"] = bn.running_var.numpy()
-        evaluate = tf.function(lambda x: bn(x, training=False))
+        evaluate = tf.function(lambda x: bn(x, training=False), jit_compile=path == "xla")
         res["eval"] = evaluate(tf.constant(data["x_eval"])).numpy()
         np.savez(f"{work}/bn_{case}.{path}.npz", **res)
 try:
@@ -234,7 +240,7 @@ for key, make in {"update": lambda: MarginSoftmaxHead(37, 8, (1, 0.5, 0), 64.0, 
     except ValueError as e:
         report["errors"][key] = str(e)
 try:
-    models.build_backbone("mobilefacenet_y1")
+    models.build_backbone("mobilefacenet_y2")
 except ValueError as e:
     report["errors"]["unknown"] = str(e)
 data = dict(np.load(f"{work}/iresnet_tiny.torch.npz"))
@@ -428,7 +434,8 @@ def test_training_forward_and_gradients_equal_torch(tf_side, case):
     """Training-mode output, input and parameter gradients, and the BN running statistics
     after the step (torch's momentum 0.1 and unbiased variance) on torch's weights: checks the
     layout conversion (the IResNet fc's flatten order included), torch's padding, the v1b
-    stride and max pool, and PReLU."""
+    stride and max pool, PReLU, and MobileFaceNet's depthwise and grouped convolutions (the
+    512-d model's 64 groups of 2 channels) and its GDC."""
     work, torch_side, _ = tf_side
     t, got = torch_side[case], np.load(work / f"{case}.tf.npz")
     scale = np.abs(t["out"]).max()
@@ -495,6 +502,20 @@ def test_composed_batchnorm_equals_the_fused_kernel(tf_side, case):
 
 
 @pytest.mark.parametrize("case", list(BRIDGE))
+def test_fused_batchnorm_under_xla_equals_the_kernel(tf_side, case):
+    """``--mode xla`` compiles the same fused BatchNorm into XLA's own batch-norm operations: on
+    the bridge's values, in float32, its outputs, gradients, running statistics (torch's rule:
+    momentum 0.1, unbiased variance) and inference output equal TensorFlow's kernel's within
+    the bridge's bound."""
+    work, _, _ = tf_side
+    fused, xla = (np.load(work / f"bn_{case}.{path}.npz") for path in ("fused", "xla"))
+    assert sorted(xla.files) == sorted(fused.files)
+    for key in fused.files:
+        assert xla[key].dtype == np.float32, key
+        close_to_max(xla[key], fused[key], BRIDGE_BOUND, key)
+
+
+@pytest.mark.parametrize("case", list(BRIDGE))
 def test_fused_kernel_moves_running_statistics_by_torchs_rule(tf_side, case):
     """Which rule the timed kernel follows, that the stand-in must follow too: the fused
     kernel's running statistics after each step equal torch's rule computed here in float64
@@ -549,7 +570,8 @@ def test_refusals_and_load_errors(tf_side):
     assert errors["update"] == "pfc update must be one of sparse, dense, got 'full'"
     assert errors["ratio"] == "sample_ratio must be in (0, 1], got 0.0"
     assert errors["weight"] == "head weight (36, 8) does not fit the head's class matrix (37, 8)"
-    assert "the tf backend has no backbone 'mobilefacenet_y1'" in errors["unknown"]
+    assert "the tf backend has no backbone 'mobilefacenet_y2'" in errors["unknown"]
+    assert "mobilefacenet_y1" in errors["unknown"]  # among what it builds
     load = errors["load"]
     assert "missing: fc.bias" in load and "unexpected: extra.weight" in load
     assert "conv1.weight: shape (1, 2, 3, 3), expected (8, 3, 3, 3)" in load

@@ -68,6 +68,9 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
         assert all(v == v for v in run["losses"]) and run["losses"][-1] < run["losses"][0]
         assert run["peak_memory_bytes"] > 0
         settings = case["settings"]
+        # TensorFlow's default mode, traced once, before the window.
+        assert run["mode"] == settings["mode"] == "function"
+        assert run["recompiles_in_window"] == 0
         assert settings["compile_s"] > 0
         assert settings["communication"] == (None if case["world_size"] == 1 else "RING")
         # oneDNN's custom CPU ops are off unless asked for, as TensorFlow itself reports.

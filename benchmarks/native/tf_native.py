@@ -8,7 +8,11 @@ standard library.
 
     python benchmarks/native/tf_native.py --case rn50|face --batch B --threads T \
         --iters N --warmup W [--device cpu|cuda] [--precision fp32|bf16|fp16] \
-        [--channels-last] [--classes C] [--onednn] [--xla] [--inter-op K]
+        [--channels-last] [--classes C] [--onednn] [--mode function|xla] [--inter-op K]
+
+Modes, trainperf's names for TensorFlow's: ``function`` (the default) traces the step into a
+graph, ``tf.function(jit_compile=False)``; ``xla`` compiles the whole step with XLA,
+``tf.function(jit_compile=True)`` (``--xla`` is its older spelling).
 
 The last line of stdout is one JSON object (see the contract).
 """
@@ -25,6 +29,8 @@ FACE_TRAINABLE = 43_590_336
 
 
 NAME = "native tf"
+MODES = {"function": False, "xla": True}
+"""trainperf's names of TensorFlow's modes, and ``tf.function``'s ``jit_compile`` for each."""
 
 
 def fail(message):
@@ -36,8 +42,7 @@ def parse_args(argv):
     p.add_argument("--onednn", action="store_true",
                    help="turn TensorFlow's oneDNN custom ops on (off by default: "
                         "TF_ENABLE_ONEDNN_OPTS=0)")
-    p.add_argument("--xla", action="store_true",
-                   help="tf.function(jit_compile=True) instead of the default graph")
+    p.add_argument("--xla", action="store_true", help="--mode xla, in its older spelling")
     p.add_argument("--inter-op", type=int, default=1,
                    help="inter-op threads (default 1: ops run one after another, "
                         "each on all --threads intra-op threads)")
@@ -46,6 +51,12 @@ def parse_args(argv):
         if getattr(a, name) < 1:
             fail("--%s must be >= 1, got %d" % (name.replace("_", "-"), getattr(a, name)))
     a.classes = native_cli.shape(a)[1]
+    if a.xla and a.mode not in ("", "xla"):
+        fail("--xla is --mode xla; it cannot go with --mode %s" % a.mode)
+    a.mode = a.mode or ("xla" if a.xla else "function")
+    if a.mode not in MODES:
+        fail("--mode %s: tf runs %s" % (a.mode, ", ".join(MODES)))
+    a.xla = MODES[a.mode]
     if a.precision == "fp16":
         fail("--precision fp16 is not supported by this reference (needs a GPU and "
              "loss scaling; TensorFlow CPU has no fast fp16); use fp32 or bf16")
@@ -325,6 +336,7 @@ def main(argv=None):
             "loss": "tf.nn.sparse_softmax_cross_entropy_with_logits, mean",
             "onednn": bool(a.onednn),
             "TF_ENABLE_ONEDNN_OPTS": os.environ["TF_ENABLE_ONEDNN_OPTS"],
+            "mode": a.mode,
             "xla": bool(a.xla),
             "TF_CPP_MIN_LOG_LEVEL": os.environ["TF_CPP_MIN_LOG_LEVEL"],
             "mixed_precision_policy": keras.mixed_precision.global_policy().name,

@@ -7,7 +7,7 @@ runner never imports a framework.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -287,7 +287,9 @@ class Backend:
             return (f"the {self.name} backend runs on one node here; multi-node launch is not "
                     "available for it yet")
         return (shard_refusal(workload, topology.nnodes * topology.devices_per_node)
-                or (self.refuse_more(workload, topology, tuning) if self.refuse_more else None))
+                # The hook sees the device the run goes to, never ``auto``.
+                or (self.refuse_more(workload, replace(topology, device=device_kind), tuning)
+                    if self.refuse_more else None))
 
     def check(self, workload: Workload, topology: Topology, tuning: Tuning,
               device_kind: str, train: bool = False, real_data: bool = False) -> None:

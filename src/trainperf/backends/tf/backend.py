@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from ...config import Topology, Tuning, Workload
 from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
 
 PACKAGES = ("tensorflow-cpu==2.21.0",)
@@ -32,20 +33,53 @@ def launch(req: LaunchRequest) -> Launch:
                                     else "0"})
 
 
+def xla_refusal(workload: Workload, world_size: int, device_kind: str) -> str | None:
+    """Why ``--mode xla`` cannot run this work on ``world_size`` ranks of ``device_kind``, or
+    None. XLA compiles static shapes only, and a sampling pfc's sample grows on the device to
+    hold every positive of the batch (``heads.py``). TensorFlow 2.21 compiles a collective
+    inside ``jit_compile`` only as NCCL ("Collectives are not yet implemented for CPU devices
+    when compiling with XLA", b/194942685; RING: "Only compiling NCCL/auto collective is
+    supported"), so several CPU ranks cannot run one compiled step."""
+    if workload.task == "face" and workload.fc == "pfc" and workload.sample_ratio < 1.0:
+        return ("the tf backend runs --fc pfc with sampling (--sample-ratio below 1) in --mode "
+                "function only: XLA compiles static shapes, and pfc's sample grows on the device "
+                "to hold every positive")
+    if world_size > 1 and device_kind == "cpu":
+        return ("the tf backend runs --mode xla on one CPU rank only: TensorFlow compiles no "
+                "collective for CPU devices inside jit_compile (b/194942685); run --mode "
+                "function on several CPU ranks")
+    return None
+
+
+def mode_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str | None:
+    """``xla_refusal`` for a case asked for in ``--mode xla``. The device must be known here
+    (``cpu`` or ``cuda``): a topology still on ``auto`` is let through, and its worker refuses
+    the same case when it starts (``step.TrainStep``). ``best`` probes ``xla`` only where this
+    is None for ``xla``."""
+    if tuning.mode != "xla" or topology.device not in ("cpu", "cuda"):
+        return None
+    return xla_refusal(workload, topology.nnodes * topology.devices_per_node, topology.device)
+
+
 # The three head modes, pfc with either update (heads.py, step.py). Its convolutions are NHWC,
-# so --channels-last is what it runs anyway. No ``rule_differences``:
+# so --memory-format channels_last is what it runs anyway. Two modes (step.py): the step as a
+# graph, or compiled by XLA where ``mode_rules`` lets it. No ``rule_differences``:
 # the fused BatchNorm kernel moves its running variance with the unbiased batch variance and
 # momentum 0.1, torch's rule (tests/test_tf_models_heads.py measures it on the CPU kernel).
 BACKEND = Backend(
     name="tf", framework="tensorflow", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(
-        modes={"cpu": ("function",), "cuda": ("function",)},
-        mode_words={"function": "tf.function, jit_compile off"},
+        modes={"cpu": ("function", "xla"), "cuda": ("function", "xla")},
+        mode_words={"function": "tf.function, jit_compile off",
+                    "xla": "tf.function(jit_compile=True), the whole step one XLA program"},
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
-        families=("iresnet", "resnet_v1b"), channels_last=True,
+        families=("iresnet", "mobilefacenet", "resnet_v1b"), channels_last=True,
+        # NHWC is the only layout its backbones have (models.py), on every device.
+        layouts={"cpu": "channels_last", "cuda": "channels_last"},
         real_data=True,
         why_not={"fp16": "TensorFlow's mixed float16 is not run on a CPU"}),
-    runs_as="tf.Variable and tf.nn in one tf.function; pfc with a sparse (default) or dense "
-            "update",
-    ranks_start="`MultiWorkerMirroredStrategy` (`TF_CONFIG`, RING on CPU)")
+    runs_as="tf.Variable and tf.nn in one tf.function (XLA-compiled in --mode xla); pfc with "
+            "a sparse (default) or dense update",
+    ranks_start="`MultiWorkerMirroredStrategy` (`TF_CONFIG`, RING on CPU)",
+    refuse_more=mode_rules)

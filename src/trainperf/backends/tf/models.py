@@ -36,10 +36,14 @@ counts its ``requires_grad=False`` parameter). Numbers are drawn with numpy from
 rank builds the same network without a broadcast.
 
 Families: IResNet (``iresnet18`` ... ``iresnet200``, ``iresnet_tiny``; output blocks ``E`` =
-BN, dropout, FC, BN and ``FC``) and ResNet v1b (``resnet50_v1b``: stride on the 3x3 convolution,
-as DLPerf's TensorFlow 2 ResNet50 v1.5; ``resnet_v1b_tiny``). MobileFaceNet is not built here
-(its grouped 3x3 convolutions would need TensorFlow's grouped convolution, which the CPU build
-does not run): asking for it is a ValueError.
+BN, dropout, FC, BN and ``FC``), MobileFaceNet (``mobilefacenet_y1``, ``mobilefacenet``,
+``mobilefacenet_tiny``; GDC output block) and ResNet v1b (``resnet50_v1b``: stride on the 3x3
+convolution, as DLPerf's TensorFlow 2 ResNet50 v1.5; ``resnet_v1b_tiny``). MobileFaceNet's
+depthwise convolutions are ``tf.nn.depthwise_conv2d``; the one grouped convolution that is not
+depthwise (the 512-d model's second stem convolution, 64 groups of 2 channels) is a depthwise
+convolution whose per-group outputs are summed (``_grouped_conv``), because TensorFlow's CPU
+kernels have no gradient for a grouped ``conv2d``; it runs so on every device, so that what an
+alignment run checks is what a timed run computes.
 """
 
 from __future__ import annotations
@@ -124,17 +128,45 @@ def _padding(pad: int) -> Any:
 
 
 class Conv:
-    """Bias-free 2-D convolution with torch's symmetric padding."""
+    """Bias-free 2-D convolution with torch's symmetric padding; ``groups`` as torch's (its
+    kernel HWIO ``[k, k, cin / groups, cout]``, torch's ``(cout, cin / groups, k, k)``)."""
 
     def __init__(self, params: Params, name: str, cin: int, cout: int, kernel: int,
-                 stride: int = 1, pad: int = 0) -> None:
+                 stride: int = 1, pad: int = 0, groups: int = 1) -> None:
+        if cin % groups or cout % groups:
+            raise ValueError(f"channels {cin}->{cout} are not divisible by groups={groups}")
+        fan_in = cin // groups * kernel * kernel
         self.kernel = params.add(f"{name}.weight",
-                                 params.uniform(cin * kernel * kernel, (cout, cin, kernel, kernel)),
+                                 params.uniform(fan_in, (cout, cin // groups, kernel, kernel)),
                                  "conv")
-        self.stride, self.pad = stride, pad
+        self.stride, self.pad, self.groups = stride, pad, groups
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.nn.conv2d(x, tf.cast(self.kernel, x.dtype), self.stride, _padding(self.pad))
+        kernel = tf.cast(self.kernel, x.dtype)
+        if self.groups == 1:
+            return tf.nn.conv2d(x, kernel, self.stride, _padding(self.pad))
+        return _grouped_conv(x, kernel, self.groups, self.stride, _padding(self.pad))
+
+
+def _grouped_conv(x: tf.Tensor, kernel: tf.Tensor, groups: int, stride: int,
+                  padding: Any) -> tf.Tensor:
+    """torch's grouped convolution, of an HWIO kernel ``[k, k, ci, groups * co]`` (``ci``, ``co``
+    the channels per group), as TensorFlow's depthwise convolution: TensorFlow's CPU kernels
+    take no gradient of a grouped ``conv2d`` ("Gradients for grouped convolutions are not
+    supported on CPU"). Each input channel ``g * ci + i`` is convolved with the ``co`` filters
+    of its group's output channels, in a ``[k, k, groups * ci, co]`` depthwise kernel; the
+    ``ci`` inputs of each group are then summed, leaving output channel ``g * co + j`` where
+    torch has it. A depthwise convolution (``ci`` 1) needs no sum."""
+    k, _, ci, cout = kernel.shape
+    co = cout // groups
+    depthwise = tf.reshape(tf.transpose(tf.reshape(kernel, [k, k, ci, groups, co]),
+                                        [0, 1, 3, 2, 4]), [k, k, groups * ci, co])
+    y = tf.nn.depthwise_conv2d(x, depthwise, [1, stride, stride, 1], padding)
+    if ci == 1:
+        return y
+    shape = tf.shape(y)
+    y = tf.reduce_sum(tf.reshape(y, [shape[0], shape[1], shape[2], groups, ci, co]), axis=4)
+    return tf.reshape(y, [shape[0], shape[1], shape[2], cout])
 
 
 class BatchNorm:
@@ -207,13 +239,15 @@ class Dense:
     """torch's ``nn.Linear``; ``chw`` when its input is a flattened (C, H, W) map."""
 
     def __init__(self, params: Params, name: str, cin: int, cout: int,
-                 chw: tuple[int, int, int] | None = None) -> None:
+                 chw: tuple[int, int, int] | None = None, bias: bool = True) -> None:
         self.weight = params.add(f"{name}.weight", params.uniform(cin, (cout, cin)),
                                  "linear_chw" if chw else "linear", chw=chw)
-        self.bias = params.add(f"{name}.bias", params.uniform(cin, (cout,)), "vector")
+        self.bias = (params.add(f"{name}.bias", params.uniform(cin, (cout,)), "vector")
+                     if bias else None)
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.matmul(x, tf.cast(self.weight, x.dtype)) + tf.cast(self.bias, x.dtype)
+        y = tf.matmul(x, tf.cast(self.weight, x.dtype))
+        return y if self.bias is None else y + tf.cast(self.bias, x.dtype)
 
 
 # ------------------------------------------------------------------------------- IResNet
@@ -275,6 +309,77 @@ class IResNet:
         if training and self.dropout > 0:
             x = tf.nn.dropout(x, rate=self.dropout)
         return self.features(self.fc(x), training)
+
+
+# ------------------------------------------------------------------------- MobileFaceNet
+
+class ConvBN:
+    """Conv, BN and (unless ``linear``) PReLU, named ``conv``, ``bn``, ``act`` as torch's."""
+
+    def __init__(self, p: Params, name: str, cin: int, cout: int, kernel: int = 1,
+                 stride: int = 1, pad: int = 0, groups: int = 1, linear: bool = False) -> None:
+        self.conv = Conv(p, f"{name}.conv", cin, cout, kernel, stride, pad, groups)
+        self.bn = BatchNorm(p, f"{name}.bn", cout)
+        self.act = None if linear else PReLU(p, f"{name}.act", cout)
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        y = self.bn(self.conv(x), training)
+        return y if self.act is None else self.act(y)
+
+
+class DepthWise:
+    """Inverted bottleneck: expand (1x1), depthwise 3x3 (stride), project (1x1, linear), plus
+    the input where ``residual``; torch's ``layers.0`` to ``layers.2``."""
+
+    def __init__(self, p: Params, name: str, cin: int, cout: int, hidden: int, stride: int,
+                 residual: bool) -> None:
+        self.layers = (ConvBN(p, f"{name}.layers.0", cin, hidden),
+                       ConvBN(p, f"{name}.layers.1", hidden, hidden, 3, stride, 1, groups=hidden),
+                       ConvBN(p, f"{name}.layers.2", hidden, cout, linear=True))
+        self.residual = residual
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        out = x
+        for layer in self.layers:
+            out = layer(out, training)
+        return x + out if self.residual else out
+
+
+class MobileFaceNet:
+    """torch's MobileFaceNet (InsightFace's, with the GDC output block): ``width`` scales the
+    block channels, the expansion widths and the second stem convolution's 64 groups stay
+    fixed (so the 512-d model's is a grouped convolution, Y1's a depthwise one); the GDC is a
+    depthwise convolution over the whole 1/16 map, then a bias-free Dense and a BatchNorm with
+    a trained gamma."""
+
+    def __init__(self, p: Params, *, embedding_size: int, width: int = 1, input_size: int = 112,
+                 blocks: tuple[int, int, int] = (4, 6, 2), sep_channels: int = 512,
+                 hidden: tuple[int, int, int, int] = (128, 256, 512, 256)) -> None:
+        if input_size % 16:
+            raise ValueError(f"MobileFaceNet needs an input side divisible by 16, got {input_size}")
+        c64, c128 = 64 * width, 128 * width
+        h_low, h_mid, h_down, h_high = hidden
+        # (cin, cout, hidden, stride, residual) of each bottleneck, in torch's order.
+        plan = ([(c64, c64, h_low, 2, False)] + [(c64, c64, h_low, 1, True)] * blocks[0]
+                + [(c64, c128, h_mid, 2, False)] + [(c128, c128, h_mid, 1, True)] * blocks[1]
+                + [(c128, c128, h_down, 2, False)] + [(c128, c128, h_high, 1, True)] * blocks[2])
+        self.body: list[Any] = [ConvBN(p, "body.0", 3, c64, 3, 2, 1),
+                                ConvBN(p, "body.1", c64, c64, 3, 1, 1, groups=64)]
+        for cin, cout, expand, stride, residual in plan:
+            self.body.append(DepthWise(p, f"body.{len(self.body)}", cin, cout, expand,
+                                       stride, residual))
+        self.body.append(ConvBN(p, f"body.{len(self.body)}", c128, sep_channels))
+        side = input_size // 16
+        self.gdc = ConvBN(p, "gdc", sep_channels, sep_channels, side, groups=sep_channels,
+                          linear=True)
+        self.fc = Dense(p, "fc", sep_channels, embedding_size, bias=False)
+        self.features = BatchNorm(p, "features", embedding_size)
+
+    def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
+        for layer in self.body:
+            x = layer(x, training)
+        x = self.gdc(x, training)  # [N, 1, 1, C]: its flatten has no order to convert
+        return self.features(self.fc(tf.reshape(x, [tf.shape(x)[0], -1])), training)
 
 
 # ---------------------------------------------------------------------------- ResNet v1b
@@ -359,12 +464,18 @@ def _iresnet(p: Params, b: catalog.Backbone, *, embedding_size: int, input_size:
                    output_block=output_block, dropout=dropout)
 
 
+def _mobilefacenet(p: Params, b: catalog.Backbone, *, embedding_size: int, input_size: int,
+                   **_: Any) -> MobileFaceNet:
+    return MobileFaceNet(p, **b.arch, embedding_size=embedding_size, input_size=input_size)
+
+
 def _resnet_v1b(p: Params, b: catalog.Backbone, *, num_classes: int, **_: Any) -> ResNetV1b:
     return ResNetV1b(p, **b.arch, num_classes=num_classes)
 
 
 # family -> builder of a catalogue entry; every family the backend declares has one.
-_BUILDERS: dict[str, Callable[..., Any]] = {"iresnet": _iresnet, "resnet_v1b": _resnet_v1b}
+_BUILDERS: dict[str, Callable[..., Any]] = {"iresnet": _iresnet, "mobilefacenet": _mobilefacenet,
+                                            "resnet_v1b": _resnet_v1b}
 CATALOG = catalog.BackendCatalog(BACKEND.capabilities.families, BACKEND.name)
 backbone_names = CATALOG.names
 backbone_task = CATALOG.task

@@ -20,10 +20,15 @@ import tensorflow as tf
 
 from ..phases import compiled_step_phase, matmul_rate as timed_matmul_rate
 
-METHOD = ("one TensorFlow graph per step (tf.function, jit_compile off): data, then the graph "
-          "as one phase, each closed by the worker's sync (sync_devices; with several ranks, "
-          "the last step's loss and counter read back) and the host clock; "
-          "tf.profiler.experimental.Trace ranges")
+def method(mode: str) -> str:
+    """How a profiled run's phases are timed, for the step's mode (``function`` or ``xla``)."""
+    graph = "jit_compile on: one XLA program" if mode == "xla" else "jit_compile off"
+    return (f"one TensorFlow graph per step (tf.function, {graph}): data, then the graph as "
+            "one phase, each closed by the worker's sync (sync_devices; with several ranks, "
+            "the last step's loss and counter read back) and the host clock; "
+            "tf.profiler.experimental.Trace ranges")
+
+
 RANGE_PREFIX = "trainperf/"
 
 

@@ -1,9 +1,18 @@
 """The training step that trainperf measures in TensorFlow, equal to torch's ``TrainStep``.
 
-One ``tf.function`` (graph mode, no XLA) runs a whole step inside ``strategy.run``: backbone
-forward (training-mode BatchNorm, dropout), head or softmax loss, gradients by
-``tf.GradientTape``, the gradient all-reduce, clipping and the SGD update. It returns this rank's
-loss and a marker, without reading anything back to the host: the loop decides every sync.
+One ``tf.function`` runs a whole step inside ``strategy.run``: backbone forward (training-mode
+BatchNorm, dropout), head or softmax loss, gradients by ``tf.GradientTape``, the gradient
+all-reduce, clipping and the SGD update. It returns this rank's loss and a marker, without
+reading anything back to the host: the loop decides every sync.
+
+Modes (``MODES``, the backend's ``Capabilities.modes``): ``function`` traces the step into a
+graph that Grappler rewrites and TensorFlow's executor runs op by op (``jit_compile=False``);
+``xla`` compiles the whole traced step, the collectives of several GPU ranks (NCCL) included,
+into one XLA program (``jit_compile=True``), so every shape in it must be known when it is
+traced. A sampling ``pfc`` grows its sample on the device to hold every positive, a size XLA
+cannot compile, and TensorFlow compiles no collective for CPU devices: the backend refuses those
+cases under ``xla`` (``backend.xla_refusal``). Both modes trace once; a second trace
+(``traces``) is a recompilation.
 
 Gradients, as torch's DDP set-up:
 
@@ -64,11 +73,12 @@ from ..scaling import (BACKOFF as LOSS_SCALE_BACKOFF, GROWTH as LOSS_SCALE_GROWT
                        INIT as LOSS_SCALE_INIT, INTERVAL as LOSS_SCALE_INTERVAL)
 from ..workerkit import start_batch
 from . import models
-from .backend import BACKEND
+from .backend import BACKEND, xla_refusal
 from .comm import Comm
 from .heads import MarginSoftmaxHead
 
 CLIP_EPS = 1e-6
+MODES = ("function", "xla")
 
 
 def check_precision(precision: str, device_type: str) -> None:
@@ -119,9 +129,15 @@ class TrainStep:
 
     def __init__(self, workload: Workload, comm: Comm, init: Any = None,
                  dtype: str = "float32", keep_state: bool = False,
-                 straight_through: bool = False) -> None:
+                 straight_through: bool = False, mode: str = "function") -> None:
         require(BACKEND.model_refusal(workload))
+        if mode not in MODES:
+            raise ValueError(f"the TensorFlow step runs in mode {', '.join(MODES)}, not {mode!r}")
         check_precision(workload.precision, comm.device_type)
+        if mode == "xla":
+            require(xla_refusal(workload, comm.world_size,
+                                "cuda" if comm.device_type == "gpu" else "cpu"))
+        self.mode = mode
         self.workload = workload
         self.comm = comm
         self.fp16 = workload.precision == "fp16"
@@ -164,7 +180,13 @@ class TrainStep:
             self.loss_scale = tf.Variable(LOSS_SCALE_INIT if self.fp16 else 1.0,
                                           dtype=tf.float32, trainable=False)
             self.clean_steps = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self._fn = tf.function(self._step, jit_compile=False, autograph=False)
+        self._fn = tf.function(self._step, jit_compile=mode == "xla", autograph=False)
+
+    @property
+    def traces(self) -> int:
+        """How many times the step's function has been traced (each trace a new graph and,
+        under XLA, a new compilation)."""
+        return self._fn.experimental_get_tracing_count()
 
     @property
     def pfc_update(self) -> str | None:
@@ -178,7 +200,7 @@ class TrainStep:
                 "communication": self.comm.communication,
                 "variables": "plain per-process variables, gradients all-reduced in the "
                              "replica context",
-                "graph": "tf.function, jit_compile off",
+                "graph": BACKEND.capabilities.mode_words[self.mode],
                 "update": "ResourceApplyMomentum (torch's SGD rule)"
                 + ("; class rows: ResourceSparseApplyMomentum" if self.sparse else ""),
                 "backbone_gradient": "sum over ranks" if self.sharded else "mean over ranks",

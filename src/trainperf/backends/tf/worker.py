@@ -14,10 +14,12 @@ window's edges wait for all device work with ``tf.test.experimental.sync_devices
 process, and on the last step's markers with several (where ``sync_devices`` would reach for the
 other workers' devices).
 
-Compilation: the first call traces the Python step into a graph and optimises it; it is step 0,
-inside the warm-up. Its host seconds go into ``Start.settings["compile_s"]``, so ``start`` is
-written when step 0 is done, just before step 0's own event (or, if the run fails before, with
-``compile_s`` None).
+Compilation: the first call traces the Python step into a graph and optimises it (``--mode
+function``) or compiles it into one XLA program (``--mode xla``); it is step 0, inside the
+warm-up. Its host seconds go into ``Start.settings["compile_s"]``, so ``start`` is written when
+step 0 is done, just before step 0's own event (or, if the run fails before, with ``compile_s``
+None). ``compile_count`` is the step function's tracing count: another trace inside the window
+is a recompilation.
 
 Strict alignment (``AlignSpec``): the step is built in the asked dtype from the start file, and
 ``align_state`` reads its variables back in torch's names and layouts after each step, with the
@@ -129,7 +131,7 @@ class TFRun(FrameworkRun):
         dtype = align_dtype(spec)
         self.train_step = TrainStep(
             spec.workload, comm, init=init, dtype=dtype, keep_state=dumps_state(align),
-            straight_through=breaks_margin(align))
+            straight_through=breaks_margin(align), mode=self.mode)
         if spec.data is not None:
             self.real = RealData(spec, [comm.rank], comm.world_size, self.real_batch)
             return
@@ -148,6 +150,10 @@ class TFRun(FrameworkRun):
             x = (tf.cast(tf.convert_to_tensor(images), tf.float32) - mean) / std
             return (tf.cast(x, tf.float16) if half else x,
                     tf.convert_to_tensor(labels.astype(np.int32)))
+
+    def compile_count(self) -> int | None:
+        # Each trace of the step is a new graph (and, under XLA, a new compilation).
+        return self.train_step.traces
 
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
@@ -199,7 +205,9 @@ class TFRun(FrameworkRun):
         return [float(v) for v in tf.stack([o[0] for o in outputs]).numpy()]
 
     # -- profiled runs (``profiling.py``) -------------------------------------------------------
-    phase_method = profiling.METHOD
+    @property
+    def phase_method(self) -> str:  # type: ignore[override]
+        return profiling.method(self.mode)
 
     @property
     def merged_phases(self) -> dict[str, str]:  # type: ignore[override]
