@@ -279,7 +279,7 @@ def test_a_hung_and_a_crashed_stage_are_recorded(tmp_path, monkeypatch, capsys):
     s1, s2 = stage(doc, "1"), stage(doc, "2")
     assert s1["status"] == "timeout" and "cap of 3 s" in s1["why"]
     assert s2["status"] == "failed" and "injected crash" in s2["why"]
-    assert stage(doc, "3")["status"] == "not run" and "not chosen" in stage(doc, "3")["why"]
+    assert stage(doc, "4")["status"] == "not run" and "not chosen" in stage(doc, "4")["why"]
     assert stage(doc, "7")["why"].startswith("in part 3")
     text = (out / "summary.md").read_text()
     assert "timeout in" in text and "not run: in part 2" in text
@@ -533,7 +533,7 @@ def test_every_gpu_case_makes_a_valid_plan(tmp_path):
         if w.fc == "pfc":
             assert w.sample_ratio == 0.1
     labels = [c.label for c in staged]
-    assert len(set(labels)) == len(labels) == 13  # the summary keys cases by label
+    assert len(set(labels)) == len(labels) == 15  # the summary keys cases by label
     assert gpu_cases.measure("gpu") == gpu_cases.GPU_MEASURE
     assert (gpu_cases.GPU_MEASURE.runs, gpu_cases.GPU_MEASURE.iters,
             gpu_cases.GPU_MEASURE.warmup) == (2, 40, 10)

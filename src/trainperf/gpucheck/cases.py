@@ -103,7 +103,7 @@ def tiny(case: Case) -> Case:
     return case
 
 
-CPU_PICKS = {"4": (0, 2), "11": (0,), "12": (1,), "6": (0, 3, 4, 5), "8": (0,)}
+CPU_PICKS = {"4": (0, 2), "11": (0,), "6": (0, 3, 4, 5), "8": (0,), "12": (1,)}
 """The cases of each case stage that the CPU mode runs: every model, recipe, precision and
 sampling head at least once (R100 mp fp32 and both RN50 precisions among them, which the
 peers are set against), not every combination: the CPU mode checks the machinery, and each run
