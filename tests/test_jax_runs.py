@@ -110,14 +110,19 @@ def test_mp_on_one_and_two_ranks_gives_results(mp_run):
         assert settings["mesh"] == {"axis": "r", "devices": case["world_size"]}
         assert case["pfc_update"] == "full"
     assert doc["cases"][1]["speedup"] is not None
-    # Two ranks: the second rank ran with one intra-op thread, as the spec asked.
+    # Two ranks on this node's cores: each rank ran its share (the runner's threads per rank,
+    # test_jax_threads.py), and the gradients were reduced as one buffer across the processes.
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     starts = [e for e in events if e.get("event") == "start"]
     # Each case's timed run, then its profiled one (--breakdown).
     assert [(s["world_size"], bool(s.get("profile"))) for s in starts] == [
         (1, False), (1, True), (2, False), (2, True)]
-    assert starts[2]["env"]["threads"] == 1
-    assert "--xla_cpu_multi_thread_eigen=false" in starts[2]["env"]["xla_flags"]
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert starts[2]["env"]["threads"] == share
+    assert [r["xla_pool_threads"] for r in starts[2]["env"]["threads_per_rank"]] == [share] * 2
+    assert (share == 1) == ("--xla_cpu_multi_thread_eigen=false" in starts[2]["env"]["xla_flags"])
+    assert starts[2]["settings"]["grad_reduce"].startswith("one flat buffer")
+    assert starts[0]["settings"]["grad_reduce"] == "none (one rank)"
 
 
 def test_breakdown_times_the_compiled_step_as_one_phase(mp_run):

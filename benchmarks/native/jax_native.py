@@ -11,7 +11,11 @@ with float32 parameters, as the example's ``half_precision`` does.
 Imports only JAX, flax, optax, numpy and the standard library.
 
     python benchmarks/native/jax_native.py --case rn50|face --batch B --threads T --iters N
-        --warmup W [--device cpu|cuda] [--precision fp32|bf16] [--classes C]
+        --warmup W [--device cpu|cuda] [--precision fp32|bf16] [--classes C] [--mode jit]
+
+``--threads T`` sizes XLA's CPU thread pools (``PJRT_NPROC``, as trainperf's worker does), and
+with one thread keeps Eigen's kernels on the calling thread. ``--mode``: ``jit``, JAX's only
+training mode (the default).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import native_cli
 
 NAME = "native jax"
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
+POOL_SIZE_VAR = "PJRT_NPROC"
+"""XLA's CPU client sizes its thread pools from this variable (one thread per core without it)."""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -34,12 +40,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = native_cli.parse(p, argv)
     if a.precision == "fp16":
         p.error("--precision fp16: flax's example trains in bf16 or fp32 only")
+    if a.mode not in ("", "jit"):
+        p.error(f"--mode {a.mode}: JAX trains in jit only")
     return a
 
 
 def configure(a: argparse.Namespace) -> None:
     """What JAX reads once, when it starts its backends: set before it is imported."""
     os.environ["JAX_PLATFORMS"] = a.device
+    if a.threads:
+        os.environ[POOL_SIZE_VAR] = str(a.threads)
     if a.threads == 1:
         os.environ["XLA_FLAGS"] = " ".join(
             [*os.environ.get("XLA_FLAGS", "").split(), SINGLE_THREAD_FLAG])
@@ -212,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         "jax", a, window, threads=a.threads or os.cpu_count(),
         settings={"zoo": "flax.linen modules in the ImageNet example's layout" if rn50
                   else "flax.linen stock layers, per-channel PReLU module",
-                  "compile": "jax.jit, state donated", "layout": "NHWC",
+                  "compile": "jax.jit, state donated", "layout": "NHWC", "mode": "jit",
                   "optimizer": "optax.sgd(momentum) after add_decayed_weights"
                   + ("" if rn50 else ", backbone clip_by_global_norm via multi_transform"),
                   "compute_dtype": a.precision, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                  "threads_reported": ("1 (eigen single-threaded)" if a.threads == 1
+                  "threads_reported": ("1 (PJRT_NPROC=1, eigen single-threaded)"
+                                       if a.threads == 1 else
+                                       f"{a.threads} (PJRT_NPROC)" if a.threads
                                        else "XLA's default pool")},
         versions=ref.versions, params=ref.params,
         loss_first=first if first is not None else last, loss_last=last)

@@ -4,8 +4,11 @@
 (host:port of rank 0's coordination service, on the first node), ``TRAINPERF_NUM_PROCESSES`` and
 ``TRAINPERF_PROCESS_ID`` (the global rank); :func:`initialize_from_env` calls
 ``jax.distributed.initialize`` with them (CPU collectives then run over gloo, on the interface
-``GLOO_SOCKET_IFNAME`` names where it is set; GPU ones over NCCL). Every process drives one device, and the mesh is the 1-D axis
-``"r"`` of all devices in rank order.
+``GLOO_SOCKET_IFNAME`` names where it is set; GPU ones over NCCL). Every process drives one
+device, and the mesh is the 1-D axis ``"r"`` of all devices in rank order. gloo runs a tuple
+all-reduce one element at a time, so the step reduces its gradients as one buffer there, and
+sizes its sockets' send buffers to its first small reduce-scatter, so the layout sizes them
+first (:func:`widen_gloo_send_buffers`).
 
 The same layout also describes one process driving several devices (tests force several CPU
 devices with ``--xla_force_host_platform_device_count``): rank r is the r-th mesh device,
@@ -25,6 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXIS = "r"
 """The mesh axis of ranks."""
+GLOO_SEND_BYTES = 1 << 20
+"""What each process's gloo sockets are sized to send at once (``widen_gloo_send_buffers``)."""
 
 
 @dataclass
@@ -34,6 +39,9 @@ class Layout:
     mesh: Mesh
     distributed: bool = False
     """Whether ranks live in other processes (jax.distributed is initialised)."""
+    gloo_send_bytes: int | None = None
+    """What gloo's sockets were sized to send at once (``widen_gloo_send_buffers``); None where
+    nothing was sized."""
 
     @property
     def world_size(self) -> int:
@@ -180,11 +188,41 @@ def gloo_on_interface(interface: str) -> None:
 
 
 def layout_from_env(distributed: bool) -> Layout:
-    """The mesh of every process's devices in rank (process) order; one device per process."""
+    """The mesh of every process's devices in rank (process) order; one device per process.
+    Across processes on a CPU, gloo's sockets are sized first (``widen_gloo_send_buffers``)."""
     if not distributed:
         return local_mesh(1)
     if jax.local_device_count() != 1:
         raise ValueError(f"a jax rank drives one device; this process sees "
                          f"{jax.local_device_count()}")
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return Layout(Mesh(np.array(devices), (AXIS,)), distributed=True)
+    layout = Layout(Mesh(np.array(devices), (AXIS,)), distributed=True)
+    if layout.device_type == "cpu" and jax.config.jax_cpu_collectives_implementation in (
+            None, "gloo"):
+        widen_gloo_send_buffers(layout)
+    return layout
+
+
+def widen_gloo_send_buffers(layout: Layout, nbytes: int = GLOO_SEND_BYTES) -> None:
+    """One reduce-scatter whose messages are ``nbytes`` long, so that gloo's sockets are sized
+    for large sends whatever the step's own reduce-scatters send.
+
+    gloo's reduce-scatter (not its all-reduce or all-gather, as XLA calls them: seen with
+    strace) sets a socket's send buffer (``SO_SNDBUF``) to the largest message it has sent on
+    it, which also switches the kernel's own sizing off for good. A step whose reduce-scatter
+    is small (``mp`` and ``pfc`` scatter the gathered embeddings' gradient: 2 KB on
+    tiny-arcface) leaves it at the kernel's minimum, 4.6 KB; from then on a large send (the
+    gradient all-reduce) has one 64 KB loopback segment in flight at a time, and each waits for
+    the peer's delayed acknowledgement, about 40 ms (seen with strace: a ``writev`` that
+    returned EAGAIN resumed 47 ms later). On 2 ranks of a 2-core machine (shared
+    with other work) the tiny-arcface ``pfc`` step ran at 0.54x of 1 rank's samples/s without
+    this, 1.04x with it (``benchmarks/results/jax-ranks-2026-11-28``). A 1 MB message (the
+    kernel doubles it, up to ``net.core.wmem_max``) keeps several segments in flight."""
+    world = layout.world_size
+    count = world * (nbytes // 4)  # float32 elements per rank: nbytes to each peer in a ring
+    block = layout.zeros((world * count,), np.float32, P(AXIS))
+    scatter = jax.jit(jax.shard_map(
+        lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True),
+        mesh=layout.mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    jax.block_until_ready(scatter(block))
+    layout.gloo_send_bytes = nbytes

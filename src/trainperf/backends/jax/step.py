@@ -22,6 +22,8 @@ gradient, reduced explicitly:
 - ``mp`` / ``pfc``: the loss is the mean over the gathered global batch and the same on every
   rank, so each rank's backbone gradient is one partial of the true gradient: they are summed
   (``lax.psum``). The class-matrix shard's gradient stays local.
+- Across processes on a CPU the reduction runs on one flat buffer per dtype (``_reduce_flat``:
+  gloo runs XLA's tuple all-reduce one element at a time).
 
 Clipping: the backbone's reduced gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``
 with ``norm`` its global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` (not optax's
@@ -120,6 +122,28 @@ def _lr_at(workload: Workload, step: jax.Array, dtype: Any = jnp.float32) -> jax
 
 def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(tree)))
+
+
+def _reduce_flat(tree: Any, reduce: Any) -> Any:
+    """``reduce`` (``lax.psum`` or ``lax.pmean`` over the ranks) of every leaf of ``tree``,
+    run on one flat buffer per dtype and split back. XLA already combines the gradients'
+    reductions into one tuple all-reduce, but the cross-process CPU collectives (gloo) run a
+    tuple one element after another, a round trip each: on 2 ranks of a 2-core machine (shared
+    with other work), the tiny backbone's 57 gradients took 33 ms a call as a tuple, 3.9 ms as
+    one buffer (``benchmarks/results/jax-ranks-2026-11-28``). The sums are the same numbers."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+    out = list(leaves)
+    for members in groups.values():
+        flat = reduce(jnp.concatenate([leaves[i].ravel() for i in members]), AXIS)
+        offset = 0
+        for i in members:
+            size = leaves[i].size
+            out[i] = flat[offset:offset + size].reshape(leaves[i].shape)
+            offset += size
+    return jax.tree.unflatten(treedef, out)
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -228,6 +252,9 @@ class TrainStep:
                 straight_through=straight_through)
             self.head.check_batch(workload.batch_size * self.world)
         self.sharded = self.head is not None and self.head.sharded
+        self.flat_reduce = layout.distributed and layout.device_type == "cpu"
+        """Whether the gradients are reduced as one flat buffer (``_reduce_flat``): across
+        processes on a CPU. NCCL and the in-process CPU collectives take XLA's tuple at once."""
         self.bn_moments = models.BN_MOMENTS_BY_DEVICE.get(layout.device_type, "two_pass")
         """How the step's BatchNorms take their batch moments (``models.BN_MOMENTS_CHOICES``;
         float64 always takes two passes): read when the step is traced."""
@@ -359,9 +386,13 @@ class TrainStep:
             # mp / pfc: every rank holds a partial of the one global loss (summed); dp: means.
             reduce_backbone = jax.lax.psum if sharded else jax.lax.pmean
             grads = dict(grads)
-            grads["backbone"] = reduce_backbone(grads["backbone"], AXIS)
-            if "head" in grads and not sharded:
-                grads["head"] = jax.lax.pmean(grads["head"], AXIS)
+            # dp's class matrix is averaged as the backbone is: one reduction for both.
+            reduced = {k: grads[k] for k in ("backbone", "head")
+                       if k == "backbone" or (k in grads and not sharded)}
+            if self.flat_reduce:
+                grads.update(_reduce_flat(reduced, reduce_backbone))
+            else:
+                grads.update(reduce_backbone(reduced, AXIS))
 
             finite = None
             if fp16:
@@ -417,6 +448,15 @@ class TrainStep:
                              out_specs=(specs, P(AXIS), P(), grad_specs, record_specs))
 
     # ---------------------------------------------------------------------- running
+
+    @property
+    def grad_reduce(self) -> str:
+        """How the gradients are reduced over ranks, for the start event's settings."""
+        if self.world == 1:
+            return "none (one rank)"
+        if self.flat_reduce:
+            return "one flat buffer per dtype (cross-process CPU collectives)"
+        return "XLA's combined all-reduce of the gradient tuple"
 
     @property
     def pfc_update(self) -> str | None:

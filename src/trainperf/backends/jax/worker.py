@@ -5,9 +5,13 @@ The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``s
 events are ``workerkit``'s, as for every framework; this module is JAX's side of a run.
 
 Before JAX is imported the worker sets what must be set first: the platform
-(``JAX_PLATFORMS``) from the spec's device, one intra-op thread when the spec asks for one
-(``XLA_FLAGS``, appended to any flags the caller set; see ``SINGLE_THREAD_FLAG``), and the
-coordinator of a multi-process run (``jax.distributed.initialize``).
+(``JAX_PLATFORMS``) from the spec's device, the rank's share of the cores (``spec.threads``, the
+runner's cores per rank: XLA's CPU thread pools sized by ``PJRT_NPROC``, and with one thread
+Eigen's kernels kept on the calling thread, ``XLA_FLAGS`` appended to any flags the caller set;
+see ``POOL_SIZE_VAR`` and ``SINGLE_THREAD_FLAG``), and the coordinator of a multi-process run
+(``jax.distributed.initialize``). What the rank runs with, read back in the process (the pool's
+threads counted by name, the cores it may run on), is in the start event's ``env``
+(``thread_settings``).
 
 Compilation: the step is lowered and compiled explicitly (``jit(...).lower(...).compile()``)
 before the loop, and its seconds are reported in ``Start.settings["compile_s"]``, apart from the
@@ -46,12 +50,19 @@ from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_
 from .backend import BACKEND
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
-"""XLA's CPU client runs Eigen's kernels (convolutions) on a pool of one thread per core; this
-keeps them on the calling thread (measured here: a convolution's CPU time per wall second drops
-from about 1.4 to 0.6 on 2 cores). The ``intra_op_parallelism_threads=1`` often written beside
-it is not an XLA flag (alone in XLA_FLAGS, XLA aborts on it), so it is not added. No XLA flag
-sizes the pool to N threads that this worker knows of, so a spec asking for more than one
-leaves XLA's default."""
+"""XLA's CPU client runs Eigen's kernels (convolutions) on its intra-op pool; this keeps them on
+the calling thread (measured here: a convolution's CPU time per wall second drops from about 1.4
+to 0.6 on 2 cores), added when a rank's share is one thread. The
+``intra_op_parallelism_threads=1`` often written beside it is not an XLA flag (alone in
+XLA_FLAGS, XLA aborts on it), so it is not added: ``POOL_SIZE_VAR`` sizes the pool."""
+POOL_SIZE_VAR = "PJRT_NPROC"
+"""XLA's own knob for its CPU client's threads: the intra-op pool (``POOL_THREAD_NAME``: Eigen's
+kernels, the thunk executor's parallel work) and the client's pool take this many threads, read
+once when the client starts; without it, one per core the process may run on, so each of N
+ranks on one machine would start a pool over all the cores. Set to ``spec.threads`` over any
+value the caller's environment had (the runner gives every rank its share)."""
+POOL_THREAD_NAME = "tf_XLAEigen"
+"""The name XLA gives its intra-op pool's threads (``/proc/self/task/*/comm``)."""
 PLATFORMS = {"cpu": "cpu", "cuda": "cuda"}
 
 
@@ -61,6 +72,8 @@ def configure_process(spec: RunSpec) -> None:
         raise ValueError(f"unknown device {spec.device!r}; expected auto, cuda or cpu")
     if spec.device in PLATFORMS:
         os.environ["JAX_PLATFORMS"] = PLATFORMS[spec.device]
+    if spec.threads:
+        os.environ[POOL_SIZE_VAR] = str(spec.threads)
     if spec.threads == 1:
         flags = os.environ.get("XLA_FLAGS", "").split()
         if SINGLE_THREAD_FLAG not in flags:
@@ -132,13 +145,70 @@ def framework_env(layout, threads: int | None) -> dict:
         flax_version=flax.__version__, optax_version=optax.__version__,
         device_count=jax.device_count() if gpu else 0, platform=layout.devices[0].platform,
         cuda_version=cuda, cudnn_version=cudnn, xla_flags=os.environ.get("XLA_FLAGS", ""),
-        threads=1 if SINGLE_THREAD_FLAG in os.environ.get("XLA_FLAGS", "").split()
-        else "xla default (one per core)",
-        threads_asked=threads,
+        **thread_settings(threads),
+        cpu_collectives=jax.config.jax_cpu_collectives_implementation
+        if layout.distributed and not gpu else None,
         default_matmul_precision=jax.config.jax_default_matmul_precision)
     if gpu and not env["device_names"]:
         env["device_names"] = [d.device_kind for d in layout.devices]
     return env
+
+
+def pool_threads() -> int | None:
+    """How many threads XLA's intra-op pool has in this process (counted by their name), or
+    None where the process's threads cannot be listed."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as f:
+                count += f.read().strip() == POOL_THREAD_NAME
+        except OSError:  # the thread ended while the list was read
+            continue
+    return count
+
+
+def thread_settings(threads: int | None) -> dict:
+    """The rank's share of the cores as it runs (after JAX's CPU client started): the threads
+    asked, XLA's pool size variable, the pool's threads counted, where Eigen's kernels run, the
+    cores the process may run on and OpenMP's variable (XLA's CPU kernels use no OpenMP; a
+    library loaded beside it might)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on every platform
+        cores = None
+    size = os.environ.get(POOL_SIZE_VAR)
+    return {"threads": int(size) if size and size.isdigit() else
+            f"xla default (one per core: {len(cores) if cores else os.cpu_count()})",
+            "threads_asked": threads,
+            "pjrt_nproc": size,
+            "xla_pool_threads": pool_threads(),
+            "eigen_kernels": "calling thread" if SINGLE_THREAD_FLAG in flags
+            else "intra-op pool",
+            "cpu_affinity": cores,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def threads_over_ranks(layout) -> list[dict]:
+    """Every rank's share as it runs (a collective call: every rank, before the start event,
+    which rank 0 alone writes): XLA's pool size variable (None: unset), the pool's threads
+    counted (None: not countable), whether Eigen's kernels stay on the calling thread, and how
+    many cores the process may run on."""
+    own = thread_settings(None)
+    size = own["pjrt_nproc"]
+    row = [int(size) if size and size.isdigit() else -1,
+           -1 if own["xla_pool_threads"] is None else own["xla_pool_threads"],
+           int(own["eigen_kernels"] == "calling thread"),
+           len(own["cpu_affinity"]) if own["cpu_affinity"] else -1]
+    rows = layout.gather_host(np.asarray(row, np.int64)).reshape(-1, len(row))
+    return [{"pjrt_nproc": None if r[0] < 0 else int(r[0]),
+             "xla_pool_threads": None if r[1] < 0 else int(r[1]),
+             "eigen_kernels": "calling thread" if r[2] else "intra-op pool",
+             "cpu_cores": None if r[3] < 0 else int(r[3])} for r in rows.tolist()]
 
 
 def _jaxlib_version() -> str | None:
@@ -191,6 +261,7 @@ class JaxRun(FrameworkRun):
                 lambda r: init_batch(workload, init, r, dtype))
         else:
             self.images, self.labels = layout.per_rank(lambda r: synthetic_batch(workload, r))
+        self.rank_threads = threads_over_ranks(layout)
         t0 = time.perf_counter()
         self.train_step.compile(self.images, self.labels)
         self.compile_s = time.perf_counter() - t0
@@ -223,12 +294,16 @@ class JaxRun(FrameworkRun):
             "precision": workload.precision,
             "rng": "rbg",
             "mesh": {"axis": "r", "devices": self.world_size},
+            "grad_reduce": step.grad_reduce,
+            "gloo_send_buffer_bytes": self.layout.gloo_send_bytes,
             "cudnn_benchmark": None,
             "ddp": None,
             "loss_scaling": "dynamic, one overflow decision for all ranks, on the device"
             if workload.precision == "fp16" else None,
         }
-        return {"env": framework_env(self.layout, self.spec.threads), "settings": settings,
+        env = {**framework_env(self.layout, self.spec.threads),
+               "threads_per_rank": self.rank_threads}
+        return {"env": env, "settings": settings,
                 "backbone_params": step.param_count, "pfc_update": step.pfc_update}
 
     def batch(self) -> tuple[Any, Any]:
