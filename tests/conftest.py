@@ -19,7 +19,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)
 
 import pytest  # noqa: E402
 
-SLOW_FIRST = ("test_torch_modes.py", "test_jax_runs.py", "test_gpucheck.py", "test_cli_run.py", "test_oneflow_runs.py",
+SLOW_FIRST = ("test_torch_modes.py", "test_jax_runs.py", "test_gpucheck.py", "test_cli_run.py",
+              "test_oneflow_runs.py",
               "test_mxnet_runs.py", "test_rendezvous.py", "test_tf_runs.py", "test_train.py",
               "test_align.py", "test_paddle_runs.py", "test_commbench.py",
               "test_real_data_frameworks.py", "test_search.py", "test_rank_deaths.py",

@@ -48,7 +48,7 @@ def test_results_follow_the_schema(e2e):
     assert doc["tuning"] == {"cudnn_benchmark": True, "ddp_bucket_mb": 25.0,
                              "ddp_static_graph": True, "ddp_broadcast_buffers": False,
                              "mxnet_kvstore": "dist_sync", "tf_onednn": False,
-                             "tf32": "default"}
+                             "mode": "default", "memory_format": "auto", "tf32": "default"}
     assert doc["framework"] == "torch"
     assert doc["model"] == "iresnet_tiny"  # no DLPerf key for the tiny recipe
     env = doc["env"]

@@ -22,51 +22,29 @@ from pathlib import Path
 
 import pytest
 
-from trainperf import results
 from trainperf.backends import get_backend
 from trainperf.config import Measure, Topology, Tuning
 from trainperf.recipes import get_recipe
 from trainperf.runner import Case, Plan, Runner
 from align_checks import align, assert_strictly_aligned
+from mode_runs import RANKS, records, run_in, starts
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-RANKS = (1, 2)
 FLOAT32_ROUNDING = 1e-6
 """Relative: one loss computed twice in float32 by the same operators, in another order (seen:
 one float32 ulp apart at the first step, 7e-8 of the loss)."""
-
-
-def run_in(mode: str, out: Path) -> dict:
-    """tiny-arcface ``mp`` (its gathers and sharded softmax run on 2 ranks) on 1 and 2 CPU ranks,
-    over the default kvstore (dist_sync), in ``mode``: 4 steps, 2 of them warm-up; the results
-    document."""
-    recipe = get_recipe("tiny-arcface")
-    plan = Plan(recipe.name, recipe.workload.replace(fc="mp"), Measure(runs=1, iters=4, warmup=2),
-                [Case(Topology(devices_per_node=d, device="cpu"), 8) for d in RANKS], out,
-                tuning=Tuning(mode=mode), framework="mxnet")
-    Runner(plan).run()
-    return results.load(out)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, mxnet_python) -> dict[str, tuple[Path, dict]]:
     """Each mode's two cases; the hybrid one asked for as ``default``."""
     folder = tmp_path_factory.mktemp("mxnet_modes")
-    return {name: (folder / name, run_in(mode, folder / name))
+    return {name: (folder / name, run_in("mxnet", mode, folder / name, 4, 2))
             for name, mode in (("hybrid", "default"), ("imperative", "imperative"))}
 
 
-def records(doc: dict) -> list[dict]:
-    """The one run of each case, 1 rank then 2."""
-    assert [c["world_size"] for c in doc["cases"]] == list(RANKS)
-    return [c["runs"][0] for c in doc["cases"]]
-
-
-def starts(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
-            if '"event": "start"' in line]
 
 
 def test_hybrid_first_then_imperative_on_both_devices():

@@ -22,17 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from trainperf import results
 from trainperf.backends import get_backend
 from trainperf.backends.oneflow.backend import GRAPH_FLOAT64
 from trainperf.config import Measure, Topology, Tuning
 from trainperf.recipes import get_recipe
-from trainperf.runner import Case, Plan, Runner, check_plan
+from trainperf.runner import Case, Plan, check_plan
+from mode_runs import records, run_in, starts
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 MODES = ("graph", "eager")
-RANKS = (1, 2)
 FLOAT32_ROUNDING = 1e-6
 """Relative: one loss computed by the same kernels in either mode (measured: bit-identical on
 1 rank, 1.2e-7 apart on 2)."""
@@ -44,33 +43,12 @@ after it carries that difference (measured: 1e-5 to 7e-5 over three steps). A ra
 step late moves the third loss by more than 100 times this."""
 
 
-def run_in(mode: str, out: Path) -> dict:
-    """tiny-arcface with the sharded head (``mp``: its collectives run on 2 ranks) on 1 and 2
-    CPU ranks in ``mode``: 3 steps, the first one warm-up; the results document."""
-    recipe = get_recipe("tiny-arcface")
-    plan = Plan(recipe.name, recipe.workload.replace(fc="mp"),
-                Measure(runs=1, iters=3, warmup=1),
-                [Case(Topology(devices_per_node=d, device="cpu"), 8) for d in RANKS], out,
-                tuning=Tuning(mode=mode), framework="oneflow")
-    Runner(plan).run()
-    return results.load(out)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, oneflow_python) -> dict[str, tuple[Path, dict]]:
     folder = tmp_path_factory.mktemp("oneflow_modes")
-    return {mode: (folder / mode, run_in(mode, folder / mode)) for mode in MODES}
+    return {mode: (folder / mode, run_in("oneflow", mode, folder / mode, 3, 1)) for mode in MODES}
 
 
-def records(doc: dict) -> list[dict]:
-    """The one run of each case, 1 rank then 2."""
-    assert [c["world_size"] for c in doc["cases"]] == list(RANKS)
-    return [c["runs"][0] for c in doc["cases"]]
-
-
-def starts(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
-            if '"event": "start"' in line]
 
 
 def rel(a: float, b: float) -> float:

@@ -20,50 +20,25 @@ from pathlib import Path
 
 import pytest
 
-from trainperf import results
 from trainperf.backends import get_backend
-from trainperf.config import Measure, Topology, Tuning
-from trainperf.recipes import get_recipe
-from trainperf.runner import Case, Plan, Runner
 from align_checks import align, assert_strictly_aligned
+from mode_runs import records, run_in, starts
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("static", "dygraph")
-RANKS = (1, 2)
 FLOAT32_ROUNDING = 1e-6
 """Relative: two float32 computations of one loss by the same operations (both modes run the
 same kernels; on this CPU their losses have been bit-identical)."""
 
 
-def run_in(mode: str, out: Path) -> dict:
-    """tiny-arcface with the sharded head (``mp``: the head's collectives run on 2 ranks) on 1
-    and 2 CPU ranks in ``mode``: 4 steps, the first one warm-up; the results document."""
-    recipe = get_recipe("tiny-arcface")
-    plan = Plan(recipe.name, recipe.workload.replace(fc="mp"),
-                Measure(runs=1, iters=4, warmup=1),
-                [Case(Topology(devices_per_node=d, device="cpu"), 8) for d in RANKS], out,
-                tuning=Tuning(mode=mode), framework="paddle")
-    Runner(plan).run()
-    return results.load(out)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, paddle_python) -> dict[str, tuple[Path, dict]]:
     folder = tmp_path_factory.mktemp("paddle_modes")
-    return {mode: (folder / mode, run_in(mode, folder / mode)) for mode in MODES}
+    return {mode: (folder / mode, run_in("paddle", mode, folder / mode, 4, 1)) for mode in MODES}
 
 
-def records(doc: dict) -> list[dict]:
-    """The one run of each case, 1 rank then 2."""
-    assert [c["world_size"] for c in doc["cases"]] == list(RANKS)
-    return [c["runs"][0] for c in doc["cases"]]
-
-
-def starts(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
-            if '"event": "start"' in line]
 
 
 def test_both_modes_are_declared_on_both_devices():

@@ -68,8 +68,10 @@ def test_pairs_interleave_and_every_pair_is_written(tmp_path, stand_in_sides):
     on_disk = json.loads((tmp_path / "parity.json").read_text())
     assert on_disk["rows"] == doc["rows"] and on_disk["threads"] == 2
     md = (tmp_path / "parity.md").read_text()
-    assert "| torch | default | rn50 | 8 | **0.900** | 0.900 | 0.900 | 3 | 9.00 | 10.00 | zoo model |" in md
-    assert "| mxnet | default | rn50 | 8 | - | | | 0 | | | native: native mxnet exited 1: boom |" in md
+    assert ("| torch | default | rn50 | 8 | **0.900** | 0.900 | 0.900 | 3 | 9.00 | 10.00 | "
+            "zoo model |") in md
+    assert ("| mxnet | default | rn50 | 8 | - | | | 0 | | | native: native mxnet exited 1: "
+            "boom |") in md
     # the registry holds the row that has a figure, for reports to find
     found = parities.find("rn50-v1b-imagenet", "torch", "9.9", "cpu", "Test CPU", "fp32")
     assert found["median_ratio"] == pytest.approx(0.9) and found["pairs_ok"] == 3
@@ -82,7 +84,8 @@ def test_a_budget_starts_no_new_pair_and_says_which(tmp_path, stand_in_sides):
     doc = parity.campaign(rows, parity.Settings(), tmp_path, pairs=3, budget_s=0.0)
     # the budget is read before each pair, and none fits in 0 s
     assert doc["rows"][0]["pairs"] == [] and doc["rows"][0]["not_started"] == [0, 1, 2]
-    assert "| torch | default | face | 2 | - | | | 0 | | | not run |" in (tmp_path / "parity.md").read_text()
+    assert "| torch | default | face | 2 | - | | | 0 | | | not run |" in \
+        (tmp_path / "parity.md").read_text()
 
 
 def test_what_trainperf_does_not_run_is_said_and_not_timed(tmp_path, stand_in_sides):

@@ -85,7 +85,8 @@ def test_run_options_round_trip():
             "--fc", "pfc", "--sample-ratio", "0.25", "--pfc-update", "dense",
             "--num-classes", "2000", "--runs", "3", "--iters", "40", "--warmup", "5",
             "--device", "cpu", "--timeout", "99.5", "--memory-limit", "4GiB",
-            "--memory-format", "channels_last", "--mode", "eager", "--no-cudnn-benchmark", "--ddp-bucket-mb", "12.5",
+            "--memory-format", "channels_last", "--mode", "eager", "--no-cudnn-benchmark",
+            "--ddp-bucket-mb", "12.5",
             "--ddp-broadcast-buffers", "--no-ddp-static-graph", "--mxnet-kvstore", "device"]
     if "rdzv_timeout" in slurm_cli.run_option_defaults():
         argv += ["--rdzv-timeout", "77"]

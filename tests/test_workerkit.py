@@ -21,7 +21,7 @@ from trainperf.recipes import get_recipe
 STEP_S = 0.002
 DECLARED = Backend(name="plain", framework="plain", launch=lambda req: Launch([]),
                    capabilities=Capabilities(heads=("dp",), precisions={"cpu": ("fp32",)},
-                                             families=("iresnet",)))
+                                             families=("iresnet",), modes={"cpu": ("eager",)}))
 
 
 class PlainRun(FrameworkRun):

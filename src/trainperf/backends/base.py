@@ -213,7 +213,8 @@ class Backend:
         (``default`` and ``best`` run wherever it declares a mode)."""
         here = self.modes_on(device_kind)
         if not here:
-            return f"the {self.name} backend declares no execution mode on {KIND_WORDS[device_kind]}"
+            return (f"the {self.name} backend declares no execution mode on "
+                    f"{KIND_WORDS[device_kind]}")
         if mode in (MODE_DEFAULT, MODE_BEST) or mode in here:
             return None
         where = [k for k in DEVICE_KINDS if mode in self.modes_on(k)]

@@ -386,7 +386,8 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
               "`failed_runs` some runs gave no figure; `loss_nonfinite` / `loss_clamped` a run's "
               "loss diverged, `steps_skipped` fp16 skipped updates inside a run's window (such "
               "a run's speed is left out); `recompiled_in_window` the step compiled again "
-              "inside the window (its time holds a compilation, so its speed is left out too). Start-up: seconds from a "
-              "process's start to the end of its first step; compile: how much longer the "
-              "first step took than a window step (tracing and compilation, never measured)."]
+              "inside the window (its time holds a compilation, so its speed is left out too). "
+              "Start-up: seconds from a process's start to the end of its first step; compile: "
+              "how much longer the first step took than a window step (tracing and "
+              "compilation, never measured)."]
     return "\n".join(parts) + "\n"

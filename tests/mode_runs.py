@@ -1,0 +1,39 @@
+"""What the frameworks' mode tests share: tiny-arcface with the sharded head (``mp``: its
+collectives run on 2 ranks) on 1 and 2 CPU ranks in one execution mode, and the records and
+``start`` events it left."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainperf import results
+from trainperf.config import Measure, Topology, Tuning
+from trainperf.recipes import get_recipe
+from trainperf.runner import Case, Plan, Runner
+
+RANKS = (1, 2)
+
+
+def run_in(framework: str, mode: str, out: Path, iters: int, warmup: int) -> dict:
+    """``framework``'s run in ``mode`` (``default`` too): ``iters`` steps, ``warmup`` of them
+    before the window, on each rank count; the results document."""
+    recipe = get_recipe("tiny-arcface")
+    plan = Plan(recipe.name, recipe.workload.replace(fc="mp"),
+                Measure(runs=1, iters=iters, warmup=warmup),
+                [Case(Topology(devices_per_node=d, device="cpu"), 8) for d in RANKS], out,
+                tuning=Tuning(mode=mode), framework=framework)
+    Runner(plan).run()
+    return results.load(out)
+
+
+def records(doc: dict) -> list[dict]:
+    """The one run of each case, 1 rank then 2."""
+    assert [c["world_size"] for c in doc["cases"]] == list(RANKS)
+    return [c["runs"][0] for c in doc["cases"]]
+
+
+def starts(out: Path) -> list[dict]:
+    """The ``start`` events of every run in ``out``."""
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
+            if '"event": "start"' in line]
