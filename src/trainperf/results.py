@@ -4,6 +4,7 @@ and outside readers. Also the DLPerf export."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import tempfile
@@ -263,16 +264,73 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "results.v1.schema.json"
+"""The published JSON Schema of this format (made by ``results_schema``)."""
+
 REQUIRED_CASE = {"case": str, "nodes": int, "devices_per_node": int, "world_size": int,
                  "batch_size_per_device": int, "precision": str, "runs": list, "flags": list}
 REQUIRED_RUN = {"run": int, "status": str, "step_times_s": list}
 
 
 def validate(doc: Any) -> None:
-    """Raise ValueError naming the first problem if ``doc`` is not a v1 results document."""
+    """Raise ValueError naming the first problem, and the field it lies in, if ``doc`` is not
+    a v1 results document: by the published schema where jsonschema is installed (it is a
+    dependency), else by the structural check below (a lent GPU machine installs trainperf
+    without its dependencies)."""
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise ValueError(f"not a {SCHEMA} document (schema: "
                          f"{doc.get('schema') if isinstance(doc, dict) else type(doc).__name__})")
+    validator = schema_validator()
+    if validator is None:
+        structural_check(doc)
+        return
+    error = next(iter(sorted(validator.iter_errors(doc), key=_error_order)), None)
+    if error is not None:
+        raise ValueError(schema_error_line(error))
+
+
+def _error_order(error) -> tuple:
+    # The shallowest problem first: a case that is not an object says more than each of the
+    # fields it then lacks.
+    return (len(error.absolute_path), [str(p) for p in error.absolute_path])
+
+
+def schema_error_line(error) -> str:
+    """One line: where in the document (``cases[0].runs[2].status``) and what is wrong."""
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+    where = where.lstrip(".") or "the document"
+    if error.validator == "required":
+        missing = next((f for f in error.validator_value
+                        if isinstance(error.instance, dict) and f not in error.instance), "?")
+        return f"field {where + '.' if where != 'the document' else ''}{missing} is missing"
+    if error.validator in ("type", "anyOf"):
+        got = "null" if error.instance is None else type(error.instance).__name__
+        want = error.schema.get("type") or "the declared type"
+        want = " or ".join(want) if isinstance(want, list) else want
+        return f"field {where} is {got}, not {want}"
+    message = " ".join(str(error.message).split())
+    return f"field {where}: {message[:160]}"
+
+
+_VALIDATOR: list = []
+
+
+def schema_validator():
+    """The schema's validator, made once; None where jsonschema is not installed."""
+    if not _VALIDATOR:
+        try:
+            import jsonschema
+        except ImportError:
+            _VALIDATOR.append(None)
+        else:
+            schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+            cls = jsonschema.validators.validator_for(schema)
+            _VALIDATOR.append(cls(schema))
+    return _VALIDATOR[0]
+
+
+def structural_check(doc: dict) -> None:
+    """The fields a report cannot do without, checked without jsonschema."""
     for key, typ in (("recipe", str), ("workload", dict), ("measure", dict), ("env", dict),
                      ("cases", list)):
         if not isinstance(doc.get(key), typ):
@@ -294,6 +352,35 @@ def validate(doc: Any) -> None:
             for key in ("samples_per_s", "peak_memory_bytes", "loss_first", "loss_last", "error"):
                 if key not in r:
                     raise ValueError(f"run {r['run']} of case {c['case']} lacks {key!r}")
+
+
+EVENTS = "events.jsonl"
+EVENTS_GZ = EVENTS + ".gz"
+
+
+def has_events(folder: Path) -> bool:
+    """Whether a results folder holds its event stream, plain or compressed (a committed
+    record keeps a large one as ``events.jsonl.gz``)."""
+    return (folder / EVENTS).exists() or (folder / EVENTS_GZ).exists()
+
+
+def event_lines(folder: Path) -> list[str]:
+    """The lines of a results folder's event stream, plain or compressed; none where it has
+    none."""
+    if (folder / EVENTS).exists():
+        return (folder / EVENTS).read_text(encoding="utf-8").splitlines()
+    if (folder / EVENTS_GZ).exists():
+        with gzip.open(folder / EVENTS_GZ, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()
+    return []
+
+
+def uncompress_events(folder: Path) -> None:
+    """Make a compressed event stream plain again, so that a resumed run appends to it."""
+    if (folder / EVENTS_GZ).exists() and not (folder / EVENTS).exists():
+        lines = event_lines(folder)
+        (folder / EVENTS).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        (folder / EVENTS_GZ).unlink()
 
 
 def read_json(path: str | Path, name: str) -> tuple[Path, Any]:
