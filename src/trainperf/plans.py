@@ -17,7 +17,7 @@ from .config import (FC_MODES, MODE_BEST, MODE_DEFAULT, PFC_DEFAULT_RATIO, DataS
                      Topology, Tuning, parse_int_list, parse_list)
 from .procs import interrupt_on_sigterm
 from .recipes import get_recipe
-from .results import default_folder
+from .results import default_folder, has_events
 from .runner import Plan, Runner, check_plan, device_kind, interleave, plan_cases
 
 
@@ -242,7 +242,7 @@ def run_plans(plans: list[Plan], resume: bool, take_turns: bool = False) -> list
         resumes = []
         for runner in runners:
             runner.progress = progress
-            resumes.append(resume and (runner.out / "events.jsonl").exists())
+            resumes.append(resume and has_events(runner.out))
         if take_turns:
             return interleave(runners, resumes)
         return [runner.run(resume=again) for runner, again in zip(runners, resumes)]

@@ -223,9 +223,8 @@ class Runner:
 
     def _restore(self) -> None:
         """Take back finished runs from an earlier, interrupted ``run`` into the same folder."""
-        if not self.events_path.exists():
-            return
-        for line in self.events_path.read_text(encoding="utf-8").splitlines():
+        results.uncompress_events(self.out)
+        for line in results.event_lines(self.out):
             try:
                 e = json.loads(line)
             except json.JSONDecodeError:
@@ -308,7 +307,7 @@ class Runner:
 
     def _prepare(self, resume: bool) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        if not resume and self.events_path.exists():
+        if not resume and results.has_events(self.out):
             raise ValueError(f"{self.out} already holds a run; pass --resume to finish it or "
                              "choose another --out")
         self._check_same_plan()
@@ -548,6 +547,8 @@ class Runner:
             self.progress.run_started(label, measure.iters)
             done = self._watch(launch.argv, env, worker_events, log_path, tags, measure,
                                meeting)
+            # Every line is in the folder's stream now, tagged with its run: one copy is kept.
+            worker_events.unlink(missing_ok=True)
             here = outcome.decide(done.seen, done.timed_out, has_rank0=not self.is_follower,
                                   memory_capped=measure.memory_limit_bytes is not None,
                                   stalled_s=measure.stall_timeout_s if done.stalled else None)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import DataSpec, Measure, Topology, Tuning
 from ..progress import QuietProgress
+from .. import results
 from ..recipes import get_recipe
 from ..runner import Case as RunnerCase, Plan, Runner
 from .cases import Case
@@ -35,11 +36,7 @@ def run_plan(plan: Plan) -> dict:
 def end_times(out_dir: Path) -> dict[int, float]:
     """Unix time of each run's ``end`` event: where its window ended."""
     found = {}
-    try:
-        lines = (out_dir / "events.jsonl").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return found
-    for line in lines:
+    for line in results.event_lines(out_dir):
         try:
             e = json.loads(line)
         except json.JSONDecodeError:
