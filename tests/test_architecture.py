@@ -26,11 +26,12 @@ PACKAGE = "trainperf"
 FLOORS: list[tuple[str, set[str]]] = [
     ("foundation", {"__init__", "config", "protocol", "faults", "stats", "devices", "outcome",
                     "recipes", "references", "results", "env", "procs", "bench",
-                    "alignments", "records", "parities", "significance", "mode_choice"}),
+                    "alignments", "records", "parities", "significance", "mode_choice",
+                    "result_files", "results_schema"}),
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
     ("launch", {"envs", "rendezvous", "runner", "progress", "breakdown"}),
-    ("report", {"report", "ingest"}),
+    ("report", {"report", "ingest", "export"}),
     ("scenarios", {"plans", "search", "align", "train", "scale", "gpucheck", "parity"}),
     ("cli", {"cli"}),
 ]

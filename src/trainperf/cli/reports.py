@@ -47,10 +47,16 @@ def register(sub) -> None:
     refs.add_argument("--framework")
     refs.add_argument("--model")
     refs.set_defaults(handler=cmd_references)
-    exp = sub.add_parser("export", help="write results in another tool's shape")
-    exp.add_argument("dir")
-    exp.add_argument("--format", required=True, choices=["dlperf"])
-    exp.add_argument("--out", help="file to write (default: stdout)")
+    exp = sub.add_parser(
+        "export", help="results as one table (CSV, Parquet, JSON Lines) or in DLPerf's shape",
+        description="One row per run or per case of every results.json under the DIRs (a "
+                    "results folder, a folder holding many, archives included, or a "
+                    "results.json), each setting and figure a column; see docs/exports.md.")
+    exp.add_argument("dirs", nargs="+", metavar="DIR")
+    exp.add_argument("--format", required=True, choices=["csv", "parquet", "jsonl", "dlperf"])
+    exp.add_argument("--level", choices=["run", "case"],
+                     help="a row per run (default) or per case; tables only")
+    exp.add_argument("--out", help="file to write (default: stdout; parquet needs one)")
     exp.set_defaults(handler=cmd_export)
     ing = sub.add_parser("ingest", help="read logs of older tools into results")
     ing.add_argument("logdir")
@@ -137,9 +143,20 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format != "dlperf":
+        from ..export import export
+
+        count = export(args.dirs, args.format, args.level or "run", args.out)
+        if args.out:
+            print(f"export: {count} rows -> {args.out}", file=sys.stderr)
+        return EXIT_OK
     from .. import results
 
-    text = json.dumps(results.export_dlperf(results.load(args.dir)), indent=2)
+    if len(args.dirs) > 1:
+        raise ValueError("--format dlperf exports one results folder; give one DIR")
+    if args.level:
+        raise ValueError("--level applies to the table formats, not to --format dlperf")
+    text = json.dumps(results.export_dlperf(results.load(args.dirs[0])), indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     else:
