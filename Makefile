@@ -20,7 +20,7 @@ STAMP := .stamp-install-$(subst /,_,$(PY))
 # line saying so, and so are its tests.
 TEST_ENVS ?= mxnet paddle jax tf oneflow
 
-.PHONY: install envs slurm browser bench test clean gpu-check
+.PHONY: install envs slurm browser bench test clean gpu-check docs
 
 CORE_STAMP := .stamp-core-$(subst /,_,$(PY))
 
@@ -87,6 +87,10 @@ TEST_WORKERS ?= 2
 
 test: envs slurm browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The documentation site, in strict mode as the suite builds it: into build/site/.
+docs: install
+	$(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .stamp-install-* .stamp-core-* bench-results

@@ -1,6 +1,7 @@
 """What is made from the GPU records under ``benchmarks/results/gpu-*``: the memory model's GPU
-constants (held to their fit on the H200 record, and their error per precision to the README's
-table) and the README's GPU support matrix (held to what the records show)."""
+constants (held to their fit on the H200 record, and their error per precision to the table on
+docs/capacity.md), the README's GPU support matrix (held to what the records show) and the GPU
+check's plan on docs/gpu-check.md."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_committed_gpu_constants_are_the_h200_records_fit(fitted):
     assert constants_for("cpu", "bf16") is CONSTANTS["cpu"]
 
 
-def test_readme_gives_the_models_error_per_precision_on_the_record(fitted):
+def test_capacity_page_gives_the_models_error_per_precision_on_the_record(fitted):
     rows = memfit.errors(fitted["points"], memfit.committed)
     old = memfit.errors(fitted["points"], lambda _: memfit.OLD)
 
@@ -46,7 +47,7 @@ def test_readme_gives_the_models_error_per_precision_on_the_record(fitted):
         vals = [abs(r["error"]) for r in rs if pick(r)]
         return f"{100 * sum(vals) / len(vals):.1f}%", f"{100 * max(vals):.1f}%", len(vals)
 
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "capacity.md").read_text()
     groups = {"fp16, bf16": lambda r: r["precision"] != "fp32",
               "fp32 (R100, ResNet50)": lambda r: r["precision"] == "fp32"
               and not r["backbone"].startswith("mobilefacenet"),
@@ -55,7 +56,7 @@ def test_readme_gives_the_models_error_per_precision_on_the_record(fitted):
     for label, pick in groups.items():
         now, largest, n = mean(rows, pick)
         before, _, _ = mean(old, pick)
-        assert f"| {label} | {n} | {before} | {now} | {largest} |" in readme, label
+        assert f"| {label} | {n} | {before} | {now} | {largest} |" in page, label
     # What the record's own table says, made by benchmarks/memory_model_gpu.py.
     doc = json.loads((H200 / "memory_model.json").read_text())
     assert doc["new"]["fp16/bf16"]["mean_abs_error"] == pytest.approx(
@@ -73,11 +74,12 @@ def test_the_fp32_workspace_fills_only_what_is_free():
     assert combine(parts, c, need - GIB) == need  # it never decides whether a step fits
 
 
-def test_readme_tables_are_what_the_plan_and_the_records_say(capsys):
-    text = (REPO / "README.md").read_text()
-    assert readme.block_of(text, "gpu-matrix") == matrix.render(RESULTS)
-    assert readme.block_of(text, "gpu-plan") == budget.plan_table()
-    assert readme.main(["--results", str(RESULTS), "--check", str(REPO / "README.md")]) == 0
+def test_made_tables_are_what_the_plan_and_the_records_say(capsys):
+    front = (REPO / "README.md").read_text()
+    assert readme.block_of(front, "gpu-matrix") == matrix.render(RESULTS)
+    plan_page = (REPO / "docs" / "gpu-check.md").read_text()
+    assert readme.block_of(plan_page, "gpu-plan") == budget.plan_table()
+    assert readme.main(["--root", str(REPO), "--check"]) == 0
     from trainperf.cli import main
 
     assert main(["gpucheck", "--plan"]) == 0
@@ -115,16 +117,30 @@ def test_matrix_takes_each_paths_latest_gpu(tmp_path, capsys):
            f"{matrix.NOT_YET} |" in text
     # Part 2 runs torch's fp16, dp and parity rows, none of them recorded here: the most.
     assert "then `make gpu-check PART=2`" in text
-    page = tmp_path / "README.md"
+    # Each table lives in its own file: the matrix on the front page, the plan on its page.
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    front, plan_page = root / "README.md", root / "docs" / "gpu-check.md"
     (m_begin, m_end), (p_begin, p_end) = readme.markers("gpu-matrix"), readme.markers("gpu-plan")
-    page.write_text(f"x\n{p_begin}\n{budget.plan_table()}{p_end}\n{m_begin}\nold\n{m_end}\ny\n")
-    assert readme.main(["--results", str(tmp_path), "--check", str(page)]) == 1
-    assert "gpu-matrix out of date" in capsys.readouterr().err
-    assert readme.main(["--results", str(tmp_path), "--write", str(page)]) == 0
-    assert readme.main(["--results", str(tmp_path), "--check", str(page)]) == 0
-    written = page.read_text()
+    front.write_text(f"x\n{m_begin}\nold\n{m_end}\ny\n")
+    plan_page.write_text(f"p\n{p_begin}\n{budget.plan_table()}{p_end}\nq\n")
+    argv = ["--root", str(root), "--results", str(tmp_path)]
+    assert readme.main([*argv, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "README.md: gpu-matrix out of date" in err and "gpu-plan" not in err
+    assert err.count("\n") == 1 and "--write --root" in err
+    assert readme.main([*argv, "--write"]) == 0
+    assert readme.main([*argv, "--check"]) == 0
+    written = front.read_text()
     assert written.startswith("x\n") and written.endswith(f"{m_end}\ny\n")
     assert readme.block_of(written, "gpu-matrix") == text
+    assert plan_page.read_text() == f"p\n{p_begin}\n{budget.plan_table()}{p_end}\nq\n"
+    # A page that lost its markers is named, not passed over.
+    plan_page.write_text("p\n")
+    assert readme.main([*argv, "--check"]) == 1
+    assert "docs/gpu-check.md: gpu-plan out of date" in capsys.readouterr().err
+    assert readme.main([*argv, "--write"]) == 2
+    assert "docs/gpu-check.md: no <!-- gpu-plan:begin -->" in capsys.readouterr().err
 
 
 def test_a_gpu_run_keeps_its_windows_own_peak(monkeypatch):

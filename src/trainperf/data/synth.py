@@ -19,7 +19,7 @@ by more, than the identity does. Raw pixels and an untrained network's features 
 dominated by it. On the 600 held-out pairs of ``data synth``'s default (112 pixels), measured
 over seeds 0 to 2, raw pixels (mean-subtracted, plus the mirror image) verify 48-58 % of the
 pairs and the untrained ``tiny-arcface`` 49-58 %; trained on 40 identities x 12 images it
-passes 80 % within 1000 steps (the README's *Time to accuracy* has the runs). In the middle of
+passes 80 % within 1000 steps (docs/time-to-accuracy.md has the runs). In the middle of
 the image, where the face is, same-identity images are still closer on average than different
 identities' (tests/test_data_pack.py).
 

@@ -70,7 +70,7 @@ BACKWARD_SHARE = 2 / 3
 LABEL_BYTES = 8
 FLOAT_BYTES = 4
 HEAD_ALL_REDUCES = 3
-# Round figures for when only bandwidths are given; see README "Scaling model" for why they
+# Round figures for when only bandwidths are given; see docs/scaling-model.md for why they
 # barely matter at the message sizes these steps send.
 DEFAULT_INTRA_LATENCY_S = 10e-6
 DEFAULT_INTER_LATENCY_S = 30e-6
