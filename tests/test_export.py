@@ -6,6 +6,7 @@ one line; the docs page shows the declared columns."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shutil
 import subprocess
@@ -154,6 +155,20 @@ def test_several_dirs_make_one_table(tmp_path):
     assert len(table) == 2 * one
     assert [r["source"] for r in table] == (
         [str(first / "results.json")] * one + [str(second / "results.json")] * one)
+    # A tree and a folder inside it: each file once.
+    assert len(export.rows([tmp_path, second, second / "results.json"])) == 2 * one
+
+
+def test_jsonl_writes_what_json_cannot_hold_as_null(tmp_path):
+    doc = json.loads(SMALL.read_text())
+    doc["cases"][0]["memory_model_error"] = float("nan")
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    buffer = io.StringIO()
+    export.write_jsonl(export.rows(tmp_path, "case"), buffer)
+    # Python's json reads NaN; a strict reader does not, so neither may the file hold it.
+    first = json.loads(buffer.getvalue().splitlines()[0],
+                       parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert first["memory_model_error"] is None
 
 
 def test_ingested_logs_export_too(tmp_path):

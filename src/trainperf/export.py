@@ -12,6 +12,8 @@ import argparse
 import csv
 import io
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -131,9 +133,13 @@ def documents(paths: Iterable[str | Path] | str | Path) -> list[tuple[str, dict]
     their order, the files under a folder in sorted order (unpacked ones, then archived)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    found = []
+    found, seen = [], set()
     for path in paths:
-        found += _documents_at(Path(path))
+        for source, doc in _documents_at(Path(path)):
+            # Folders that overlap (a tree and one of its folders) give each file once.
+            if (key := os.path.abspath(source)) not in seen:
+                seen.add(key)
+                found.append((source, doc))
     return found
 
 
@@ -351,9 +357,12 @@ def _csv_cell(value: Any) -> str:
 
 
 def write_jsonl(table: list[dict[str, Any]], out: IO[str]) -> None:
-    """One JSON object per line, every column present, a missing value null."""
+    """One JSON object per line, every column present, a missing value null (and so is a
+    NaN or infinity, which JSON cannot hold)."""
     for row in table:
-        out.write(json.dumps(row) + "\n")
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                 for k, v in row.items()}
+        out.write(json.dumps(clean, allow_nan=False) + "\n")
 
 
 def _pyarrow():

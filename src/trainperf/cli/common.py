@@ -84,7 +84,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default 1800)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default: %(default)g)")
     p.add_argument("--stall-timeout", type=float, metavar="S",
                    help="stop a run as hung once it has gone S seconds without a step after "
                         "its first (default: only --timeout; a --breakdown's profiled run "
