@@ -5,6 +5,7 @@ collectives run on 2 ranks) on 1 and 2 CPU ranks in one execution mode, and the 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from trainperf import results
@@ -37,3 +38,14 @@ def starts(out: Path) -> list[dict]:
     """The ``start`` events of every run in ``out``."""
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
             if '"event": "start"' in line]
+
+
+def assert_learned_in(run: dict, mode: str, steps: int) -> None:
+    """One run of ``run_in``: measured, in ``mode``, its ``steps`` losses finite and falling (one
+    batch again and again: it learns), and its first step timed."""
+    assert run["status"] == "ok" and run["samples_per_s"] > 0, run["error"]
+    assert run["mode"] == mode
+    losses = run["losses"]
+    assert len(losses) == steps and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    assert run["first_step_s"] > 0

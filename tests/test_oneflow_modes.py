@@ -15,7 +15,6 @@ module's tests.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 from pathlib import Path
@@ -27,7 +26,7 @@ from trainperf.backends.oneflow.backend import GRAPH_FLOAT64
 from trainperf.config import Measure, Topology, Tuning
 from trainperf.recipes import get_recipe
 from trainperf.runner import Case, Plan, check_plan
-from mode_runs import records, run_in, starts
+from mode_runs import assert_learned_in, records, run_in, starts
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
@@ -89,14 +88,9 @@ def test_sampling_pfc_is_refused_in_graph_mode_in_one_line(tmp_path):
 def test_a_graph_run_on_one_and_two_ranks_is_recorded(runs):
     out, doc = runs["graph"]
     for run in records(doc):
-        assert run["status"] == "ok" and run["samples_per_s"] > 0
-        assert run["mode"] == "graph"
-        losses = run["losses"]
-        assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
-        assert losses[-1] < losses[0]  # three steps on one batch: it learns
+        assert_learned_in(run, "graph", 3)
         # Compiled once, in the first step, and never again inside the window.
-        assert run["recompiles_in_window"] == 0
-        assert run["first_step_s"] > 0 and run["compile_s"] is not None
+        assert run["recompiles_in_window"] == 0 and run["compile_s"] is not None
     for start in starts(out):
         settings = start["settings"]
         assert settings["mode"] == "graph"

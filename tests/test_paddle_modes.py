@@ -22,7 +22,7 @@ import pytest
 
 from trainperf.backends import get_backend
 from align_checks import align, assert_strictly_aligned
-from mode_runs import records, run_in, starts
+from mode_runs import assert_learned_in, records, run_in, starts
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
@@ -92,14 +92,9 @@ def test_compile_count_is_the_programs_built(paddle_python):
 def test_a_static_run_on_one_and_two_ranks_is_recorded(runs):
     out, doc = runs["static"]
     for run in records(doc):
-        assert run["status"] == "ok" and run["samples_per_s"] > 0
-        assert run["mode"] == "static"
-        losses = run["losses"]
-        assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
-        assert losses[-1] < losses[0]  # four steps on one batch: it learns
+        assert_learned_in(run, "static", 4)
         # The backbone's program is built in the first step, and never again in the window.
-        assert run["recompiles_in_window"] == 0
-        assert run["first_step_s"] > 0 and run["compile_s"] is not None
+        assert run["recompiles_in_window"] == 0 and run["compile_s"] is not None
     for start in starts(out):
         assert start["settings"]["mode"] == "static"
         assert "to_static" in start["settings"]["graph"]

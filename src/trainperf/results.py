@@ -4,6 +4,7 @@ and outside readers. Also the DLPerf export."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import os
@@ -312,21 +313,15 @@ def schema_error_line(error) -> str:
     return f"field {where}: {message[:160]}"
 
 
-_VALIDATOR: list = []
-
-
+@functools.cache
 def schema_validator():
     """The schema's validator, made once; None where jsonschema is not installed."""
-    if not _VALIDATOR:
-        try:
-            import jsonschema
-        except ImportError:
-            _VALIDATOR.append(None)
-        else:
-            schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-            cls = jsonschema.validators.validator_for(schema)
-            _VALIDATOR.append(cls(schema))
-    return _VALIDATOR[0]
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    return jsonschema.validators.validator_for(schema)(schema)
 
 
 def structural_check(doc: dict) -> None:

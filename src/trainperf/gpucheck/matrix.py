@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from .recorded import json_files
+from ..result_files import json_files
 
 FRAMEWORKS = (("torch", "torch"), ("jax", "JAX"), ("mxnet", "MXNet"), ("paddle", "Paddle"),
               ("tf", "TensorFlow"), ("oneflow", "OneFlow"))

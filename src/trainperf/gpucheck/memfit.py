@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..backends.torch.memory_model import DeviceConstants, combine, constants_for
 from .capacity import fit
-from .recorded import json_files
+from ..result_files import json_files
 
 DEPTHWISE = ("mobilefacenet",)
 OLD = DeviceConstants(1.5, 0, "the CPU's backward factor (before the H200 fit)")
