@@ -255,16 +255,14 @@ def _case_figures(case: dict) -> dict[str, Any]:
 
 def _run_figures(case: dict, run: dict) -> dict[str, Any]:
     speed = run.get("samples_per_s")
-    peak, predicted = run.get("peak_memory_bytes"), run.get("predicted_peak_bytes")
     return {
         "run": run["run"],
         "mode": run.get("mode") or case.get("mode"),
         "status": run["status"],
         "samples_per_s": speed,
         "samples_per_s_per_device": _per_device(speed, case["world_size"]),
-        "peak_memory_bytes": peak,
-        # As the case's figure is made (results.case_record), for this run alone.
-        "memory_model_error": (predicted - peak) / peak if peak and predicted else None,
+        "peak_memory_bytes": run.get("peak_memory_bytes"),
+        "memory_model_error": results.memory_model_error(run),
         "startup_s": run.get("startup_s"),
         "compile_s": run.get("compile_s"),
         "flags": _flags(run.get("flags")),

@@ -152,6 +152,13 @@ def training_summary(runs: list[dict]) -> dict[str, Any]:
                                   if t.get("best_accuracy") is not None), default=None)}
 
 
+def memory_model_error(run: dict) -> float | None:
+    """(predicted - measured) / measured peak memory of one run; None where either is
+    missing."""
+    peak, predicted = run.get("peak_memory_bytes"), run.get("predicted_peak_bytes")
+    return (predicted - peak) / peak if peak and predicted else None
+
+
 def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | None,
                 head: tuple[int, str, float] | None = None) -> dict[str, Any]:
     """``head``: (num_classes, fc, sample_ratio) of the case; recorded so that a case says what
@@ -159,8 +166,7 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
     st = stats.case_stats(
         r["samples_per_s"] if r["status"] == "ok" and not r["flags"] else None for r in runs)
     peaks = [r["peak_memory_bytes"] for r in runs if r.get("peak_memory_bytes")]
-    model_errors = [(r["predicted_peak_bytes"] - r["peak_memory_bytes"]) / r["peak_memory_bytes"]
-                    for r in runs if r.get("peak_memory_bytes") and r.get("predicted_peak_bytes")]
+    model_errors = [e for r in runs if (e := memory_model_error(r)) is not None]
     flops = start.train_flops_per_sample if start else None
     env = start.env if start else {}
     names = env.get("device_names") or []
