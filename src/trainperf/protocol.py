@@ -21,7 +21,9 @@ How a run goes
    - ``step`` (:class:`Step`, rank 0, one per optimizer step, warm-up steps included, in step
      order, written as soon as the step's time is known): ``index`` (0-based), ``seconds``,
      ``samples`` (global samples of the step), ``warmup`` (``index < measure.warmup``); with
-     real data (``spec.data``) also ``data_wait_s``, the host seconds it waited for its batch.
+     real data (``spec.data``) also ``data_wait_s``, the host seconds it waited for its batch;
+     where the framework counts its compilations, ``compiles``, the count once the step was
+     issued (a mode probe's timed steps start where it stops moving).
    - ``eval`` (:class:`Eval`, rank 0, training runs only, after every evaluation): the
      verification accuracies and how long the run has trained so far.
    - ``phases`` (:class:`Phases`, rank 0, once, profiled runs only, before ``end``): the
@@ -101,6 +103,9 @@ from typing import Any, ClassVar
 from .config import AlignSpec, DataSpec, Measure, ProfileSpec, TrainSpec, Tuning, Workload
 
 PROTOCOL = "trainperf.protocol/v1"
+LAUNCHED_AT_ENV = "TRAINPERF_LAUNCHED_AT"
+"""Unix time (s, as ``time.time()``) at which the runner started the run's launcher: where a
+run's ``End.startup_s`` counts from. Every process of the run inherits it."""
 ERROR_KINDS = ("oom", "exception")
 
 
@@ -225,6 +230,10 @@ class Step(Event):
     warmup: bool
     data_wait_s: float | None = None
     """Real data: host seconds this step waited for its batch from the input pipeline."""
+    compiles: int | None = None
+    """How many times the run's mode had compiled or traced its step once this step was issued
+    (``FrameworkRun.compile_count``); None where the framework cannot tell. Where it stops
+    moving, compilation is over: a mode probe's timed steps start there."""
 
 
 @dataclass(kw_only=True)
@@ -246,8 +255,19 @@ class End(Event):
     """Window steps whose update was skipped (fp16 overflow): their time holds no update."""
     final_loss_scale: float | None = None
     startup_s: float | None = None
-    """Seconds from rank 0's process start to the end of its first step: imports, process
-    group, model, batches and the mode's compilation or tracing (never in the window)."""
+    """Seconds from the run's launch to the end of rank 0's step 0 (the measured loop's start
+    plus step 0's own time, never the moment its time was read): the launcher, imports,
+    process group, model, batches and the mode's compilation. The launch is the time the runner
+    gives in ``LAUNCHED_AT_ENV``; a process started without it counts from its own start, read
+    from ``/proc`` (to the kernel's clock tick, 10 ms)."""
+    compile_s: float | None = None
+    """Seconds rank 0's framework spent compiling the step over the whole run, timed where it
+    compiles (``FrameworkRun.compile_seconds``: JAX's lower and compile, TorchDynamo and
+    inductor, TensorFlow's tracing and XLA, Paddle's program build, OneFlow's graph compile,
+    MXNet's cached-graph build); 0.0 in a mode that compiles nothing; None where the framework
+    cannot tell."""
+    compile_measure: str | None = None
+    """What ``compile_s`` timed, in the framework's own terms (one line)."""
     recompiles_in_window: int | None = None
     """Times the step compiled or traced again inside the window (a changed shape, a failed
     guard); None where the framework cannot tell."""

@@ -88,17 +88,21 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
 
 
 def startup(start: Start | None, end: End | None, steps: list[Step]) -> dict[str, Any]:
-    """The mode that ran and what it cost before the window: seconds from process start to
-    the end of the first step, the first step's own seconds, and how much longer it took than
-    the window's median step (where tracing and compilation happen: the mode's compile time),
-    and the recompilations inside the window."""
+    """The mode that ran and what it cost before the window: seconds from the run's launch to
+    the end of step 0 (``End.startup_s``), step 0's own seconds, the seconds the framework
+    spent compiling (timed where it compiles, ``End.compile_s``) and what that timed, how much
+    longer step 0 took than the window's median step (compilation, autotuning, allocator
+    growth, a first batch: not a compile time), and the recompilations inside the window."""
     first = next((e.seconds for e in steps if e.index == 0), None)
     window = sorted(e.seconds for e in steps if not e.warmup)
     median = window[len(window) // 2] if window else None
     return {"mode": start.settings.get("mode") if start else None,
             "startup_s": end.startup_s if end else None,
             "first_step_s": first,
-            "compile_s": max(first - median, 0.0) if first is not None and median else None,
+            "compile_s": end.compile_s if end else None,
+            "compile_measure": end.compile_measure if end else None,
+            "first_step_excess_s": (max(first - median, 0.0)
+                                    if first is not None and median else None),
             "recompiles_in_window": end.recompiles_in_window if end else None}
 
 
@@ -189,6 +193,8 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
                                    if r.get("startup_s") is not None]),
         "compile_s": stats.median([r["compile_s"] for r in runs
                                    if r.get("compile_s") is not None]),
+        "first_step_excess_s": stats.median([r["first_step_excess_s"] for r in runs
+                                             if r.get("first_step_excess_s") is not None]),
         "recompiles_in_window": sum(r.get("recompiles_in_window") or 0 for r in runs),
         "runs": runs,
         "median_samples_per_s": st.median,

@@ -57,10 +57,13 @@ RUN_FIELDS: list[Field] = [
     ("skipped_steps_in_window", "int?", False, "steps the loss scaler skipped in the window"),
     ("final_loss_scale", "num?", False, "the fp16 loss scale at the end"),
     ("mode", "str?", False, "the execution mode that ran (eager, compile, graph, ...)"),
-    ("startup_s", "num?", False, "seconds from the process's start to the end of its first "
-     "step"),
+    ("startup_s", "num?", False, "seconds from the run's launch to the end of its step 0"),
     ("first_step_s", "num?", False, "seconds of the first step"),
-    ("compile_s", "num?", False, "the first step's excess over the window's median step"),
+    ("compile_s", "num?", False, "seconds the framework spent compiling, timed where it "
+     "compiles; 0 in a mode that compiles nothing"),
+    ("compile_measure", "str?", False, "what compile_s timed, in the framework's terms"),
+    ("first_step_excess_s", "num?", False, "the first step's excess over the window's median "
+     "step (compilation, autotuning, allocator growth, a first batch)"),
     ("recompiles_in_window", "int?", False, "compilations counted inside the window"),
     ("data_wait_s", "list[num?]", False, "real data: rank 0's wait for each window step's "
      "batch"),
@@ -94,6 +97,7 @@ CASE_FIELDS: list[Field] = [
     ("mode_probe", "obj", False, "--mode best: each mode's probe rates and the choice"),
     ("startup_s", "num?", False, "median over runs of startup_s"),
     ("compile_s", "num?", False, "median over runs of compile_s"),
+    ("first_step_excess_s", "num?", False, "median over runs of first_step_excess_s"),
     ("recompiles_in_window", "int", False, "compilations inside the windows, all runs"),
     ("runs", "list[run]", True, "every run, in run order"),
     ("median_samples_per_s", "num?", True, "median over the ok, unflagged runs"),

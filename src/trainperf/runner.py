@@ -26,7 +26,8 @@ from .config import (LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, MODE_BEST, AlignSpec, D
 from .env import host_env
 from .procs import POLL_S, EventTail, cpu_threads_per_process, kill_tree, log_tail
 from .progress import Progress, QuietProgress
-from .protocol import End, Eval, Event, Phases, ProtocolError, RunSpec, Start, Step
+from .protocol import (LAUNCHED_AT_ENV, End, Eval, Event, Phases, ProtocolError, RunSpec,
+                       Start, Step)
 from .rendezvous import NodeGroup, RendezvousError, interface_of
 
 PEER_POLL_S = 1.0
@@ -610,6 +611,8 @@ class Runner:
         stall = None if tags.get("profile") else measure.stall_timeout_s
         next_look = time.monotonic() + PEER_POLL_S
         with open(log_path, "wb") as log:
+            # Where every rank's start-up counts from (``End.startup_s``).
+            env = {**env, LAUNCHED_AT_ENV: repr(time.time())}
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
                 progressed, last_step = 0, None

@@ -19,7 +19,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from ..config import AlignSpec, Measure, Workload
 from ..faults import inject, parse_faults
-from ..protocol import End, Error, EventWriter, Phases, RunSpec, Start, Step
+from ..protocol import LAUNCHED_AT_ENV, End, Error, EventWriter, Phases, RunSpec, Start, Step
 from .base import Backend, require
 from .loop import MAX_STEPS_IN_FLIGHT, StepTimes, timed_loop, use_short_switch_interval
 from .phases import NO_COMM, PhaseClock, delays_from_env, matmul_rate
@@ -243,7 +243,20 @@ class FrameworkRun:
     def compile_count(self) -> int | None:
         """How many times this run's mode has compiled or traced its step so far (graphs
         captured, programs built, functions traced); None where the framework cannot tell.
-        Read when the window opens and after it: a change is a recompilation inside it."""
+        Read after every step is issued (``Step.compiles``) and when the window opens: a change
+        inside the window is a recompilation."""
+        return None
+
+    def compile_seconds(self) -> float | None:
+        """Seconds this process has spent compiling the run's step so far, timed where the
+        framework compiles (around its tracing, lowering, graph building or code generation,
+        never a step's excess over another); 0.0 in a mode that compiles nothing; None where
+        the framework cannot tell. Read once, after the last step (``End.compile_s``)."""
+        return None
+
+    def compile_measure(self) -> str | None:
+        """What ``compile_seconds`` times, in the framework's own terms, in one line
+        (``End.compile_measure``); in a mode that compiles nothing, that it compiles nothing."""
         return None
 
     def is_oom(self, exc: BaseException) -> bool:
@@ -563,16 +576,19 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
         write_dump(dump, -1, fw.rank, fw.align_state(), float("nan"))
 
     compiles: dict[str, int | None] = {}
+    counts: dict[int, int | None] = {}
 
     def one_step(index: int) -> Any:
         inject(faults, index, fw.rank, fw.oom_error)
         if index == measure.warmup and measure.warmup > 0:
             compiles["window"] = fw.compile_count()
         out = fw.step(index)
+        # A host-side counter: reading it waits on nothing the device does.
+        counts[index] = fw.compile_count()
         if index == 0 and measure.warmup == 0:
             # No warm-up (an alignment run): the first compilation is the run's own, in its
             # window by design; only what compiles after it is a recompilation.
-            compiles["window"] = fw.compile_count()
+            compiles["window"] = counts[index]
         if dump:
             # An alignment run is not timed for its rate: waiting here costs only its window.
             fw.sync()
@@ -580,8 +596,10 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
         return out
 
     on_steps = StepReporter(events, fw.rank, measure, global_batch,
-                            first=None if started() else write_start, data_wait=fw.data_wait)
+                            first=None if started() else write_start, data_wait=fw.data_wait,
+                            compiles=counts.get)
     try:
+        on_steps.loop_began_at = time.time()
         window_s, outputs = fw.timed_loop(one_step, on_steps)
     except BaseException:
         write_start()
@@ -592,6 +610,7 @@ def measured_run(fw: FrameworkRun, events: EventWriter) -> None:
     extra = fw.end_fields()
     extra.update(startup_fields(on_steps.first_done_at, compiles.get("window"),
                                 fw.compile_count()))
+    extra.update(compile_s=fw.compile_seconds(), compile_measure=fw.compile_measure())
     if fw.real is not None:
         fw.real.close()
         waits = fw.gather_floats(fw.real.window_waits(measure.warmup))
@@ -643,18 +662,28 @@ class StepReporter:
 
     def __init__(self, events: EventWriter, rank: int, measure: Measure, global_batch: int,
                  first: Callable[[], None] | None = None,
-                 data_wait: Callable[[int], float | None] = lambda _: None) -> None:
+                 data_wait: Callable[[int], float | None] = lambda _: None,
+                 compiles: Callable[[int], int | None] = lambda _: None) -> None:
         self.events, self.rank, self.measure = events, rank, measure
         self.global_batch = global_batch
         self.first = first
         self.data_wait = data_wait
+        self.compiles = compiles
         self.timed: list[int] = []
+        self.loop_began_at: float | None = None
+        """Unix time when the measured loop began: step 0's time counts from there."""
         self.first_done_at: float | None = None
-        """Unix time when the first step's time became known (the end of its compilation)."""
+        """Unix time when step 0 ended: the loop's start plus step 0's own time (not the
+        moment its time was read, which in a loop that keeps two steps in flight comes after
+        step 1 has run)."""
 
     def __call__(self, done: StepTimes) -> None:
         if done and self.first_done_at is None:
-            self.first_done_at = time.time()
+            index, seconds = done[0]
+            if index == 0 and self.loop_began_at is not None:
+                self.first_done_at = self.loop_began_at + seconds
+            else:
+                self.first_done_at = time.time()
         if done and self.first is not None:
             first, self.first = self.first, None
             first()
@@ -663,7 +692,8 @@ class StepReporter:
             for index, seconds in done:
                 self.events.emit(Step(index=index, seconds=seconds, samples=self.global_batch,
                                       warmup=index < self.measure.warmup,
-                                      data_wait_s=self.data_wait(index)))
+                                      data_wait_s=self.data_wait(index),
+                                      compiles=self.compiles(index)))
 
     def check_complete(self) -> None:
         assert self.timed == list(range(self.measure.iters)), \
@@ -671,28 +701,40 @@ class StepReporter:
 
 
 def process_start_time() -> float | None:
-    """Unix time this process started (Linux's ``/proc``), so that the interpreter's and the
-    framework's imports count in a run's start-up; None where it cannot be read."""
+    """Unix time this process started, from ``/proc``: its start in clock ticks since boot
+    (10 ms on Linux) set against the boot-time clock now, so that it is as precise as the tick
+    (``btime``, the boot's Unix time, is whole seconds). None where it cannot be read."""
     try:
         with open("/proc/self/stat", encoding="ascii") as f:
             # The command name may hold spaces: fields are counted after its closing bracket.
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat", encoding="ascii") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        since_boot_s = time.clock_gettime(time.CLOCK_BOOTTIME)
+        now = time.time()
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
+    return now - (since_boot_s - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def launched_at() -> float | None:
+    """Unix time the run was launched at: the runner's stamp (``LAUNCHED_AT_ENV``, to the
+    microsecond) where it gave one, else this process's own start (``process_start_time``)."""
+    text = os.environ.get(LAUNCHED_AT_ENV, "").strip()
+    try:
+        return float(text) if text else process_start_time()
+    except ValueError:
+        return process_start_time()
 
 
 def startup_fields(first_done_at: float | None, compiles_before: int | None,
                    compiles_after: int | None) -> dict[str, Any]:
-    """``End``'s start-up figures: seconds from this process's start to the end of its first
-    step (imports, process group, model, data and the mode's compilation), and how many times
-    the step compiled again inside the window (None where the framework cannot tell)."""
-    started = process_start_time()
+    """``End``'s start-up figures: seconds from the run's launch to the end of its step 0
+    (the launcher, imports, process group, model, data and the mode's compilation), and how
+    many times the step compiled again inside the window (None where the framework cannot
+    tell)."""
+    began = launched_at()
     recompiles = (compiles_after - compiles_before
                   if compiles_before is not None and compiles_after is not None else None)
-    return {"startup_s": first_done_at - started if first_done_at and started else None,
+    return {"startup_s": first_done_at - began if first_done_at and began else None,
             "recompiles_in_window": recompiles}
 
 
