@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trainperf import results
 from trainperf.config import Measure, Topology, Tuning
+from trainperf.protocol import End, Event, Start, Step
 from trainperf.recipes import get_recipe
 from trainperf.runner import Case, Plan, Runner
 
@@ -49,3 +50,29 @@ def assert_learned_in(run: dict, mode: str, steps: int) -> None:
     assert len(losses) == steps and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]
     assert run["first_step_s"] > 0
+
+
+def stand_in_events(mode: str, rate: float, world: int, batch: int,
+                    measure: Measure) -> list[Event]:
+    """The events of a run in ``mode`` at a known rate (samples/s), as rank 0 writes them: its
+    compile count moves in step 0 only."""
+    global_batch = batch * world
+    return [Start(world_size=world, global_batch=global_batch, device="cpu", env={},
+                  workload={}, settings={"mode": mode}),
+            *[Step(index=i, seconds=global_batch / rate, samples=global_batch,
+                   warmup=i < measure.warmup, compiles=1) for i in range(measure.iters)],
+            End(samples_per_s=rate, window_s=measure.window_steps * global_batch / rate,
+                window_samples=measure.window_steps * global_batch,
+                window_steps=measure.window_steps, loss_first=1.0, loss_last=0.9)]
+
+
+def step_compiles(out: Path) -> dict[str, list]:
+    """Each case's ``compiles`` from its timed runs' ``step`` events (a probe round's and a
+    profiled run's are not read), in step order; a launch started again writes no step twice:
+    keyed by index all the same."""
+    seen: dict[str, dict[int, int | None]] = {}
+    for line in results.event_lines(out):
+        event = json.loads(line)
+        if event.get("event") == "step" and not event.get("profile") and not event.get("probe"):
+            seen.setdefault(event["case"], {})[event["index"]] = event["compiles"]
+    return {case: [by_index[i] for i in sorted(by_index)] for case, by_index in seen.items()}

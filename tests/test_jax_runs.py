@@ -106,7 +106,12 @@ def test_mp_on_one_and_two_ranks_gives_results(mp_run):
         assert run["peak_memory_bytes"] > 0
         assert len(run["peak_memory_bytes_per_rank"]) == case["world_size"]
         settings = case["settings"]
-        assert settings["compile_s"] > 0 and "lower" in settings["compile"]
+        assert "lower" in settings["compile"] and "compile_s" not in settings
+        # The step's one compilation, timed around its lowering and XLA's compile before the
+        # loop (a load of the module's persistent cache where an earlier run compiled it).
+        assert run["compile_s"] > 0 and run["recompiles_in_window"] == 0
+        assert ".lower(...)" in run["compile_measure"]
+        assert "persistent compilation cache" in run["compile_measure"]
         assert settings["mesh"] == {"axis": "r", "devices": case["world_size"]}
         assert case["pfc_update"] == "full"
     assert doc["cases"][1]["speedup"] is not None
@@ -114,6 +119,11 @@ def test_mp_on_one_and_two_ranks_gives_results(mp_run):
     # test_jax_threads.py), and the gradients were reduced as one buffer across the processes.
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     starts = [e for e in events if e.get("event") == "start"]
+    # Every timed step ran the one executable compiled before the loop.
+    for case in doc["cases"]:
+        compiles = [e.get("compiles") for e in events if e.get("event") == "step"
+                    and e["case"] == case["case"] and not e.get("profile")]
+        assert compiles == [1] * 4, (case["case"], compiles)
     # Each case's timed run, then its profiled one (--breakdown).
     assert [(s["world_size"], bool(s.get("profile"))) for s in starts] == [
         (1, False), (1, True), (2, False), (2, True)]

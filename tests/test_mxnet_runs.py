@@ -46,6 +46,9 @@ def test_torch_and_mxnet_run_side_by_side(side_by_side):
     for t, m in zip(docs["torch"]["cases"], docs["mxnet"]["cases"]):
         assert t["runs"][0]["samples_per_step"] == m["runs"][0]["samples_per_step"]
         assert len(m["runs"][0]["step_times_s"]) == 4 and len(m["runs"][0]["losses"]) == 6
+        # MXNet's default is hybrid: its graph is built inside step 0, and timed there.
+        run = m["runs"][0]
+        assert 0 < run["compile_s"] <= run["first_step_s"], run
 
 
 @pytest.mark.parametrize("framework", ["torch", "mxnet"])
@@ -62,7 +65,11 @@ def test_the_report_compares_the_frameworks(side_by_side):
     text = (out / "report.md").read_text()
     assert "## Comparison: tiny-arcface fp32 fc=dp" in text
     header = next(line for line in text.splitlines() if line.startswith("| node_num"))
-    assert "| pytorch samples/s | pytorch speedup | mxnet samples/s |" in header
+    assert ("| pytorch mode | pytorch samples/s | pytorch speedup | mxnet mode | mxnet samples/s |"
+            in header)
+    modes = {n: results.load(out / n)["cases"][0]["mode"] for n in ("torch", "mxnet")}
+    assert f"| 1 | 1 | 8 | {modes['torch']} | " in text and modes["mxnet"] in ("hybrid",
+                                                                             "imperative")
     assert header.endswith("| mxnet / pytorch |")  # the ratio column
     ratio_rows = [line for line in text.splitlines() if line.startswith("| 1 | 1 | 8 |")]
     ratio = float(ratio_rows[0].strip("| \n").split(" | ")[-1].split()[0])
@@ -76,7 +83,8 @@ def test_the_report_compares_the_frameworks(side_by_side):
 
 def test_rn50_and_the_device_kvstore(tmp_path, mxnet_python):
     """ResNet50 v1b on 1 and 2 ranks, the 2 ranks as one process with two contexts (kvstore
-    device, as gluon-cv ran)."""
+    device, as gluon-cv ran), where one graph build serves both contexts: built and timed once,
+    in step 0, never again."""
     out = tmp_path / "rn50"
     code = main(["run", "rn50-v1b-imagenet", "--framework", "mxnet", "--devices", "1,2",
                  "--batch-size", "2", "--runs", "1", "--iters", "3", "--warmup", "1",
@@ -85,6 +93,10 @@ def test_rn50_and_the_device_kvstore(tmp_path, mxnet_python):
     doc = results.load(out)
     assert [c["runs"][0]["samples_per_step"] for c in doc["cases"]] == [2, 4]
     assert doc["tuning"]["mxnet_kvstore"] == "device"
+    for case in doc["cases"]:
+        run = case["runs"][0]
+        assert run["recompiles_in_window"] == 0
+        assert 0 < run["compile_s"] <= run["first_step_s"], run
     assert left_behind(tmp_path) == []
 
 

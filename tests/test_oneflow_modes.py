@@ -3,7 +3,9 @@ graph's own optimizer, clipping and schedule, global tensors on several ranks;
 ``backends/oneflow/graph_step.py``).
 
 A graph run on 1 and 2 ranks reaches the worker and is recorded in that mode, its graph compiled
-once, before the window; its losses are eager mode's (the same start; the sharded head, whose
+once, inside step 0 (its compile time, timed around ``nn.Graph._compile``, part of that step's
+time; each step's count 1), never in the window; an eager run compiles nothing (0.0, no count).
+Its losses are eager mode's (the same start; the sharded head, whose
 collectives run on 2 ranks). In one process, each head's and classification's steps are eager
 mode's through a change of the rate and with clipping acting, and a schedule one step late is
 seen. What graph mode cannot run is refused in one line: sampling ``pfc`` up front, and a
@@ -26,7 +28,7 @@ from trainperf.backends.oneflow.backend import GRAPH_FLOAT64
 from trainperf.config import Measure, Topology, Tuning
 from trainperf.recipes import get_recipe
 from trainperf.runner import Case, Plan, check_plan
-from mode_runs import assert_learned_in, records, run_in, starts
+from mode_runs import assert_learned_in, records, run_in, starts, step_compiles
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
@@ -42,10 +44,14 @@ after it carries that difference (measured: 1e-5 to 7e-5 over three steps). A ra
 step late moves the third loss by more than 100 times this."""
 
 
+ITERS, WARMUP = 3, 1
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, oneflow_python) -> dict[str, tuple[Path, dict]]:
     folder = tmp_path_factory.mktemp("oneflow_modes")
-    return {mode: (folder / mode, run_in("oneflow", mode, folder / mode, 3, 1)) for mode in MODES}
+    return {mode: (folder / mode, run_in("oneflow", mode, folder / mode, ITERS, WARMUP))
+            for mode in MODES}
 
 
 
@@ -88,12 +94,18 @@ def test_sampling_pfc_is_refused_in_graph_mode_in_one_line(tmp_path):
 def test_a_graph_run_on_one_and_two_ranks_is_recorded(runs):
     out, doc = runs["graph"]
     for run in records(doc):
-        assert_learned_in(run, "graph", 3)
-        # Compiled once, in the first step, and never again inside the window.
-        assert run["recompiles_in_window"] == 0 and run["compile_s"] is not None
+        assert_learned_in(run, "graph", ITERS)
+        # Compiled once, by the graph's first call in step 0 (so inside that step's time),
+        # and never again inside the window.
+        assert run["recompiles_in_window"] == 0
+        assert 0 < run["compile_s"] <= run["first_step_s"], run
+        assert run["compile_measure"].startswith("oneflow.nn.Graph._compile")
+    compiles = step_compiles(out)
+    assert len(compiles) == 2 and all(c == [1] * ITERS for c in compiles.values()), compiles
     for start in starts(out):
         settings = start["settings"]
         assert settings["mode"] == "graph"
+        assert "compile_s" not in settings
         assert settings["oneflow_graph"]["module"] == "oneflow.nn.Graph"
         assert settings["oneflow_graph"]["clip"].startswith("backbone group clip_grad_max_norm")
         assert settings["head"] == "global split(0) class matrix"
@@ -101,10 +113,14 @@ def test_a_graph_run_on_one_and_two_ranks_is_recorded(runs):
 
 
 def test_an_eager_run_compiles_nothing(runs):
-    _, doc = runs["eager"]
+    out, doc = runs["eager"]
     for run in records(doc):
         assert run["status"] == "ok" and run["mode"] == "eager"
         assert run["recompiles_in_window"] is None  # nothing is compiled to count
+        assert run["compile_s"] == 0.0
+        assert run["compile_measure"].startswith("eager: nothing is compiled")
+    compiles = step_compiles(out)
+    assert len(compiles) == 2 and all(c == [None] * ITERS for c in compiles.values()), compiles
 
 
 def test_graph_starts_where_eager_does_and_follows_it(runs):
@@ -147,14 +163,18 @@ def losses(step_class, workload):
     images, labels = synthetic_batch(workload, dist)
     if step_class is GraphTrainStep:
         images, labels = step.place(images, labels)
-    return [float(step(images, labels).numpy()) for _ in range(STEPS)], getattr(
-        step, "compiles", None)
+    got, timed = [], []
+    for _ in range(STEPS):
+        got.append(float(step(images, labels).numpy()))
+        timed.append(getattr(step, "compile_s", None))
+    return got, getattr(step, "compiles", None), timed
 
 
 out = {}
 for name, workload in CASES.items():
     out[name] = {"eager": losses(TrainStep, workload)[0]}
-    out[name]["graph"], out[name]["compiles"] = losses(GraphTrainStep, workload)
+    out[name]["graph"], out[name]["compiles"], out[name]["compile_s"] = losses(GraphTrainStep,
+                                                                             workload)
 # The control: the graph's schedule one step late.
 out["late"] = losses(GraphTrainStep, tiny.replace(lr_steps=(2,)))[0]
 json.dump(out, open(sys.argv[1], "w"))
@@ -181,11 +201,13 @@ def test_graph_trains_by_eager_modes_rule(rule):
     """Three steps across the rate's change: without clipping the graph's optimizer, weight
     decay, momentum and schedule give eager mode's losses to float32 rounding (the ``dp``
     head, and classification's cross-entropy); with clipping acting, to the clip's rounding.
-    Each graph compiled once."""
+    Each graph compiled once, its compile time taken at its first call and never added to."""
     for name, tol in (("dp_unclipped", FLOAT32_ROUNDING), ("classification", FLOAT32_ROUNDING),
                       ("dp", CLIP_ROUNDING)):
         got = rule[name]
         assert got["compiles"] == 1
+        first, *later = got["compile_s"]
+        assert first > 0 and later == [first] * len(later), got["compile_s"]
         assert rel(got["graph"][0], got["eager"][0]) <= FLOAT32_ROUNDING, (name, got)
         for a, b in zip(got["graph"], got["eager"]):
             assert rel(a, b) <= tol, (name, got)

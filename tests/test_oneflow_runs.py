@@ -61,6 +61,8 @@ def test_a_sharded_run_on_one_and_two_ranks(mp_run):
         assert run["losses"][-1] < run["losses"][0] / 2 and "loss_nonfinite" not in run["flags"]
         assert run["peak_memory_bytes"] > 0
         assert len(run["peak_memory_bytes_per_rank"]) == case["world_size"]
+        # The default mode is eager: nothing is compiled, and the record says so.
+        assert run["mode"] == "eager" and run["compile_s"] == 0.0
     assert doc["cases"][1]["speedup"] is not None
     # The 2-rank settings name the data-parallel wrapper of the sharded set-up.
     assert doc["cases"][1]["settings"]["oneflow_ddp"]["wraps"] == "backbone"

@@ -2,12 +2,14 @@
 program by ``paddle.jit.to_static``; ``backends/paddle/step.py``).
 
 A static run on 1 and 2 ranks reaches the worker and is recorded in that mode, with its one
-program built before the window and none inside it; its first loss is dygraph's (the same
-operations on the same start), and it aligns with torch in float64 on 2 ranks. In the worker's
-own environment: how many programs static mode builds (``compile_count``). The two modes run
-the same cases: no head or rank count is refused in either; a mode Paddle lacks is, in one
-line. The runs go through the
-runner (``Plan``/``Runner``), each mode's two cases in one plan shared by the module's tests.
+program built inside step 0 (the build's time, timed where dy2static builds, part of that
+step's; each step's count 1) and none inside the window; a dygraph run builds nothing (0.0, no
+count). A static run's first loss is dygraph's (the same operations on the same start), and it
+aligns with torch in float64 on 2 ranks. In the worker's own environment: how many programs
+static mode builds (``compile_count``) and that each build adds its time (``compile_seconds``).
+The two modes run the same cases: no head or rank count is refused in either; a mode Paddle
+lacks is, in one line. The runs go through the runner (``Plan``/``Runner``), each mode's two
+cases in one plan shared by the module's tests.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import pytest
 
 from trainperf.backends import get_backend
 from align_checks import align, assert_strictly_aligned
-from mode_runs import assert_learned_in, records, run_in, starts
+from mode_runs import assert_learned_in, records, run_in, starts, step_compiles
 from run_util import left_behind
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("static", "dygraph")
+ITERS, WARMUP = 4, 1
 FLOAT32_ROUNDING = 1e-6
 """Relative: two float32 computations of one loss by the same operations (both modes run the
 same kernels; on this CPU their losses have been bit-identical)."""
@@ -36,7 +39,8 @@ same kernels; on this CPU their losses have been bit-identical)."""
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, paddle_python) -> dict[str, tuple[Path, dict]]:
     folder = tmp_path_factory.mktemp("paddle_modes")
-    return {mode: (folder / mode, run_in("paddle", mode, folder / mode, 4, 1)) for mode in MODES}
+    return {mode: (folder / mode, run_in("paddle", mode, folder / mode, ITERS, WARMUP))
+            for mode in MODES}
 
 
 
@@ -66,47 +70,61 @@ out = {}
 for mode in ("static", "dygraph"):
     step = TrainStep(workload, Comm(), mode=mode)
     images, labels = synthetic_batch(workload, 0)
-    counts = [step.compile_count()]
+    counts, seconds = [step.compile_count()], [step.compile_seconds()]
     # Batch 4, again, 2 (a new shape), 4 again (its program is kept).
     for n in (4, 4, 2, 4):
         step(images[:n], labels[:n])
         counts.append(step.compile_count())
-    out[mode] = counts
+        seconds.append(step.compile_seconds())
+    out[mode] = {"counts": counts, "seconds": seconds}
 print(json.dumps(out))
 """
 
 
 def test_compile_count_is_the_programs_built(paddle_python):
     """In the worker's environment: static builds the backbone's program at its first step and
-    one more for a new batch shape, none for a shape it has seen; dygraph builds nothing."""
+    one more for a new batch shape, none for a shape it has seen, each build adding its time;
+    dygraph builds nothing."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     env.pop("TRAINPERF_FAULT", None)
     proc = subprocess.run([paddle_python, "-c", PADDLE_SIDE], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert counts["static"] == [0, 1, 1, 2, 2]
-    assert counts["dygraph"] == [None] * 5
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["static"]["counts"] == [0, 1, 1, 2, 2]
+    none, first, same, second, again = built["static"]["seconds"]
+    assert none == 0.0 and 0 < first == same < second == again, built["static"]["seconds"]
+    assert built["dygraph"] == {"counts": [None] * 5, "seconds": [0.0] * 5}
 
 
 def test_a_static_run_on_one_and_two_ranks_is_recorded(runs):
     out, doc = runs["static"]
     for run in records(doc):
-        assert_learned_in(run, "static", 4)
-        # The backbone's program is built in the first step, and never again in the window.
-        assert run["recompiles_in_window"] == 0 and run["compile_s"] is not None
+        assert_learned_in(run, "static", ITERS)
+        # The backbone's program is built in the first step (so inside its time), and never
+        # again in the window.
+        assert run["recompiles_in_window"] == 0
+        assert 0 < run["compile_s"] <= run["first_step_s"], run
+        assert run["compile_measure"].startswith("paddle.jit.to_static program builds")
+    compiles = step_compiles(out)
+    assert compiles == {"1n1g": [1] * ITERS, "1n2g": [1] * ITERS}, compiles
     for start in starts(out):
         assert start["settings"]["mode"] == "static"
+        assert "compile_s" not in start["settings"]
         assert "to_static" in start["settings"]["graph"]
         assert start["settings"]["static_executor"]["serial_run"] is False
     assert left_behind(out) == []
 
 
 def test_a_dygraph_run_compiles_nothing(runs):
-    _, doc = runs["dygraph"]
+    out, doc = runs["dygraph"]
     for run in records(doc):
         assert run["status"] == "ok" and run["mode"] == "dygraph"
         assert run["recompiles_in_window"] is None  # nothing is compiled to count
+        assert run["compile_s"] == 0.0
+        assert run["compile_measure"].startswith("dygraph: nothing is compiled")
+    compiles = step_compiles(out)
+    assert compiles == {"1n1g": [None] * ITERS, "1n2g": [None] * ITERS}, compiles
 
 
 def test_static_starts_where_dygraph_does(runs):

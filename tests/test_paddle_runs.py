@@ -74,6 +74,8 @@ def test_a_measured_run_on_one_and_two_ranks(measured):
         assert losses[-1] < losses[0]  # four steps on one batch: it learns
         assert run["window_samples"] == 3 * samples
         assert len(run["peak_memory_bytes_per_rank"]) == case["world_size"]
+        # Paddle's default mode, dygraph, builds no program.
+        assert run["mode"] == "dygraph" and run["compile_s"] == 0.0
     assert doc["cases"][1]["speedup"] is not None
     assert left_behind(out) == []
 

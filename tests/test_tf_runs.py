@@ -18,6 +18,7 @@ from trainperf import results
 from trainperf.cli import main
 from trainperf.outcome import names_bind_failure
 from align_checks import align, assert_strictly_aligned
+from mode_runs import step_compiles
 from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
                       assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
                       left_behind, ports_taken_first)
@@ -68,10 +69,13 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
         assert all(v == v for v in run["losses"]) and run["losses"][-1] < run["losses"][0]
         assert run["peak_memory_bytes"] > 0
         settings = case["settings"]
-        # TensorFlow's default mode, traced once, before the window.
+        # TensorFlow's default mode, traced once, inside step 0 (its trace timed there, on 2
+        # ranks under the multi-worker strategy too), and never again.
         assert run["mode"] == settings["mode"] == "function"
         assert run["recompiles_in_window"] == 0
-        assert settings["compile_s"] > 0
+        assert 0 < run["compile_s"] <= run["first_step_s"], run
+        assert run["compile_measure"].startswith("tf.function tracing: get_concrete_function")
+        assert "compile_s" not in settings
         assert settings["communication"] == (None if case["world_size"] == 1 else "RING")
         # oneDNN's custom CPU ops are off unless asked for, as TensorFlow itself reports.
         assert settings["onednn_opts"] is False
@@ -82,7 +86,11 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
     assert env["framework"] == "tensorflow" and env["framework_version"] == version == "2.21.0"
     assert env["device_type"] == "cpu"
     assert doc["cases"][1]["speedup"] is not None
+    # Every step's trace count, from step 0 on: the explicit trace was the only one.
+    assert step_compiles(out) == {"1n1g": [1] * ITERS, "1n2g": [1] * ITERS}
     assert left_behind(out) == []
+
+
 
 
 def test_breakdown_times_the_graph_as_one_phase(tiny_run):

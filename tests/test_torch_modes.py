@@ -1,6 +1,8 @@
 """torch's execution modes end to end on CPU: ``--mode compile`` (``torch.compile``, inductor)
-reaches the worker, is recorded with its compile time and trains as eager does; a
-recompilation inside the window is flagged (the worker's test hook
+reaches the worker, is recorded with its compile time (torch's own timing of its compilations,
+spent inside the first step) and its compile count on every step, and trains as eager does;
+eager records that it compiles nothing; a recompilation inside the window is counted and timed,
+and flagged (the worker's test hook
 ``TRAINPERF_TEST_RECOMPILE_AT`` drops the compiled graphs mid-window); ``compile-cudagraphs``
 is refused on a CPU in one line; and the compiled step aligns in float64 with torch eager on one
 and two ranks, dp and mp.
@@ -29,8 +31,10 @@ SHORT = ["--device", "cpu", "--devices", "1", "--runs", "1", "--iters", str(ITER
          "--warmup", str(WARMUP)]
 
 
-def one_run(out: Path, mode: str, recompile_at: int | None = None) -> tuple[dict, dict]:
-    """``trainperf run tiny-arcface --mode MODE`` on one CPU rank: its case and its run."""
+def one_run(out: Path, mode: str, recompile_at: int | None = None
+            ) -> tuple[dict, dict, list[int | None]]:
+    """``trainperf run tiny-arcface --mode MODE`` on one CPU rank: its case, its run and the
+    compile count of each of its steps."""
     if recompile_at is not None:
         os.environ[RECOMPILE_AT_ENV] = str(recompile_at)
     try:
@@ -39,11 +43,19 @@ def one_run(out: Path, mode: str, recompile_at: int | None = None) -> tuple[dict
         os.environ.pop(RECOMPILE_AT_ENV, None)
     [case] = results.load(out)["cases"]
     assert code == 0 or recompile_at is not None, case["runs"][0]["error"]
-    return case, case["runs"][0]
+    return case, case["runs"][0], step_compiles(out)
+
+
+def step_compiles(out: Path) -> list[int | None]:
+    """``compiles`` of each ``step`` event in ``out`` (one run), in step order."""
+    steps = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()
+             if '"event": "step"' in line]
+    assert [e["index"] for e in steps] == list(range(ITERS))
+    return [e.get("compiles") for e in steps]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+def runs(tmp_path_factory) -> dict[str, tuple[dict, dict, list[int | None]]]:
     """One eager run, one compiled run, and one compiled run whose graphs are dropped at the
     window's second step (it loads them back from inductor's cache, inside the window)."""
     base = tmp_path_factory.mktemp("modes")
@@ -53,7 +65,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
 
 
 def test_compile_reaches_the_worker_and_is_recorded(runs):
-    case, run = runs["compile"]
+    case, run, _ = runs["compile"]
     assert run["status"] == "ok" and run["samples_per_s"] > 0, run["error"]
     assert run["mode"] == "compile"
     compiled = case["settings"]["torch_compile"]
@@ -64,23 +76,44 @@ def test_compile_reaches_the_worker_and_is_recorded(runs):
     assert run["first_step_s"] > 0 and run["compile_s"] > 0 and run["startup_s"] > 0
     assert run["first_step_s"] > max(run["step_times_s"])
     assert run["recompiles_in_window"] == 0 and "recompiled_in_window" not in run["flags"]
-    _, eager = runs["eager"]
+    _, eager, _ = runs["eager"]
     assert eager["mode"] == "eager" and eager["recompiles_in_window"] is None
     assert runs["eager"][0]["settings"]["torch_compile"] is None
+
+
+def test_compile_time_is_torchs_own_and_spent_in_the_first_step(runs):
+    """compile_s is what torch timed around its compilations, which run inside step 0 (a
+    module compiles on its first call, its backward at the first backward): it cannot exceed
+    that step's time. The compile count is known from step 0 and stops with the warm-up."""
+    _, run, compiles = runs["compile"]
+    assert 0 < run["compile_s"] <= run["first_step_s"]
+    assert "TorchDynamo" in run["compile_measure"]
+    assert "calculate_time_spent" in run["compile_measure"]
+    assert None not in compiles and compiles[0] >= 1
+    assert compiles == [compiles[0]] * ITERS
+    _, eager, eager_compiles = runs["eager"]
+    assert eager["compile_s"] == 0.0 and eager["compile_measure"] == "eager: nothing is compiled"
+    assert eager_compiles == [None] * ITERS
 
 
 def test_the_compiled_step_trains_as_eager_does(runs):
     """The same start, batch and step: the first loss agrees to float32's rounding, and the
     later ones stay close (inductor fuses and reorders, so they drift by rounding only)."""
-    _, eager = runs["eager"]
-    _, compiled = runs["compile"]
+    _, eager, _ = runs["eager"]
+    _, compiled, _ = runs["compile"]
     assert compiled["loss_first"] == pytest.approx(eager["loss_first"], rel=1e-5)
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-3)
 
 
 def test_a_recompilation_inside_the_window_is_flagged(runs):
-    case, run = runs["recompiled"]
+    case, run, compiles = runs["recompiled"]
     assert run["mode"] == "compile" and run["recompiles_in_window"] >= 1
+    # The step the graphs were dropped before compiled again: the count moved there alone, and
+    # the compile time holds both compilations, each inside its own step.
+    again = WARMUP + 1
+    assert compiles[again] > compiles[again - 1] == compiles[0]
+    assert compiles[again:] == [compiles[again]] * (ITERS - again)
+    assert 0 < run["compile_s"] <= run["first_step_s"] + run["step_times_s"][again - WARMUP]
     assert "recompiled_in_window" in run["flags"]
     # Its window holds a compilation: its speed is left out of the case's figures.
     assert case["median_samples_per_s"] is None and case["ok_runs"] == 0
@@ -119,3 +152,7 @@ def test_compiled_step_aligns_in_float64_on_two_ranks(tmp_path, capsys):
     for path in candidates:
         [case] = json.loads(path.read_text())["cases"]
         assert case["mode"] == "compile" and case["settings"]["torch_compile"], path
+        # Under DDP (its optimizer compiles a subgraph per bucket) too, the compile time is
+        # spent inside the first step.
+        for run in case["runs"]:
+            assert 0 < run["compile_s"] <= run["first_step_s"], path

@@ -56,6 +56,7 @@ run's program has neither.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import jax
@@ -279,6 +280,13 @@ class TrainStep:
         self._jitted = jax.jit(self._shard_mapped(), donate_argnums=(0,))
         self._compiled = None
         self._last_loss: jax.Array | None = None
+        self.compiles = 0
+        """Executables ``compile`` built. Once there is one, every call runs it: a ``Compiled``
+        object never traces again (a call whose arguments do not fit its shapes, dtypes,
+        pytree or shardings raises), so nothing compiles behind this count. (A step called
+        without ``compile``, as some tests do, goes through ``jax.jit`` uncounted.)"""
+        self.compile_s = 0.0
+        """Seconds ``compile`` spent lowering and compiling, summed over its calls."""
 
     # ------------------------------------------------------------------------- state
 
@@ -464,11 +472,18 @@ class TrainStep:
 
     def compile(self, images: jax.Array, labels: jax.Array) -> None:
         """Lower and compile the step for these batch shapes (ahead of the first call); a
-        float64 step's program is checked first (:meth:`check_program`)."""
+        float64 step's program is checked first (:meth:`check_program`). Adds the seconds of
+        the lowering (tracing to a jaxpr, then to StableHLO) and of XLA's compile to
+        ``compile_s``, and one to ``compiles``."""
+        began = time.perf_counter()
         lowered = self._jitted.lower(self.state, self.frozen, images, labels)
+        lowered_s = time.perf_counter() - began
         if self.dtype == jnp.float64:
             self.check_program(lowered.as_text())
+        began = time.perf_counter()
         self._compiled = lowered.compile()
+        self.compile_s += lowered_s + time.perf_counter() - began
+        self.compiles += 1
 
     @staticmethod
     def check_program(text: str) -> None:

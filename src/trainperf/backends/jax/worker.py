@@ -14,12 +14,15 @@ threads counted by name, the cores it may run on), is in the start event's ``env
 (``thread_settings``).
 
 Compilation: the step is lowered and compiled explicitly (``jit(...).lower(...).compile()``)
-before the loop, and its seconds are reported in ``Start.settings["compile_s"]``, apart from the
-measured window and from the warm-up steps (which still run, to warm allocators and
-communicators). A persistent compilation cache, when the caller enables one through JAX's own
-variables (``JAX_COMPILATION_CACHE_DIR``), turns later runs' compilations into cache loads (in
-a multi-process run only process 0's: JAX 0.10 writes the cache from process 0 alone, and the
-other processes' keys differ); the settings say whether one was configured.
+before the loop, apart from the measured window and from the warm-up steps (which still run,
+to warm allocators and communicators). Its seconds, timed around the lowering and XLA's compile
+(``TrainStep.compile``), are the run's compile time (``End.compile_s``), and it is the run's one
+compilation (``compile_count``): the ``Compiled`` object it makes never traces again. A
+persistent compilation cache, when the caller enables one through JAX's own variables
+(``JAX_COMPILATION_CACHE_DIR``), turns later runs' compilations into cache loads (in a
+multi-process run only process 0's: JAX 0.10 writes the cache from process 0 alone, and the
+other processes' keys differ); the settings and ``compile_measure`` say whether one was
+configured.
 
 Alignment (``RunSpec.align``): the start file's weights and batches instead of drawn ones; in
 float64, JAX's 64-bit mode is switched on before any array exists (``configure_process``) and
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -262,9 +264,7 @@ class JaxRun(FrameworkRun):
         else:
             self.images, self.labels = layout.per_rank(lambda r: synthetic_batch(workload, r))
         self.rank_threads = threads_over_ranks(layout)
-        t0 = time.perf_counter()
         self.train_step.compile(self.images, self.labels)
-        self.compile_s = time.perf_counter() - t0
         if spec.data is not None:
             # Compiled for the synthetic batch's shapes and dtypes, which real batches share.
             self.real = RealData(spec, layout.local_ranks, layout.world_size, self.real_batch)
@@ -286,7 +286,6 @@ class JaxRun(FrameworkRun):
 
         step, workload = self.train_step, self.spec.workload
         settings = {
-            "compile_s": self.compile_s,
             "compile": "jax.jit(jax.shard_map(step)).lower(...).compile() before the loop; "
                        "state buffers donated to the next step",
             "compilation_cache_dir": jax.config.jax_compilation_cache_dir,
@@ -315,6 +314,21 @@ class JaxRun(FrameworkRun):
 
     def step(self, index: int) -> Any:
         return self.train_step(*self.batch())
+
+    def compile_count(self) -> int | None:
+        return self.train_step.compiles
+
+    def compile_seconds(self) -> float | None:
+        return self.train_step.compile_s
+
+    def compile_measure(self) -> str | None:
+        import jax
+
+        text = ("jax.jit(jax.shard_map(step)).lower(...) (tracing to StableHLO) and .compile() "
+                "(XLA), once before the loop; the compiled executable never retraces")
+        if jax.config.jax_compilation_cache_dir:
+            text += "; a persistent compilation cache is configured: .compile() may load it"
+        return text
 
     def wait(self, markers) -> None:
         import jax

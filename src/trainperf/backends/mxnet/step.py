@@ -6,10 +6,11 @@ kvstore, clipping, SGD with momentum and weight decay.
 
 Modes (``backend.MODES``): ``hybrid`` (the default, the seeds' MXNet) hybridizes the backbone
 with ``static_alloc`` and ``static_shape``: Gluon traces it into one graph at the first step and
-runs it as a ``CachedOp`` whose memory is planned once; ``imperative`` leaves it a plain Gluon
-block, each operator dispatched from Python as the forward reaches it and recorded by autograd
-(the backward replays the recorded operators). The head, the collectives and the update are
-NDArray operations in both modes, so only the backbone's execution differs. Both run the same
+runs it as a ``CachedOp`` whose memory is planned once (that build is counted and timed where
+Gluon does it, :class:`GraphBuilds`); ``imperative`` leaves it a plain Gluon block, each
+operator dispatched from Python as the forward reaches it and recorded by autograd (the backward
+replays the recorded operators). The head, the collectives and the update are NDArray
+operations in both modes, so only the backbone's execution differs. Both run the same
 operators (PReLU composed from elementwise ones, ``models.PReLU``, in both): their float32
 losses agree to rounding (tiny-arcface's first, to one float32 ulp), and both align with torch
 in float64, with the same stand-ins (``tests/test_mxnet_modes.py``). Nothing is read back
@@ -77,6 +78,7 @@ before clipping and the rate of the last update are kept for the dump (``last_gr
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import mxnet as mx
@@ -193,25 +195,43 @@ def init_batch(workload: Workload, arrays: Any, rank: int, ctx: mx.Context,
 
 
 class GraphBuilds:
-    """How many times a hybridized network's graph was made ready to run: each time Gluon
-    built its ``CachedOp`` (at the first call, and again after anything cleared it: a
-    ``hybridize``, a ``cast``), and each time the ``CachedOp`` planned it again for an input
-    whose shape or dtype differs from the last one on that context (with ``static_shape`` MXNet
-    infers the graph's shapes and types, plans and allocates its memory again then; the first
-    call on each context is part of the build). MXNet keeps no such count itself: the builds are
-    counted by wrapping the network's ``_build_cache`` (Gluon's own method that makes the
-    ``CachedOp``), the plans by the inputs the step hands the network."""
+    """How many times a hybridized network's graph was made ready to run, and the seconds Gluon
+    spent building it. Builds: each time Gluon built its ``CachedOp`` (at the first call, and
+    again after anything cleared it: a ``hybridize``, a ``cast``); plans: each time the
+    ``CachedOp`` planned it again for an input whose shape or dtype differs from the last one on
+    that context (with ``static_shape`` MXNet infers the graph's shapes and types, plans and
+    allocates its memory again then; the first call on each context is part of the build).
+    MXNet keeps no such count itself: the builds are counted and timed by wrapping the
+    network's ``_build_cache`` (Gluon 1.9's own method that traces ``hybrid_forward`` into a
+    symbol and constructs the ``CachedOp``, whose constructor derives the backward graph), the
+    plans counted by the inputs the step hands the network. A plan runs in C++ inside the
+    ``CachedOp``'s forward and backward calls, with their operators' dispatch, so no timer
+    can hold it alone: :attr:`seconds` leaves it out (``MEASURE``)."""
+
+    MEASURE = ("Gluon HybridBlock._build_cache, every build summed (hybrid_forward traced into "
+               "a symbol, the CachedOp constructed with its backward graph); not the "
+               "static_alloc shape inference and memory planning MXNet runs inside the "
+               "CachedOp's first forward and backward calls on each context (and again on a "
+               "re-plan), which cannot be timed apart from those calls' operator dispatch")
+    """What :attr:`seconds` holds (``compile_measure``)."""
 
     def __init__(self, net: mx.gluon.HybridBlock) -> None:
         self.builds = 0
         self.replans = 0
+        self.seconds = 0.0
+        """Host seconds spent inside ``_build_cache``, over every build. It waits on nothing
+        the engine runs: tracing and the ``CachedOp``'s construction are host work."""
         self._last: dict[str, tuple] = {}
         build = net._build_cache
 
         def counted(*args: Any) -> Any:
             self.builds += 1
             self._last.clear()  # a new CachedOp plans every context afresh
-            return build(*args)
+            begin = time.perf_counter()
+            try:
+                return build(*args)
+            finally:
+                self.seconds += time.perf_counter() - begin
 
         net._build_cache = counted
 
@@ -366,6 +386,17 @@ class TrainStep:
         (:class:`GraphBuilds`). Imperative: None, there is no graph to build (each operator
         runs as it is called)."""
         return self.graph.count if self.graph is not None else None
+
+    def compile_seconds(self) -> float:
+        """Hybrid: the seconds Gluon spent building the backbone's graph so far
+        (:class:`GraphBuilds`). Imperative: 0.0, nothing is built."""
+        return self.graph.seconds if self.graph is not None else 0.0
+
+    def compile_measure(self) -> str:
+        """What :meth:`compile_seconds` holds, in one line."""
+        if self.graph is not None:
+            return GraphBuilds.MEASURE
+        return "imperative: nothing is compiled (each operator runs as Python reaches it)"
 
     @property
     def pfc_update(self) -> str | None:

@@ -5,7 +5,11 @@ The entry, failures, injected faults (``TRAINPERF_FAULT``) and the ``start``/``s
 events are ``workerkit``'s, as for every framework; this module is MXNet's side of a run.
 
 Modes: the step's backbone runs hybridized (``hybrid``, the default) or imperative
-(``imperative``), as ``workerkit`` resolved the spec's mode (``step.py``).
+(``imperative``), as ``workerkit`` resolved the spec's mode (``step.py``). Compile time
+(``compile_seconds``): in ``hybrid``, the host seconds inside Gluon's ``_build_cache`` (the
+trace and the ``CachedOp``'s construction) at every build, which happens inside step 0's call
+of the network; the ``CachedOp``'s own memory planning inside its first forward and backward is
+not in it (``step.GraphBuilds``). In ``imperative``, 0.0: nothing is built.
 
 Timing: ``trainperf.backends.loop`` (MXNet runs every operation asynchronously on its engine);
 a step's markers are small arrays that become ready when the step's last update has run
@@ -162,6 +166,12 @@ class MXNetRun(FrameworkRun):
 
     def compile_count(self) -> int | None:
         return self.train_step.compile_count()
+
+    def compile_seconds(self) -> float:
+        return self.train_step.compile_seconds()
+
+    def compile_measure(self) -> str:
+        return self.train_step.compile_measure()
 
     def step(self, index: int) -> mx.nd.NDArray:
         return self.train_step(self.real.next() if self.real is not None else self.batches)

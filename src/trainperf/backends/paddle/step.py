@@ -14,8 +14,10 @@ PaddleClas's ``Global.to_static`` trains (its model wrapped, loss and optimizer 
 dy2static transcribes the forward's source into one PIR program, with no fallback to Python,
 and derives its backward program; autograd runs the pair as one operation, so the head's
 gradient reaches it through ``paddle.autograd.backward`` as before. One program is built per
-input shape and mode of the layer (training here): :meth:`TrainStep.compile_count`. The rest
-of the step stays in dygraph, in both modes the same code:
+input shape and mode of the layer (training here), inside the first step that calls it:
+:meth:`TrainStep.compile_count` counts them and :class:`ProgramBuilds` times their building
+where Paddle builds them (:meth:`TrainStep.compile_seconds`; dygraph builds nothing, 0.0). The
+rest of the step stays in dygraph, in both modes the same code:
 
 - The head: its backward is written by hand, not derived, so it cannot join the backbone's
   program, and dy2static refuses it as a program of its own (seen with 3.3.1: in-place
@@ -79,6 +81,7 @@ off.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -148,6 +151,48 @@ def static_backbone(net: paddle.nn.Layer) -> paddle.nn.Layer:
     parameters and buffers the program's, its ``forward`` a ``StaticFunction`` that builds a
     program the first time it sees an input shape and runs it after."""
     return paddle.jit.to_static(net, full_graph=True)
+
+
+class ProgramBuilds:
+    """The host seconds dy2static spends building a ``StaticFunction``'s programs, timed where
+    Paddle builds them and summed over every program it builds (Paddle 3.3.1, PIR):
+
+    - each new entry of the function's program cache (``ProgramCache._build_once``, one per
+      input shape and mode: the forward's source transcribed, then run once under a static
+      program guard into a PIR program, and the partial-program layer that will run it), timed
+      by wrapping that method of this function's cache;
+    - each layer's train (or inference) program, built at the layer's first call: the forward
+      program cloned, its backward appended, Paddle's passes, the pair the ``run_program``
+      operation runs. Paddle times it itself (the layer's ``_compile_time_counter``, which
+      dy2static's SOT mode also reads for its compile-time limit).
+
+    Not counted: the executor's own preparation at a program's first run, inside the C++
+    ``run_program`` operation (the programs lowered to kernels, its interpreter built); Paddle
+    times it nowhere Python can read. All of it is host work, the same on a GPU."""
+
+    MEASURE = ("paddle.jit.to_static program builds: ProgramCache._build_once timed (the "
+               "forward transcribed into a PIR program) plus each partial program's own "
+               "_compile_time_counter (its backward program and passes); not the executor's "
+               "preparation at the first run")
+
+    def __init__(self, function: Any) -> None:
+        self.cache = function.program_cache
+        self.translate_s = 0.0
+        build = self.cache._build_once
+
+        def timed_build(key: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return build(key)
+            finally:
+                self.translate_s += time.perf_counter() - began
+
+        # An attribute of this cache only: ``__getitem__`` builds through it on a miss.
+        self.cache._build_once = timed_build
+
+    def seconds(self) -> float:
+        return self.translate_s + sum(layer._compile_time_counter.get_total_time()
+                                      for _, layer in self.cache._caches.values())
 
 
 def static_executor() -> dict:
@@ -221,6 +266,7 @@ class TrainStep:
             use_exact_kernels(net)
         net.train()
         self.net = static_backbone(net) if mode == STATIC else net
+        self.builds = ProgramBuilds(self.net.forward) if mode == STATIC else None
         self.params = models.trainable_parameters(net)
         # Every rank starts from rank 0's backbone (what torch's DDP does at construction).
         for p, _ in models.torch_names(net).values():
@@ -271,6 +317,16 @@ class TrainStep:
         if self.mode != STATIC:
             return None
         return len(self.net.forward.program_cache)
+
+    def compile_seconds(self) -> float:
+        """Static: the seconds Paddle has spent building the backbone's programs
+        (:class:`ProgramBuilds`). Dygraph: 0.0, nothing is built."""
+        return self.builds.seconds() if self.builds is not None else 0.0
+
+    def compile_measure(self) -> str:
+        if self.builds is None:
+            return "dygraph: nothing is compiled (every operation runs eagerly)"
+        return ProgramBuilds.MEASURE
 
     @property
     def settings(self) -> dict:

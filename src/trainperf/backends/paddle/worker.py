@@ -14,6 +14,10 @@ for it by polling ``Event.query()`` between short sleeps (a sleep releases the G
 thread queues the next step meanwhile, whether or not ``Event.synchronize()`` would have); the
 window's edges wait with ``paddle.device.synchronize()``.
 
+Compile time (``compile_seconds``, ``End.compile_s``): in ``static`` mode, the seconds dy2static
+spends building the backbone's programs inside the first step, timed where Paddle builds them
+(``step.ProgramBuilds``); ``dygraph`` builds nothing (0.0).
+
 Profiled runs (``run --breakdown``): :meth:`TrainStep.profiled` runs the same step phase by
 phase; ``profiling.py`` says how they are timed and traced.
 
@@ -136,6 +140,12 @@ class PaddleRun(FrameworkRun):
 
     def compile_count(self) -> int | None:
         return self.train_step.compile_count()
+
+    def compile_seconds(self) -> float | None:
+        return self.train_step.compile_seconds()
+
+    def compile_measure(self) -> str | None:
+        return self.train_step.compile_measure()
 
     def step(self, index: int) -> paddle.Tensor:
         if self.real is not None:

@@ -16,21 +16,34 @@ CUDA_PACKAGES = ("tensorflow[and-cuda]==2.21.0",)
 PROBE = ("import json, tensorflow as tf, numpy; print(json.dumps({'tensorflow': tf.__version__,"
          " 'keras': tf.keras.__version__, 'numpy': numpy.__version__}))")
 
+QUIET_LOG = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+XLA_COMPILE_LOG = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "device_compilation_profiler=1"}
+"""TensorFlow's C++ log as an xla run needs it: the one line TensorFlow writes per XLA
+compilation with the seconds it timed around it (``device_compilation_profiler.cc``, a
+``VLOG(1)``, so INFO must pass too), which the worker reads back as its compile time
+(``compiling.py``). Both are read once, when TensorFlow loads: they are the launch's."""
+
+
+def log_env(mode: str) -> dict[str, str]:
+    """TensorFlow's C++ logging for a run in ``mode``: warnings and errors only, except under
+    ``xla`` (``XLA_COMPILE_LOG``; ``default`` is ``function``, which compiles no XLA)."""
+    return dict(XLA_COMPILE_LOG if mode == "xla" else QUIET_LOG)
+
 
 def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     from ..spawn import rank_endpoints  # not at the top: see spawn's docstring
     config = {"cluster": {"worker": rank_endpoints(cluster)},
               "task": {"type": "worker", "index": cluster.global_rank(local_rank)}}
-    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": str(local_rank),
-            "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": str(local_rank)}
 
 
 def launch(req: LaunchRequest) -> Launch:
     from ..spawn import spawn_launch  # not at the top: see spawn's docstring
     # Set either way, so that a value left in the user's shell cannot change what the results
-    # say ran (``Tuning.tf_onednn``; the worker records what TensorFlow made of it).
+    # say ran (``Tuning.tf_onednn``; the worker records what TensorFlow made of it) or what
+    # the worker can read of TensorFlow's log.
     return spawn_launch(req, "tf", {"TF_ENABLE_ONEDNN_OPTS": "1" if req.tuning.tf_onednn
-                                    else "0"})
+                                    else "0", **log_env(req.tuning.mode)})
 
 
 def xla_refusal(workload: Workload, world_size: int, device_kind: str) -> str | None:

@@ -11,8 +11,9 @@ graph that Grappler rewrites and TensorFlow's executor runs op by op (``jit_comp
 into one XLA program (``jit_compile=True``), so every shape in it must be known when it is
 traced. A sampling ``pfc`` grows its sample on the device to hold every positive, a size XLA
 cannot compile, and TensorFlow compiles no collective for CPU devices: the backend refuses those
-cases under ``xla`` (``backend.xla_refusal``). Both modes trace once; a second trace
-(``traces``) is a recompilation.
+cases under ``xla`` (``backend.xla_refusal``). Both modes trace once, before the first call
+(``trace``, timed by the worker: ``compiling.py``); a second trace (``traces``) is a
+recompilation.
 
 Gradients, as torch's DDP set-up:
 
@@ -187,6 +188,12 @@ class TrainStep:
         """How many times the step's function has been traced (each trace a new graph and,
         under XLA, a new compilation)."""
         return self._fn.experimental_get_tracing_count()
+
+    def trace(self, images: tf.Tensor, labels: tf.Tensor) -> None:
+        """Trace the step into its graph for this batch's shapes and dtypes, running nothing,
+        so that a call with such a batch finds the graph in the function's cache (where it is
+        there already, only the lookup runs)."""
+        self._fn.get_concrete_function(images, labels)
 
     @property
     def pfc_update(self) -> str | None:

@@ -14,12 +14,12 @@ window's edges wait for all device work with ``tf.test.experimental.sync_devices
 process, and on the last step's markers with several (where ``sync_devices`` would reach for the
 other workers' devices).
 
-Compilation: the first call traces the Python step into a graph and optimises it (``--mode
-function``) or compiles it into one XLA program (``--mode xla``); it is step 0, inside the
-warm-up. Its host seconds go into ``Start.settings["compile_s"]``, so ``start`` is written when
-step 0 is done, just before step 0's own event (or, if the run fails before, with ``compile_s``
-None). ``compile_count`` is the step function's tracing count: another trace inside the window
-is a recompilation.
+Compilation: step 0 traces the Python step into a graph, explicitly and timed, then its call
+optimises the graph (``--mode function``) or compiles it into one XLA program (``--mode xla``):
+all of it inside step 0's time. ``compile_seconds`` is the tracing and, under XLA, the compilation
+as TensorFlow itself times it (``compiling.py`` says where each is timed and what is left out).
+``compile_count`` is the step function's tracing count, 1 from step 0 on: another trace is a
+recompilation.
 
 Strict alignment (``AlignSpec``): the step is built in the asked dtype from the start file, and
 ``align_state`` reads its variables back in torch's names and layouts after each step, with the
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -42,6 +41,7 @@ from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_
 from . import models, profiling
 from .backend import BACKEND
 from .comm import Comm
+from .compiling import CompileClock
 from .step import TrainStep, init_batch, synthetic_batch
 
 
@@ -110,7 +110,6 @@ def framework_env(comm: Comm, threads: int | None) -> dict:
 
 class TFRun(FrameworkRun):
     backend = BACKEND
-    start_after_first_step = True  # its settings carry step 0's tracing and compilation time
 
     def connect(self) -> None:
         # Read once, at the first convolution: cuDNN's timing of its algorithms per shape.
@@ -119,7 +118,6 @@ class TFRun(FrameworkRun):
         # peers stuck in a collective; the launcher stops them.
         self.comm = Comm.create(self.spec.device, self.spec.threads)
         self.join(self.comm)
-        self.compile_s: float | None = None
         self.outputs: list[tuple] = []
 
     def memory_now(self) -> int:
@@ -132,6 +130,7 @@ class TFRun(FrameworkRun):
         self.train_step = TrainStep(
             spec.workload, comm, init=init, dtype=dtype, keep_state=dumps_state(align),
             straight_through=breaks_margin(align), mode=self.mode)
+        self.clock = CompileClock(self.train_step, xla=self.mode == "xla")
         if spec.data is not None:
             self.real = RealData(spec, [comm.rank], comm.world_size, self.real_batch)
             return
@@ -155,9 +154,15 @@ class TFRun(FrameworkRun):
         # Each trace of the step is a new graph (and, under XLA, a new compilation).
         return self.train_step.traces
 
+    def compile_seconds(self) -> float | None:
+        return self.clock.seconds()
+
+    def compile_measure(self) -> str | None:
+        return self.clock.measure()
+
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
-        settings = {**step.settings, "compile_s": self.compile_s, "ddp": None,
+        settings = {**step.settings, "ddp": None,
                     "cudnn_benchmark": self.spec.tuning.cudnn_benchmark
                     if comm.device_type == "gpu" else None,
                     "onednn_opts": onednn_opts()}
@@ -170,13 +175,10 @@ class TFRun(FrameworkRun):
         return self.real.next()[0] if self.real is not None else (self.images, self.labels)
 
     def step(self, index: int) -> tuple:
-        return self._run_step(index, self.batch())
+        return self._run_step(self.batch())
 
-    def _run_step(self, index: int, batch: tuple[tf.Tensor, tf.Tensor]) -> tuple:
-        t0 = time.perf_counter()
-        out = self.train_step(*batch)
-        if index == 0:
-            self.compile_s = time.perf_counter() - t0
+    def _run_step(self, batch: tuple[tf.Tensor, tf.Tensor]) -> tuple:
+        out = self.clock(*batch)
         self.outputs.append(out)
         return out
 
@@ -227,7 +229,7 @@ class TFRun(FrameworkRun):
         with clock.phase("data"):
             batch = self.batch()
         with clock.phase(compiled_step_phase(self.world_size)):
-            return self._run_step(index, batch)
+            return self._run_step(batch)
 
     def matmul_rate(self) -> tuple[float, str]:
         return profiling.matmul_rate(self.comm.tf_device, self.spec.workload.precision)

@@ -10,7 +10,9 @@ are wrapped, and how many graphs the compiler has made so far.
 
 ``torch.compile`` is lazy: a module compiles on its first call, so a run's compilation happens
 in its first step, inside the warm-up, and a guard that fails later compiles again
-(``graphs_compiled`` counts both).
+(``graphs_compiled`` counts both). ``compile_seconds`` is torch's own timing of those
+compilations: TorchDynamo's frame compiles (capture, AOTAutograd, inductor's code generation and
+kernel builds) and AOTAutograd's backward compiles, which run lazily in the first backward.
 """
 
 from __future__ import annotations
@@ -81,6 +83,45 @@ def graphs_compiled(mode: str) -> int | None:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _compiler_seconds() -> float:
+    """torch's own total of its compile phases in this process, since the last
+    ``torch._dynamo.reset``: ``entire_frame_compile`` (``convert_frame``'s timer around each
+    frame's compile, which holds graph capture, the DDP optimizer's per-bucket subgraphs and
+    inductor's forward and, where it lowers them at once, backward code) plus
+    ``entire_backward_compile`` (AOTAutograd's lazy backward compile, at the first backward).
+    Neither phase runs inside the other, so their sum counts nothing twice."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
+
+
+_seconds_before_reset = 0.0
+"""Compile seconds of the compilations that ``force_recompile`` dropped: ``torch._dynamo.reset``
+clears torch's timers with the graphs."""
+
+
+def compile_seconds(mode: str) -> float:
+    """Seconds this process has spent compiling, summed over every compilation (recompilations
+    and each graph of a graph break included); 0.0 in eager, which compiles nothing."""
+    if not is_compiled(mode):
+        return 0.0
+    return _seconds_before_reset + _compiler_seconds()
+
+
+def compile_measure(mode: str, device_type: str) -> str:
+    """What ``compile_seconds`` times, in one line."""
+    if not is_compiled(mode):
+        return "eager: nothing is compiled"
+    text = ("torch.compile: TorchDynamo's frame compiles (capture, AOTAutograd, inductor code "
+            "generation) and AOTAutograd's lazy backward compiles, every graph and "
+            "recompilation, as torch._dynamo.utils.calculate_time_spent()['total_wall_time']")
+    if device_type == "cuda":
+        # Both run at a graph's first calls, after its compile, under timers of their own.
+        text += ("; not Triton's autotuning at a kernel's first launch nor CUDA graph "
+                 "recording")
+    return text
+
+
 def step_begins(mode: str) -> None:
     """Tell CUDA graph trees that a training step begins: the graphs' outputs of the last one
     are no longer read, and their memory may be used again."""
@@ -112,4 +153,6 @@ def recompile_step() -> int | None:
 
 def force_recompile() -> None:
     """Drop every compiled graph, so that the next call of a compiled module compiles again."""
+    global _seconds_before_reset
+    _seconds_before_reset += _compiler_seconds()
     torch._dynamo.reset()

@@ -6,9 +6,11 @@ framework; this module is torch's side of a measured run. Its step times come fr
 on a GPU and the host clock on a CPU (``timing.py``), never from a sync inside the window. A
 spec with ``train`` trains to a verification accuracy instead (``train_loop.py``). The step runs
 in the mode the spec resolves to (``modes.py``: eager, or ``torch.compile``'d, which compiles
-in the first step, inside the warm-up). For tests, TRAINPERF_FAULT injects failures at steps
-(``trainperf.faults``), and TRAINPERF_TEST_RECOMPILE_AT=STEP drops the compiled graphs before
-that step (``modes.RECOMPILE_AT_ENV``).
+in the first step, inside the warm-up); the run's compile time (``End.compile_s``) is torch's
+own timing of its compilations (``modes.compile_seconds``), never a step's excess. For tests,
+TRAINPERF_FAULT injects failures at steps (``trainperf.faults``), and
+TRAINPERF_TEST_RECOMPILE_AT=STEP drops the compiled graphs before that step
+(``modes.RECOMPILE_AT_ENV``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from .alignment import load_start, step_state
 from .backend import BACKEND
 from .data import real_feed, synthetic_batch
 from .dist import init_from_env
-from .modes import (CUDA_GRAPH_MODES, cudagraph_skips, force_recompile, graphs_compiled,
-                    recompile_step)
+from .modes import (CUDA_GRAPH_MODES, compile_measure, compile_seconds, cudagraph_skips,
+                    force_recompile, graphs_compiled, recompile_step)
 from .runtime import (configure_backend, current_memory, is_oom, memory_over_ranks,
                       peak_memory, start_fields, start_window_peak, waits_over_ranks)
 from .step import ONE_GRAPH_PHASE, ONE_GRAPH_WHY, TrainStep
@@ -81,6 +83,9 @@ class TorchRun(FrameworkRun):
         if breaks_margin(align) and self.train_step.head:
             self.train_step.head.straight_through = True
         self.recompile_at = recompile_step()
+        # Nothing has been compiled yet (a module compiles on its first call); what the process
+        # compiled before, if anything, is not this run's.
+        self.compile_s_before = compile_seconds(self.mode)
         # CUDA graphs are captured in the first step, or skipped there: ``start`` waits for it
         # to say how many graphs ran without one.
         self.start_after_first_step = self.mode in CUDA_GRAPH_MODES
@@ -99,6 +104,12 @@ class TorchRun(FrameworkRun):
 
     def compile_count(self) -> int | None:
         return graphs_compiled(self.mode)
+
+    def compile_seconds(self) -> float | None:
+        return compile_seconds(self.mode) - self.compile_s_before
+
+    def compile_measure(self) -> str | None:
+        return compile_measure(self.mode, self.ctx.device.type)
 
     def step(self, index: int) -> torch.Tensor:
         if index == self.recompile_at:
