@@ -87,20 +87,20 @@ def assert_timed_runs_unprofiled(out: Path) -> None:
 @contextlib.contextmanager
 def ports_taken_first() -> Iterator[list[socket.socket]]:
     """Inside: the ports of each framework's first launch on two or more ranks (on several
-    nodes, node 0's, which every node learns when they meet) are taken by this process (bound, as another
-    program on a busy host might bind them) after the runner chose them and before the run's
-    processes could bind them. The listeners of that launch fail to bind; the run must start
+    nodes, node 0's, which every node learns when they meet) are taken by this process (bound,
+    as another program on a busy host might bind them) after the runner chose them and before
+    the run's processes could bind them. The listeners of that launch fail to bind; the run must start
     again on fresh ports and say so (``assert_started_again``)."""
-    from trainperf.runner import Runner
+    from trainperf.attempts import RunLauncher
 
     stolen: list[socket.socket] = []
     robbed: set[str] = set()
-    choose = Runner._ports
+    choose = RunLauncher._ports
 
     def taking(self, case, meeting):
         cluster, held, addr = choose(self, case, meeting)
-        if cluster.world_size > 1 and self.plan.framework not in robbed:
-            robbed.add(self.plan.framework)
+        if cluster.world_size > 1 and self.backend.name not in robbed:
+            robbed.add(self.backend.name)
             for port in cluster.ports[0]:  # node 0's: the coordinator's among them
                 s = socket.socket()
                 s.bind((cluster.addrs[0], port))
@@ -108,7 +108,7 @@ def ports_taken_first() -> Iterator[list[socket.socket]]:
         return cluster, held, addr
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Runner, "_ports", taking)
+        mp.setattr(RunLauncher, "_ports", taking)
         try:
             yield stolen
         finally:

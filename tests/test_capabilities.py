@@ -101,6 +101,12 @@ def test_list_frameworks_prints_every_backend(capsys):
     assert main(["list", "--frameworks"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in BACKENDS)
+    # Each framework's modes on a CPU and on a GPU, in the terminal too (the default bold).
+    assert "modes CPU" in out and "modes GPU" in out and "**" not in out
+    torch_row = next(line for line in out.splitlines() if "torch" in line)
+    assert "eager, compile" in torch_row and "compile-cudagraphs" in out
+    for backend in BACKENDS.values():
+        assert all(mode in out for kind in ("cpu", "cuda") for mode in backend.modes_on(kind))
     assert main(["list", "--frameworks", "--markdown"]) == 0
     assert capsys.readouterr().out.strip() == markdown_table()
 

@@ -108,3 +108,18 @@ def test_the_frameworks_page_table_is_the_declaration():
     assert table == markdown_table(), ("docs/frameworks.md's framework table differs from the "
                                        "declarations: paste `trainperf list --frameworks "
                                        "--markdown` between its markers")
+
+
+def test_the_readme_sample_table_is_its_record():
+    """The sample report's table is made from the record it names (``--readme-table``)."""
+    spec = importlib.util.spec_from_file_location(
+        "framework_compare", REPO / "benchmarks" / "framework_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    begin, end = "<!-- sample-report:begin -->\n", "<!-- sample-report:end -->"
+    block = text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+    record = REPO / "benchmarks" / "results" / "framework_compare-cpu" / "tiny-arcface-pfc"
+    assert block == compare.readme_table(record), (
+        "run python benchmarks/framework_compare.py --readme-table "
+        f"{record.relative_to(REPO)} and paste it into the README")

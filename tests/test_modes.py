@@ -9,102 +9,134 @@ from pathlib import Path
 
 import pytest
 
+from mode_runs import stand_in_events
 from trainperf import mode_choice, results
 from trainperf.backends import BACKENDS, get_backend
 from trainperf.cli import main
 from trainperf.config import Measure, Topology, Tuning
 from trainperf.plans import layout_for, parse_modes, throughput_plans
-from trainperf.protocol import End, Start, Step
+from trainperf.protocol import End, Step
 from trainperf.recipes import get_recipe
+from trainperf.run_kinds import TimedRun
 from trainperf.runner import Case, Plan, Runner
 
 CPU = Topology(device="cpu")
 
 
-# ------------------------------------------------------------------ the choice itself
-
-def test_the_faster_mode_is_chosen_with_its_margin():
-    probe = mode_choice.choose(["eager", "compile"],
-                               {"eager": [100.0, 104.0], "compile": [131.0, 129.0]})
-    assert probe["chosen"] == "compile" and probe["runner_up"] == "eager"
-    assert probe["margin"] == pytest.approx(130.0 / 102.0)
-    assert mode_choice.describe("pytorch", probe) == (
-        "pytorch: compile, 1.27x its eager mode in the probe")
-
-
-def test_a_mode_whose_probe_failed_is_never_chosen():
-    probe = mode_choice.choose(["eager", "compile"], {"eager": [50.0, 52.0],
-                                                      "compile": [None, 900.0]},
-                               errors={"compile": "RuntimeError: boom"})
-    # One failed round is enough: a mode that fails half its probes would fail runs too.
-    assert probe["medians"] == {"eager": 51.0, "compile": 900.0}
-    probe = mode_choice.choose(["eager", "compile"], {"eager": [50.0], "compile": [None]},
-                               errors={"compile": "RuntimeError: boom"})
-    assert probe["chosen"] == "eager" and probe["margin"] is None
-    assert "compile failed" in probe["why"]
-
-
-def test_no_mode_ran_leaves_the_default_and_refused_modes_are_skipped():
-    probe = mode_choice.choose(["graph", "eager"], {"eager": [None]},
-                               refused={"graph": "graph runs dp only"})
-    assert probe["chosen"] == "eager" and probe["refused"] == {"graph": "graph runs dp only"}
-    single = mode_choice.choose(["jit"], {})
-    assert single["chosen"] == "jit" and single["why"] == "the only mode it declares on this device"
-
-
-def test_rounds_alternate_their_order():
-    assert mode_choice.probe_order(["a", "b", "c"]) == [
-        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a")]
-    assert mode_choice.probe_shape(20, 100) == (5, 10)
-    assert mode_choice.probe_shape(0, 1) == (2, 3)
-
-
 # ------------------------------------------------------- the runner's probe, stand-in modes
+# (the rules of the choice itself: test_mode_choice.py)
 
-def _two_mode_torch(monkeypatch):
-    """torch as if it declared a second CPU mode (the worker never sees it: runs are stood in)."""
+def _two_mode_torch(monkeypatch, refuse=None):
+    """torch as if it declared a second CPU mode (the worker never sees it: runs are stood in);
+    ``refuse(workload, topology, tuning)`` a rule of its own."""
     torch = BACKENDS["torch"]
     caps = replace(torch.capabilities, modes={"cpu": ("eager", "fast"), "cuda": ("eager",)})
-    monkeypatch.setitem(BACKENDS, "torch", replace(torch, capabilities=caps))
+    monkeypatch.setitem(BACKENDS, "torch", replace(torch, capabilities=caps, refuse_more=refuse))
 
 
-def test_best_times_the_case_in_the_faster_of_two_stand_in_modes(tmp_path, monkeypatch):
+def stand_in_launches(runner: Runner, speed: dict[str, float], seen: list,
+                      failing: set = frozenset()) -> None:
+    """The runner's launches stood in: each mode at a known rate (samples/s), its step events
+    with a compile count that moves in step 0 only; the timed runs ``failing`` names (mode,
+    run) fail."""
+    def launch(case, kind):
+        mode = kind.mode(runner.modes.mode)
+        world = case.topology.devices_per_node
+        seen.append((type(kind).__name__, case.key.name, kind.run, mode))
+        measure = kind.measure(runner.plan.measure)
+        rate = speed[mode] * world * (1.0 + 0.001 * kind.run)
+        events = stand_in_events(mode, rate, world, case.batch_size, measure)
+        if isinstance(kind, TimedRun) and (mode, kind.run) in failing:
+            return results.run_record(kind.run, events[:2], "failed", "RuntimeError: boom"), \
+                events[:2]
+        return results.run_record(kind.run, events, "ok"), events
+
+    runner._launch = launch
+
+
+def _plan(tmp_path, devices=(1, 2), runs=2, **changes) -> Plan:
+    return Plan("tiny-arcface", get_recipe("tiny-arcface").workload, Measure(runs=runs, iters=12,
+                warmup=4), [Case(replace(CPU, devices_per_node=d), 8) for d in devices],
+                tmp_path, Tuning(mode="best"), **changes)
+
+
+def test_best_probes_once_per_plan_and_times_every_case_in_its_choice(tmp_path, monkeypatch):
     _two_mode_torch(monkeypatch)
-    measure = Measure(runs=2, iters=12, warmup=4)
-    plan = Plan("tiny-arcface", get_recipe("tiny-arcface").workload, measure, [Case(CPU, 8)],
-                tmp_path, Tuning(mode="best"))
-    runner = Runner(plan)
-    factor = {"eager": 100.0, "fast": 137.0}  # the known difference between the two modes
+    runner = Runner(_plan(tmp_path))
     seen = []
-
-    def stand_in(case, run, profile=False, probe=None):
-        mode = probe or runner._tuning((case.key.name, case.batch_size)).mode
-        seen.append((probe, run, mode))
-        rate = factor[mode] * (1.0 + 0.01 * run)
-        record = results.run_record(run, [
-            Start(world_size=1, global_batch=8, device="cpu", env={}, workload={},
-                  settings={"mode": mode}),
-            *[Step(index=i, seconds=8 / rate, samples=8, warmup=i < 4) for i in range(12)],
-            End(samples_per_s=rate, window_s=64 / rate, window_samples=64, window_steps=8,
-                loss_first=1.0, loss_last=0.9)], "ok")
-        return record
-
-    runner._run_one = stand_in
+    stand_in_launches(runner, {"eager": 100.0, "fast": 137.0}, seen)
     doc = runner.run()
-    probes = [(p, r) for p, r, _ in seen if p]
-    assert probes == [("eager", 1), ("fast", 1), ("fast", 2), ("eager", 2)]
-    timed = [mode for p, _, mode in seen if not p]
-    assert timed == ["fast", "fast"]
-    case = doc["cases"][0]
-    assert case["mode_probe"]["chosen"] == "fast"
-    assert case["mode_probe"]["margin"] == pytest.approx(137.0 / 100.0, rel=0.02)
-    assert [r["mode"] for r in case["runs"]] == ["fast", "fast"]
-    # Kept as an event, so a resumed folder keeps the choice and probes nothing again.
+    probes = [(case, run, mode) for kind, case, run, mode in seen if kind == "ProbeRound"]
+    # Two rounds in opposite orders, on the plan's first case only.
+    assert probes == [("1n1g", 1, "eager"), ("1n1g", 1, "fast"), ("1n1g", 2, "fast"),
+                      ("1n1g", 2, "eager")]
+    assert {mode for kind, _, _, mode in seen if kind == "TimedRun"} == {"fast"}
+    probe = doc["mode_probe"]
+    assert probe["chosen"] == "fast" and probe["case"] == "1n1g b8" and probe["wall_s"] >= 0
+    assert probe["margin"] == pytest.approx(137.0 / 100.0, rel=0.01)
+    assert [c["mode"] for c in doc["cases"]] == ["fast", "fast"]
+    # One mode, so the 2-rank case has its speedup over the 1-rank one.
+    assert doc["cases"][1]["speedup"] == pytest.approx(2.0, rel=0.01)
+    assert all(r["after_mode_probe"] for c in doc["cases"] for r in c["runs"])
+    # Kept as an event: a resumed folder keeps the choice and probes nothing again.
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["probe"]["chosen"] for e in events if e["event"] == "mode_probe"] == ["fast"]
-    again = Runner(plan)
-    again._restore()
-    assert again.probes[("1n1g", 8)]["chosen"] == "fast"
+    again = Runner(_plan(tmp_path))
+    seen.clear()
+    stand_in_launches(again, {"eager": 100.0, "fast": 137.0}, seen)
+    again.run(resume=True)
+    assert seen == [] and again.modes.mode() == "fast"
+
+
+def test_a_mode_one_case_cannot_run_is_not_probed_and_no_ratio_crosses_modes(tmp_path,
+                                                                              monkeypatch):
+    """TensorFlow's shape: ``xla`` refused on several CPU ranks. The plan runs in the mode
+    every case can run, with no probe; a document holding two modes computes no speedup across
+    them."""
+    _two_mode_torch(monkeypatch, refuse=lambda w, topo, t: (
+        "fast runs on one rank" if t.mode == "fast" and topo.devices_per_node > 1 else None))
+    runner = Runner(_plan(tmp_path))
+    seen = []
+    stand_in_launches(runner, {"eager": 100.0, "fast": 300.0}, seen)
+    doc = runner.run()
+    assert not [s for s in seen if s[0] == "ProbeRound"]
+    assert doc["mode_probe"]["chosen"] == "eager"
+    assert doc["mode_probe"]["refused"] == {"fast": "1n2g b8: fast runs on one rank"}
+    assert [c["mode"] for c in doc["cases"]] == ["eager", "eager"]
+    # The same cases as if each had run in its own mode: no speedup between them.
+    cases = [dict(c) for c in doc["cases"]]
+    cases[0]["mode"] = "fast"
+    results.finish_cases(cases)
+    assert cases[1]["speedup"] is None and "throughput_falls" not in cases[1]["flags"]
+
+
+def test_a_real_data_plan_and_its_twin_share_one_probe(tmp_path, monkeypatch):
+    from trainperf.runner import interleave, shared_choices
+
+    _two_mode_torch(monkeypatch)
+    twin = _plan(tmp_path / "synthetic", devices=(1,), runs=1, mode_group="pair",
+                 data_role="synthetic baseline")
+    real = replace(twin, out_dir=tmp_path / "real", data_role="real")
+    runners = [Runner(p, shared=s) for p, s in zip([twin, real], shared_choices([twin, real]))]
+    seen = []
+    for r in runners:
+        stand_in_launches(r, {"eager": 100.0, "fast": 150.0}, seen)
+    docs = interleave(runners, [False, False])
+    assert len([s for s in seen if s[0] == "ProbeRound"]) == 4  # one probe, not two
+    assert [d["cases"][0]["mode"] for d in docs] == ["fast", "fast"]
+    assert docs[1]["mode_probe"]["probed_in"] == "synthetic"
+    assert "probed_in" not in docs[0]["mode_probe"]
+
+
+def test_a_chosen_mode_that_fails_its_runs_is_said_with_the_runner_up(tmp_path, monkeypatch):
+    from trainperf.report.markdown import render_report
+
+    _two_mode_torch(monkeypatch)
+    runner = Runner(_plan(tmp_path, devices=(1,)))
+    stand_in_launches(runner, {"eager": 100.0, "fast": 150.0}, [], failing={("fast", 2)})
+    doc = runner.run()
+    report = render_report([doc])
+    assert "- 1n1g b8: fast failed in 1 of 2 runs; the probe's runner-up was eager" in report
 
 
 def test_best_probes_real_runs_and_records_the_choice(tmp_path):
@@ -115,12 +147,16 @@ def test_best_probes_real_runs_and_records_the_choice(tmp_path):
     assert code == 0
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     case = doc["cases"][0]
-    probe = case["mode_probe"]
+    probe = doc["mode_probe"]
     modes = list(get_backend("torch").modes_on("cpu"))
     assert probe["modes"] == modes
     assert case["runs"][0]["mode"] == probe["chosen"] == case["mode"]
     if len(modes) > 1:
-        assert all(len(probe["rates"][m]) == 2 and all(probe["rates"][m]) for m in modes)
+        assert all(len(probe["rates"][m]) == 2 for m in modes)
+        for r in probe["rounds"]:
+            # Each round's timed steps start where its compile count stopped moving.
+            assert r["status"] == "ok" and r["settled"] and r["samples_per_s"] > 0, r
+            assert r["timed_from"] >= mode_choice.FALLBACK_WARMUP
     assert doc["tuning"]["mode"] == "best"
     report = (tmp_path / "out" / "report.md").read_text()
     assert f"pytorch: {probe['chosen']}, " in report
@@ -136,11 +172,25 @@ def test_the_mode_and_the_start_up_are_recorded_per_run(tmp_path):
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     run = doc["cases"][0]["runs"][0]
     assert run["mode"] == "eager" and doc["cases"][0]["settings"]["mode"] == "eager"
-    # Start-up holds the interpreter's and torch's imports: longer than the first step.
+    # Start-up holds the launcher, the interpreter's and torch's imports: longer than the
+    # first step.
     assert run["startup_s"] > run["first_step_s"] > 0
-    assert run["compile_s"] == pytest.approx(
+    assert run["first_step_excess_s"] == pytest.approx(
         max(run["first_step_s"] - sorted(run["step_times_s"])[len(run["step_times_s"]) // 2],
             0.0))
+    assert run["compile_s"] == 0.0 and run["compile_measure"]  # eager compiles nothing
+    assert run["after_mode_probe"] is False
+    # The export and the published schema carry the real figures, not only empty ones.
+    from trainperf import export
+
+    (row,) = export.rows(tmp_path / "out")
+    assert row["mode"] == "eager" and row["after_mode_probe"] is False
+    for name in ("startup_s", "compile_s", "first_step_excess_s"):
+        assert row[name] == pytest.approx(run[name]) and row[name] is not None
+    (case_row,) = export.rows(tmp_path / "out", level="case")
+    assert case_row["mode"] == "eager" and case_row["startup_s"] == pytest.approx(
+        run["startup_s"])
+    results.validate(doc)
     assert run["recompiles_in_window"] is None  # eager has nothing to count
     assert "| eager |" in (tmp_path / "out" / "report.md").read_text()
 

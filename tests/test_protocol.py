@@ -14,6 +14,7 @@ from trainperf import protocol
 from trainperf.config import Measure, Topology, Tuning
 from trainperf.protocol import End, Error, ProtocolError, RunSpec, Start, Step
 from trainperf.recipes import get_recipe
+from trainperf.attempts import Watched
 from trainperf.runner import Case, Plan, Runner
 
 
@@ -87,12 +88,12 @@ def test_runner_keeps_a_malformed_event_as_a_warning(tmp_path: Path):
     plan = Plan("tiny-arcface", get_recipe("tiny-arcface").workload, Measure(),
                 [Case(Topology(), 8)], tmp_path)
     runner = Runner(plan)
-    seen, warnings = [], []
-    runner._take([{"event": "step", "index": 0, "seconds": 0.1, "samples": 8, "warmup": True},
-                  {"event": "end", "samples_per_s": 1.0}], seen, warnings,
-                 {"case": "1n1g", "batch": 8, "run": 1})
-    assert seen == [Step(index=0, seconds=0.1, samples=8, warmup=True)]
-    assert len(warnings) == 1 and "broke the protocol" in warnings[0]
+    done = Watched()
+    runner.launcher._take([{"event": "step", "index": 0, "seconds": 0.1, "samples": 8,
+                            "warmup": True}, {"event": "end", "samples_per_s": 1.0}], done,
+                          {"case": "1n1g", "batch": 8, "run": 1})
+    assert done.seen == [Step(index=0, seconds=0.1, samples=8, warmup=True)]
+    assert len(done.warnings) == 1 and "broke the protocol" in done.warnings[0]
     kept = (tmp_path / "events.jsonl").read_text().splitlines()
     assert len(kept) == 2  # what the worker wrote is kept as written
 

@@ -42,7 +42,10 @@ def dataset(tmp_path_factory) -> str:
 
 
 def run(frameworks: list[str], prefix: str, out: Path) -> int:
+    # Each framework in its default mode: what is checked here is the feed, and a mode probe
+    # (--mode best, the default of a comparison) would only add launches (test_modes.py).
     return main(["run", "tiny-arcface", "--framework", ",".join(frameworks), "--data", prefix,
+                 "--mode", "default",
                  "--devices", "1", "--runs", "1", "--iters", str(ITERS), "--warmup",
                  str(WARMUP), "--device", "cpu", "--loader-workers", "1",
                  "--no-synthetic-baseline", "--out", str(out)])

@@ -105,12 +105,14 @@ def written_doc() -> dict:
               recompiles_in_window=0, peak_memory_bytes=90, data_wait_s_per_rank=[0.04, 0.05])
     run = results.run_record(1, [start, *steps, ev, end], "ok", exit_code=0)
     run["retries"] = [{"attempt": 1, "reason": "port", "error": None, "folder": "x"}]
+    run["after_mode_probe"] = True  # the runner's, for a timed run
     case = results.case_record(results.CaseKey(1, 2, 8), "fp32", [run], start,
                                head=(1000, "pfc", 0.1))
     case["breakdown"], case["mode_probe"] = {"status": "ok"}, {"chosen": "eager"}
     doc = results.document("tiny-arcface", {"backbone": "tiny"}, {"runs": 1}, {}, [case],
                            source={"format": "x"}, model="tiny", tuning={"mode": "default"})
-    doc.update(framework="torch", data=None, train={"target": 0.9}, role="follower")
+    doc.update(framework="torch", data=None, train={"target": 0.9}, role="follower",
+               mode_probe={"chosen": "eager"})
     return doc
 
 

@@ -1,7 +1,9 @@
 """The worker skeleton (``backends/workerkit.py``) that every framework's worker runs on, checked
 with a framework made of plain Python: the events it writes, in order, with the window's
 arithmetic; failures as error events and exit codes; the declaration checked before anything
-is built; ``start`` after the first step for frameworks that report its compile time."""
+is built; ``start`` after the first step for frameworks that learn something there; the
+compile time a framework times itself, the first step's excess apart from it, and start-up from
+the launch to the end of step 0."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from trainperf.backends.base import Backend, Capabilities, Launch
-from trainperf.backends.workerkit import FrameworkRun, worker_entry
+from trainperf import results
+from trainperf.backends.workerkit import FrameworkRun, process_start_time, worker_entry
 from trainperf.config import Measure
-from trainperf.protocol import RunSpec, decode
+from trainperf.protocol import LAUNCHED_AT_ENV, RunSpec, decode
 from trainperf.recipes import get_recipe
 
 STEP_S = 0.002
@@ -55,18 +58,61 @@ class PlainRun(FrameworkRun):
         return {"peak_memory_bytes": 2000, "peak_memory_bytes_per_rank": [2000]}
 
 
-class CompiledRun(PlainRun):
+class FirstStepRun(PlainRun):
+    """A framework that learns something for its ``start`` in step 0 (torch counts the graphs
+    CUDA graph trees skipped there)."""
+
     start_after_first_step = True
 
     def start_fields(self, baseline: int) -> dict:
         fields = super().start_fields(baseline)
-        fields["settings"]["compile_s"] = getattr(self, "compile_s", None)
+        fields["settings"]["learned_in_step_0"] = getattr(self, "learned", None)
         return fields
 
     def step(self, index: int) -> float:
         if index == 0:
-            self.compile_s = 0.5
+            self.learned = 3
         return super().step(index)
+
+
+COMPILE_S = 0.3
+STEP_1_S = 1.0
+
+
+class LazyCompileRun(PlainRun):
+    """A mode that compiles inside its first step, for a known time it times itself, and
+    counts its compilations; its step 0 becomes ready a little after it returns and its step 1
+    is long, so that a loop that reads step 0's time only after step 1 would show it."""
+
+    def build(self) -> None:
+        super().build()
+        self.compiled, self.compiling_s = 0, 0.0
+
+    def step(self, index: int) -> float:
+        if index == 0:
+            t0 = time.perf_counter()
+            time.sleep(COMPILE_S)
+            self.compiling_s += time.perf_counter() - t0
+            self.compiled += 1
+        if index == 1:
+            time.sleep(STEP_1_S)
+        return super().step(index)
+
+    def markers(self) -> list:
+        return [len(self.markers_seen)] if hasattr(self, "markers_seen") else [0]
+
+    def wait(self, markers) -> None:
+        if markers == [0]:
+            time.sleep(0.05)  # step 0's work still runs when the loop goes on to step 1
+
+    def compile_count(self) -> int:
+        return self.compiled
+
+    def compile_seconds(self) -> float:
+        return self.compiling_s
+
+    def compile_measure(self) -> str:
+        return "a sleep standing in for a compiler, timed around it"
 
 
 @pytest.fixture(autouse=True)
@@ -136,16 +182,57 @@ def test_a_fault_after_the_last_step_strikes_after_end(tmp_path, monkeypatch):
     assert code == 1 and [e.KIND for e in events][-2:] == ["end", "error"]
 
 
-def test_start_after_the_first_step_carries_its_compile_time(tmp_path, monkeypatch):
-    code, events = run_worker(tmp_path, CompiledRun)
+def test_start_after_the_first_step_carries_what_it_learned(tmp_path, monkeypatch):
+    code, events = run_worker(tmp_path, FirstStepRun)
     assert code == 0 and events[0].KIND == "start" and events[1].KIND == "step"
-    assert events[0].settings["compile_s"] == 0.5
+    assert events[0].settings["learned_in_step_0"] == 3
     # A run that fails before its first step is timed still says what ran.
     monkeypatch.setenv("TRAINPERF_FAULT", "raise@0")
     (tmp_path / "again").mkdir()
-    code, events = run_worker(tmp_path / "again", CompiledRun)
+    code, events = run_worker(tmp_path / "again", FirstStepRun)
     assert code == 1 and [e.KIND for e in events] == ["start", "error"]
-    assert events[0].settings["compile_s"] is None
+    assert events[0].settings["learned_in_step_0"] is None
+
+
+def test_compile_time_is_the_frameworks_own_and_the_first_steps_excess_is_apart(tmp_path):
+    code, events = run_worker(tmp_path, LazyCompileRun)
+    assert code == 0
+    steps, end = [e for e in events if e.KIND == "step"], events[-1]
+    # What the framework timed around its compilation, which happened inside step 0.
+    assert COMPILE_S <= end.compile_s <= steps[0].seconds
+    assert end.compile_measure == "a sleep standing in for a compiler, timed around it"
+    assert [s.compiles for s in steps] == [1] * 6
+    run = results.run_record(1, events, "ok")
+    assert run["compile_s"] == end.compile_s and run["compile_measure"] == end.compile_measure
+    window = sorted(s.seconds for s in steps if not s.warmup)
+    assert run["first_step_excess_s"] == pytest.approx(steps[0].seconds - window[2])
+    assert run["first_step_s"] == steps[0].seconds
+
+
+def test_start_up_counts_from_the_launch_to_the_end_of_step_zero(tmp_path, monkeypatch):
+    launched = time.time() - 5.0
+    monkeypatch.setenv(LAUNCHED_AT_ENV, repr(launched))
+    code, events = run_worker(tmp_path, LazyCompileRun)
+    assert code == 0
+    start, steps, end = events[0], [e for e in events if e.KIND == "step"], events[-1]
+    step_0_ended = launched + end.startup_s
+    # The loop began after ``start`` was written; step 0 ended its own time later, and step 1
+    # (a second long) ended after that. Read when its time was drained, which here is after
+    # step 1, step 0 would seem to end with step 1.
+    assert step_0_ended >= start.t + steps[0].seconds - 1e-3
+    assert steps[1].t - step_0_ended >= STEP_1_S * 0.99
+    assert end.startup_s > 5.0
+
+
+def test_without_a_launch_stamp_start_up_counts_from_the_process_start(tmp_path, monkeypatch):
+    import psutil
+
+    monkeypatch.delenv(LAUNCHED_AT_ENV, raising=False)
+    started = process_start_time()
+    # /proc's boot time is whole seconds: psutil's figure may be up to a second off.
+    assert abs(started - psutil.Process().create_time()) < 1.5 and started < time.time()
+    code, events = run_worker(tmp_path, PlainRun)
+    assert code == 0 and events[-1].startup_s >= time.time() - started - 60
 
 
 def test_an_unreadable_spec_is_an_error_event(tmp_path):

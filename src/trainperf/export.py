@@ -95,7 +95,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("samples_per_s_per_device", "Float64", BOTH, "throughput per device: "
            "`samples_per_s` (a case: `median_samples_per_s`) over `world_size`"),
     Column("speedup", "Float64", BOTH, "the case's median over that of the 1-device case of "
-           "the same batch and head, in the same results file"),
+           "the same batch, head and mode, in the same results file"),
     Column("scaling_efficiency", "Float64", BOTH, "the case's speedup over its world size"),
     Column("mfu", "Float64", BOTH, "the case's model FLOP utilisation: model FLOP/s over the "
            "devices' peak (empty where the peak is not known, e.g. CPUs)"),
@@ -103,10 +103,14 @@ COLUMNS: tuple[Column, ...] = (
            "largest of its runs)"),
     Column("memory_model_error", "Float64", BOTH, "(predicted - measured) / measured peak "
            "memory (a case: the median over its runs)"),
-    Column("startup_s", "Float64", BOTH, "seconds from process start to the end of the first "
-           "step (a case: the median)"),
-    Column("compile_s", "Float64", BOTH, "how much longer the first step took than the "
-           "window's median step (a case: the median)"),
+    Column("startup_s", "Float64", BOTH, "seconds from the run's launch to the end of its "
+           "first step (a case: the median)"),
+    Column("compile_s", "Float64", BOTH, "seconds the framework spent compiling, timed where "
+           "it compiles; 0 in a mode that compiles nothing (a case: the median)"),
+    Column("first_step_excess_s", "Float64", BOTH, "how much longer the first step took than "
+           "the window's median step (a case: the median)"),
+    Column("after_mode_probe", "boolean", RUN, "the mode probe ran this mode before the run: "
+           "its start-up and compile figures are warm-cache ones"),
     Column("flags", "string", BOTH, "the run's (a case: the case's) flags, joined by `;`; "
            "empty when none"),
     Column("case_flags", "string", RUN, "the flags of the run's case, joined by `;`; empty "
@@ -249,6 +253,7 @@ def _case_figures(case: dict) -> dict[str, Any]:
         "memory_model_error": case.get("memory_model_error"),
         "startup_s": case.get("startup_s"),
         "compile_s": case.get("compile_s"),
+        "first_step_excess_s": case.get("first_step_excess_s"),
         "flags": _flags(case.get("flags")),
     }
 
@@ -265,6 +270,8 @@ def _run_figures(case: dict, run: dict) -> dict[str, Any]:
         "memory_model_error": results.memory_model_error(run),
         "startup_s": run.get("startup_s"),
         "compile_s": run.get("compile_s"),
+        "first_step_excess_s": run.get("first_step_excess_s"),
+        "after_mode_probe": run.get("after_mode_probe"),
         "flags": _flags(run.get("flags")),
         "case_flags": _flags(case.get("flags")),
         "error": run.get("error"),

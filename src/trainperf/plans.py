@@ -18,7 +18,8 @@ from .config import (FC_MODES, MODE_BEST, MODE_DEFAULT, PFC_DEFAULT_RATIO, DataS
 from .procs import interrupt_on_sigterm
 from .recipes import get_recipe
 from .results import default_folder, has_events
-from .runner import Plan, Runner, check_plan, device_kind, interleave, plan_cases
+from .runner import (Plan, Runner, check_plan, device_kind, interleave, plan_cases,
+                     shared_choices)
 
 
 def parse_frameworks(text: str) -> list[str]:
@@ -221,9 +222,12 @@ def throughput_plans(recipe_name: str, changes: dict, batch_sizes: list[int] | N
         paired = []
         for plan in plans:
             home = out / plan.framework if len(frameworks) > 1 else out
-            real = replace(plan, out_dir=home / "real", data=spec, data_role="real")
+            # One probe for the pair: its ratio is the data's overhead, within one mode.
+            real = replace(plan, out_dir=home / "real", data=spec, data_role="real",
+                           mode_group=str(home))
             paired += [real] if not synthetic_baseline else [
-                replace(plan, out_dir=home / "synthetic", data_role="synthetic baseline"), real]
+                replace(plan, out_dir=home / "synthetic", data_role="synthetic baseline",
+                        mode_group=str(home)), real]
         plans = paired
     for plan in plans:
         check_plan(plan)
@@ -235,7 +239,8 @@ def run_plans(plans: list[Plan], resume: bool, take_turns: bool = False) -> list
     turn); their results documents. ``resume`` finishes the folders that hold runs."""
     from .progress import make_progress
 
-    runners = [Runner(plan) for plan in plans]  # every plan checked before any run
+    # Every plan checked before any run; the plans of a mode group share one decision.
+    runners = [Runner(plan, shared=shared) for plan, shared in zip(plans, shared_choices(plans))]
     interrupt_on_sigterm()
     progress = make_progress()
     try:

@@ -245,6 +245,15 @@ class NodeGroup:
                 return heard
             time.sleep(POLL_S)
 
+    def announce(self, label: str, value: dict[str, Any]) -> None:
+        """Publish what this node decided for every node (node 0's choice of a mode)."""
+        self._set(f"announce/{label}", json.dumps(value))
+
+    def announcement(self, label: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """What a node announced under ``label``, waiting ``timeout_s`` at most (default: the
+        group's timeout); RendezvousError where nothing came."""
+        return json.loads(self._wait_key(f"announce/{label}", label, timeout_s))
+
     def release_ports(self) -> None:
         if self._held is not None:
             self._held.release()
@@ -271,6 +280,21 @@ class NodeGroup:
     def _set(self, key: str, value: str) -> None:
         try:
             self._store.set(key, value)
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def _wait_key(self, key: str, what: str, timeout_s: float | None = None) -> str:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self._store.check([key]):
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"nothing came for {what} within {timeout_s:.0f} s "
+                                          f"(rendezvous {self.endpoint})")
+                time.sleep(POLL_S)
+            return self._store.get(key).decode()
+        except RendezvousError:
+            raise
         except Exception as exc:
             raise self._lost(exc) from None
 

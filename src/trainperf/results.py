@@ -220,13 +220,18 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
     }
 
 
+SCALING_FIELDS = (*HEAD_FIELDS, "mode")
+"""What cases must share for one to be the other's speedup base: the head, and the execution
+mode they were timed in (a speedup across two modes would hold the modes' difference)."""
+
+
 def finish_cases(cases: list[dict]) -> None:
     """Speedup, efficiency and scaling flags across the cases of one document: a case against
-    the 1-device case of its own batch and head (``HEAD_FIELDS``; cases that record none share
-    one), never against another class count or head mode."""
+    the 1-device case of its own batch, head and mode (``SCALING_FIELDS``; cases that record
+    none share one), never against another class count, head mode or execution mode."""
     groups: dict[tuple, list[dict]] = {}
     for c in cases:
-        groups.setdefault(tuple(c.get(k) for k in HEAD_FIELDS), []).append(c)
+        groups.setdefault(tuple(c.get(k) for k in SCALING_FIELDS), []).append(c)
     for group in groups.values():
         triples = []
         for c in group:

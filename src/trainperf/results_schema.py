@@ -65,6 +65,8 @@ RUN_FIELDS: list[Field] = [
     ("first_step_excess_s", "num?", False, "the first step's excess over the window's median "
      "step (compilation, autotuning, allocator growth, a first batch)"),
     ("recompiles_in_window", "int?", False, "compilations counted inside the window"),
+    ("after_mode_probe", "bool", False, "the mode probe ran this mode on this machine before "
+     "the run: its start-up and compile figures are warm-cache ones"),
     ("data_wait_s", "list[num?]", False, "real data: rank 0's wait for each window step's "
      "batch"),
     ("data_wait_window_s_per_rank", "list[num]?", False, "real data: each rank's wait over "
@@ -94,7 +96,8 @@ CASE_FIELDS: list[Field] = [
     ("pfc_update", "str?", False, "how Partial FC updated the class matrix"),
     ("settings", "obj?", False, "what rank 0 recorded of how it ran (mode, threads, ...)"),
     ("mode", "str?", False, "the execution mode the timed runs ran in"),
-    ("mode_probe", "obj", False, "--mode best: each mode's probe rates and the choice"),
+    ("mode_probe", "obj", False, "--mode best, before the probe was one per plan: this case's "
+     "probe"),
     ("startup_s", "num?", False, "median over runs of startup_s"),
     ("compile_s", "num?", False, "median over runs of compile_s"),
     ("first_step_excess_s", "num?", False, "median over runs of first_step_excess_s"),
@@ -105,7 +108,8 @@ CASE_FIELDS: list[Field] = [
     ("iqr_samples_per_s", "num?", True, "interquartile range over the same runs"),
     ("spread", "num?", False, "(max - min) / median over the same runs"),
     ("ok_runs", "int", False, "runs whose speed counts"),
-    ("speedup", "num?", True, "median against the 1-device case of the same batch and head"),
+    ("speedup", "num?", True, "median against the 1-device case of the same batch, head and "
+     "mode"),
     ("scaling_efficiency", "num?", True, "speedup over the device count"),
     ("train_flops_per_sample", "num?", False, "the model's training FLOPs per sample (a "
      "multiply-add is 2)"),
@@ -133,6 +137,8 @@ DOC_FIELDS: list[Field] = [
     ("measure", "obj", True, "runs, iterations, warm-up, timeouts"),
     ("env", "obj", True, "host, devices, versions"),
     ("tuning", "obj", False, "the speed settings asked for (mode, layout, ...)"),
+    ("mode_probe", "obj", False, "--mode best: the probe's rounds, the mode every case ran in "
+     "and why, the runner-up and the probe's seconds"),
     ("data", "obj?", False, "real data: the dataset and the input pipeline"),
     ("train", "obj", False, "training: the target and the evaluation settings"),
     ("source", "obj", False, "ingested results: the log format and folder they came from"),
@@ -180,7 +186,7 @@ RUNNER_EVENTS: dict[str, list[Field]] = {
                   ("error", "str?", False, "what the attempt reported"),
                   ("folder", "str", True, "where its files are kept")],
     "profile_end": [("breakdown", "obj", True, "the profiled run's summary")],
-    "mode_probe": [("probe", "obj", True, "each mode's probe rates and the choice")],
+    "mode_probe": [("probe", "obj", True, "the plan's probe: its rounds and the choice")],
 }
 """What the runner itself writes into a results folder's ``events.jsonl``, beside the worker
 events it copies there (each tagged with ``TAGS``)."""

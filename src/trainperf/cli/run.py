@@ -4,6 +4,7 @@ train to a target."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -155,18 +156,22 @@ def print_frameworks(markdown: bool) -> int:
         return EXIT_OK
     # The short columns; --markdown has every one (how each is written, how ranks start).
     short = {"framework": "framework", "version": "version", "heads": "heads",
-             "precisions on a CPU": "CPU", "precisions on a GPU": "GPU",
+             "precisions on a CPU": "precisions CPU", "precisions on a GPU": "precisions GPU",
+             "modes on a CPU": "modes CPU", "modes on a GPU": "modes GPU",
              "backbones": "backbones", "channels-last": "channels-last",
              "real data (`--data`)": "--data", "trains to a target": "train",
              "several nodes": "nodes"}
-    tbl = Table(title="what each framework runs (anything else is refused before a run)")
+    tbl = Table(title="what each framework runs (anything else is refused before a run)",
+                caption="modes: bold is the one a single framework's run takes; --mode best "
+                        "picks among them by a probe")
     for col in short.values():
         tbl.add_column(col, overflow="fold")
     for r in rows():
-        tbl.add_row(*(r[c] for c in short))
+        # The Markdown table's bold, as the terminal shows it.
+        tbl.add_row(*(re.sub(r"\*\*(.+?)\*\*", r"[bold]\1[/bold]", r[c]) for c in short))
     console = Console()
     if not console.is_terminal:  # a log or a pipe: keep every column whole
-        console = Console(width=160)
+        console = Console(width=200)
     console.print(tbl)
     return EXIT_OK
 

@@ -3,9 +3,10 @@ test, whether each got faster, slower or stayed the same (``trainperf.significan
 
 A side is one folder as given: its ``results.json``, or every ``results.json`` below it (a
 sweep's or a framework comparison's folders). Cases pair on their recipe, layout (nodes, devices
-per node) and batch per device, and on the head, precision, framework and data: each of those is
-left out of the pairing where it is the comparison's subject, one value on each side and not the
-same on all (``--fc dp`` against ``--fc pfc``, torch against Paddle).
+per node) and batch per device, and on the head, precision, framework, data and execution mode:
+each of those is left out of the pairing where it is the comparison's subject, one value on each
+side and not the same on all (``--fc dp`` against ``--fc pfc``, torch against Paddle, eager
+against compile); so cases timed in two modes of one framework never pair otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from .. import results, significance
 from .markdown import device_text, fmt, framework_name, interval_text, table
 
 ALWAYS_MATCHED = ("recipe", "nodes", "devices_per_node", "batch_size_per_device")
-MATCHED_UNLESS_SUBJECT = ("framework", "data", "num_classes", "fc", "sample_ratio", "precision")
+MATCHED_UNLESS_SUBJECT = ("framework", "data", "num_classes", "fc", "sample_ratio", "precision",
+                         "mode")
 KEY_FIELDS = ALWAYS_MATCHED + MATCHED_UNLESS_SUBJECT
 ENV_FIELDS = ("framework_version", "trainperf_commit", "host", "python", "cuda_version",
               "cudnn_version", "nccl_version", "numpy_version", "collective_backend")
@@ -73,7 +75,7 @@ def case_fields(doc: dict, case: dict) -> dict:
             "num_classes": case.get("num_classes", w.get("num_classes")), "fc": fc,
             "sample_ratio": case.get("sample_ratio", w.get("sample_ratio")) if fc == "pfc"
             else None,
-            "precision": case["precision"]}
+            "precision": case["precision"], "mode": case.get("mode")}
 
 
 def subjects(sides: list[Side]) -> list[str]:
@@ -103,6 +105,8 @@ def case_label(key: tuple) -> str:
         parts.append(f"{f['num_classes']} classes")
     if f.get("precision"):
         parts.append(f["precision"])
+    if f.get("mode"):
+        parts.append(f"in {f['mode']}")
     parts.append(f"{f['nodes']}n{f['devices_per_node']}g b{f['batch_size_per_device']}")
     return " ".join(parts)
 
@@ -145,6 +149,7 @@ def side_description(side: Side) -> dict[str, str]:
     for doc, case in side.cases:
         for name in ("fc", "sample_ratio", "num_classes", "precision", "data"):
             put(name, case_fields(doc, case)[name])
+        put("mode ran", case.get("mode"))
     return {k: (next(iter(v)) if len(v) == 1 else "mixed") for k, v in values.items()}
 
 

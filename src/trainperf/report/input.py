@@ -86,10 +86,11 @@ def input_section(docs: list[dict]) -> str | None:
         twin = _twin(real, docs)
         data = real.get("data") or {}
         workers = data.get("loader_workers")
-        twins = {(c["world_size"], c["batch_size_per_device"]): c
+        # The overhead compares runs of one execution mode only.
+        twins = {(c["world_size"], c["batch_size_per_device"], c.get("mode")): c
                  for c in (twin or {}).get("cases", [])}
         for c in real["cases"]:
-            s = twins.get((c["world_size"], c["batch_size_per_device"]))
+            s = twins.get((c["world_size"], c["batch_size_per_device"], c.get("mode")))
             synth = s["median_samples_per_s"] if s else None
             spreads = [x.get("spread") for x in (c, s) if x and x.get("spread") is not None]
             v = verdict(c["median_samples_per_s"], synth, c.get("data_wait_share"), workers,

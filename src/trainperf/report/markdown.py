@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from .. import alignments, parities, significance
-from ..mode_choice import describe as describe_probe
+from ..mode_choice import describe as describe_probe, trouble_in_runs
 
 SPANS_ONE = "~"
 
@@ -119,10 +119,22 @@ def single_table(doc: dict) -> str:
 
 
 def mode_lines(doc: dict) -> list[str]:
-    """How each case's mode was chosen (``--mode best``), one line per case probed."""
+    """How the plan's mode was chosen (``--mode best``), and a line for each case whose timed
+    runs then failed or recompiled in it, naming the probe's runner-up. Documents written
+    before the probe was one per plan keep a line per case probed."""
     name = framework_name(doc)
-    return [f"- {c['case']} b{c['batch_size_per_device']}: {describe_probe(name, c['mode_probe'])}"
-            for c in doc["cases"] if c.get("mode_probe")]
+    probe = doc.get("mode_probe")
+    if probe is None:
+        return [f"- {c['case']} b{c['batch_size_per_device']}: "
+                f"{describe_probe(name, c['mode_probe'])}"
+                for c in doc["cases"] if c.get("mode_probe")]
+    shared = f" (the probe of `{probe['probed_in']}`)" if probe.get("probed_in") else ""
+    lines = [f"- {describe_probe(name, probe)}{shared}"]
+    for c in doc["cases"]:
+        trouble = trouble_in_runs(probe, c)
+        if trouble:
+            lines.append(f"- {trouble}")
+    return lines
 
 
 def failures(doc: dict) -> list[str]:
@@ -214,11 +226,12 @@ def settings_text(doc: dict) -> str:
             if key in ddp:
                 words.append(f"{name} {'on' if ddp[key] else 'off'}")
         parts.append("DDP " + ", ".join(words) if words else "DDP")
-    compile_s = [c["compile_s"] for c in cases if c.get("compile_s") is not None]
+    compile_s = [c["compile_s"] for c in doc["cases"] if c.get("compile_s")]
     if compile_s:
-        # Compilation falls in the warm-up, outside the measured window; said so it is seen.
-        parts.append(f"compilation (in the warm-up, not measured) {min(compile_s):.1f}-"
-                     f"{max(compile_s):.1f} s per case")
+        # Compilation falls before the measured window (in the warm-up, or before the loop);
+        # said so it is seen.
+        parts.append(f"compilation (before the window, not measured) {min(compile_s):.1f}-"
+                     f"{max(compile_s):.1f} s per run")
     onednn = {c.get("onednn_opts") for c in cases} - {None}
     if onednn:
         parts.append("TensorFlow's oneDNN CPU ops " + ("on" if onednn == {True} else "off"))
@@ -236,7 +249,7 @@ def comparison_table(docs: list[dict], labels: list[str]) -> str:
     labels = distinct_parts(labels)
     header = ["node_num", "gpu_num", "batch/device"]
     for label in labels:
-        header += [f"{label} samples/s", f"{label} speedup"]
+        header += [f"{label} mode", f"{label} samples/s", f"{label} speedup"]
     # Each later document against the first, as the seeds put one framework against another.
     header += [f"{label} / {labels[0]}" for label in labels[1:]]
     rows = []
@@ -245,12 +258,27 @@ def comparison_table(docs: list[dict], labels: list[str]) -> str:
         row = [str(key[0]), str(key[1]), str(key[2])]
         for cases in by_doc:
             c = cases.get(key)
-            row += [fmt(c["median_samples_per_s"]) if c else "-",
+            row += [(c.get("mode") or "-") if c else "-",
+                    fmt(c["median_samples_per_s"]) if c else "-",
                     fmt(c["speedup"]) if c else "-"]
         first = by_doc[0].get(key)
-        row += [ratio_cell(first, cases.get(key), with_ci) for cases in by_doc[1:]]
+        row += [ratio_cell(first, cases.get(key), with_ci)
+                if ratio_within_one_mode(docs[0], first, doc, cases.get(key)) else "-"
+                for doc, cases in zip(docs[1:], by_doc[1:])]
         rows.append(row)
     return table(header, rows)
+
+
+def ratio_within_one_mode(base_doc: dict, base: dict | None, doc: dict,
+                          case: dict | None) -> bool:
+    """Whether a ratio between two documents' cases may be shown: a framework's real-data
+    runs against its synthetic twin (the data's overhead) only where both ran in one mode.
+    Frameworks against each other, or one framework's modes against each other, are what a
+    comparison is for."""
+    if not base or not case or base_doc.get("framework") != doc.get("framework"):
+        return True
+    roles = {(d.get("data") or {}).get("role") for d in (base_doc, doc)}
+    return len(roles) == 1 or base.get("mode") == case.get("mode")
 
 
 def ratio_cell(base: dict | None, case: dict | None, with_ci: bool) -> str:
@@ -368,8 +396,10 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
         parts += [f"## {label}", "", describe(doc), "", single_table(doc), ""]
         chosen = mode_lines(doc)
         if chosen:
-            parts += ["Execution mode chosen by a short probe of each (`--mode best`; the probe "
-                      "is never one of the runs):", "", *chosen, ""]
+            parts += ["Execution mode chosen by a short probe of each mode on the first case "
+                      "(`--mode best`; every case is timed in it, and the probe is never one of "
+                      "the runs; start-up and compile seconds of runs after it are warm-cache "
+                      "figures):", "", *chosen, ""]
         fails = failures(doc)
         if fails:
             parts += ["Runs without a figure:", "", *fails, ""]
@@ -387,7 +417,8 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
               "loss diverged, `steps_skipped` fp16 skipped updates inside a run's window (such "
               "a run's speed is left out); `recompiled_in_window` the step compiled again "
               "inside the window (its time holds a compilation, so its speed is left out too). "
-              "Start-up: seconds from a process's start to the end of its first step; compile: "
-              "how much longer the first step took than a window step (tracing and "
-              "compilation, never measured)."]
+              "Speedups and efficiencies compare cases of one execution mode only. Start-up: "
+              "seconds from the run's launch to the end of its first step; compile: seconds "
+              "the framework spent compiling, timed where it compiles (0 in a mode that "
+              "compiles nothing), never inside the window."]
     return "\n".join(parts) + "\n"

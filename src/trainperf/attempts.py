@@ -1,0 +1,283 @@
+"""One run's launches: where its processes listen, the environment they start with, the
+launcher followed to its end, the run's outcome agreed with the other nodes, and a fresh start
+on new ports when another process took one of them before the run's own processes bound it
+(``MAX_ATTEMPTS`` in all). Imports no framework."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import outcome, protocol
+from .backends import ports
+from .backends.base import Backend, Cluster, LaunchRequest
+from .backends.spawn import PORTS_PER_RUN
+from .config import LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, Measure
+from .node_agreement import PEER_POLL_S, Nodes
+from .plan_model import Case
+from .procs import POLL_S, EventTail, kill_tree, log_tail
+from .progress import Progress
+from .protocol import LAUNCHED_AT_ENV, End, Eval, Event, ProtocolError, RunSpec, Step
+from .rendezvous import RendezvousError
+
+MAX_ATTEMPTS = 3
+"""Launches of one run at most: a run whose ports were taken by another process before its own
+processes bound them (``ports``) starts again on fresh ones, twice at most."""
+
+
+@dataclass
+class Watched:
+    """What one launch of a run left: its events, the warnings they raised, how it ended."""
+
+    seen: list[Event] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    timed_out: bool = False
+    stalled: bool = False
+    """Stopped for going ``Measure.stall_timeout_s`` without a step (``timed_out`` too)."""
+    peers_failed: dict[int, dict] = field(default_factory=dict)
+    """Several nodes: the other nodes whose part failed while this one ran."""
+    returncode: int | None = None
+
+
+@dataclass
+class Launched:
+    """A run's last launch and what came before it."""
+
+    here: outcome.Outcome
+    """How the run ended, agreed with the other nodes."""
+    seen: list[Event]
+    warnings: list[str]
+    returncode: int | None
+    retries: list[dict] = field(default_factory=list)
+    """Each attempt given up before the last: its number, reason, error and folder."""
+
+    def record(self, run: int, run_dir: Path) -> dict:
+        """The run's record (``results.run_record``) with what its launches add."""
+        from .results import run_record
+
+        record = run_record(run, self.seen, self.here.status, self.here.error, self.returncode)
+        warnings = list(self.warnings)
+        if self.here.status == "ok" and self.returncode not in (0, None):
+            warnings.append(f"processes exited with code {self.returncode} after the "
+                            f"measurement: {log_tail(run_dir / 'worker.log', 3)}")
+        if self.here.retry is not None:
+            warnings.append(f"gave up after {MAX_ATTEMPTS} attempts, each stopped by a taken "
+                            f"port ({self.here.retry})")
+        record["warnings"] += warnings
+        if self.retries:
+            record["retries"] = self.retries
+        return record
+
+
+def keep_attempt(run_dir: Path, attempt: int) -> str:
+    """Move what an attempt given up wrote (its events, every process's output, its ports)
+    into ``attempt-N/`` of the run's folder, out of the next attempt's way; the folder's name."""
+    keep = run_dir / f"attempt-{attempt}"
+    keep.mkdir(exist_ok=True)
+    for path in run_dir.iterdir():
+        if path.is_file() and path.name != "spec.json":
+            path.replace(keep / path.name)
+    return keep.name
+
+
+class RunLauncher:
+    """Launches the runs of one plan: each as the backend's launcher subprocess in the
+    framework's environment, its events copied into the folder's stream (``append``) as they
+    come, tagged with the run."""
+
+    def __init__(self, backend: Backend, python: str, nodes: Nodes, out: Path,
+                 append: Callable[[dict], None], progress: Progress) -> None:
+        self.backend, self.python, self.nodes, self.out = backend, python, nodes, out
+        self.append = append
+        self.progress = progress
+        self.pythonpath: str | None = None
+        """A backend in its own environment gets this trainperf, and nothing else of
+        trainperf's environment, through this folder."""
+
+    def launch(self, case: Case, run_dir: Path, spec: RunSpec, label: str,
+               tags: dict) -> Launched:
+        """The run, started again on fresh ports after a port was taken, ``MAX_ATTEMPTS`` in
+        all; failed, without a launch, where the nodes could not meet for it."""
+        retries: list[dict] = []
+        while True:
+            attempt = len(retries) + 1
+            try:
+                done = self._attempt(case, run_dir, spec, label, tags, attempt)
+            except RendezvousError as exc:
+                done = failed_to_meet(exc)
+            if done.here.retry is None or attempt == MAX_ATTEMPTS:
+                done.retries = retries
+                return done
+            given_up = {"attempt": attempt, "reason": done.here.retry,
+                        "error": outcome.one_line(done.here.error),
+                        "folder": str(run_dir.relative_to(self.out) / keep_attempt(run_dir,
+                                                                                attempt))}
+            retries.append(given_up)
+            self.append({"event": "run_retry", "t": time.time(), **tags, **given_up})
+
+    def _ports(self, case: Case, meeting: str) -> tuple[Cluster, ports.Reservation | None, str]:
+        """Where this attempt's processes listen: the ports the nodes published when they met
+        (held by the node group until the next meeting), or, on one node, ports reserved here
+        for the attempt. Returns the cluster, the reservation this method made (to release
+        after the attempt) and the address the ports are on."""
+        topo = case.topology
+        if topo.nnodes > 1:
+            cluster = self.nodes.meet(topo, meeting)
+            return cluster, None, self.nodes.group.local_addr
+        held = ports.reserve(PORTS_PER_RUN + topo.devices_per_node, ports.LOOPBACK)
+        return (Cluster(0, topo.devices_per_node, (ports.LOOPBACK,), (held.ports,)), held,
+                ports.LOOPBACK)
+
+    def _attempt(self, case: Case, run_dir: Path, spec: RunSpec, label: str, tags: dict,
+                 attempt: int) -> Launched:
+        """One launch of the run, watched to its end: its outcome, agreed with the other nodes
+        where there are some."""
+        measure = spec.measure
+        worker_events, log_path = run_dir / "events.jsonl", run_dir / "worker.log"
+        worker_events.unlink(missing_ok=True)
+        # What the nodes call this attempt when they meet: each attempt meets afresh.
+        meeting = run_dir.name if attempt == 1 else f"{run_dir.name}-attempt{attempt}"
+        cluster, held, addr = self._ports(case, meeting)
+        try:
+            cluster_path = run_dir / "cluster.json"
+            cluster_path.write_text(cluster.to_json(), encoding="utf-8")
+            launch = self.backend.launch(LaunchRequest(
+                self.python, case.topology, spec.tuning, run_dir / "spec.json",
+                worker_events, cluster, cluster_path, run_dir.resolve()))
+            env = self._env(case, spec, run_dir, launch.env)
+            if attempt > 1:
+                tags = {**tags, "attempt": attempt}
+            self.progress.run_started(label, measure.iters)
+            done = self._watch(launch.argv, env, worker_events, log_path, tags, measure,
+                               meeting)
+            # Every line is in the folder's stream now, tagged with its run: one copy is kept.
+            worker_events.unlink(missing_ok=True)
+            here = self._outcome(done, log_path, measure)
+            own = (held.ports if held else cluster.ports[cluster.node_rank])
+            here = outcome.with_port_retry(here, done.seen, lambda: ports.taken(own, addr))
+        finally:
+            if held is not None:
+                held.release()
+        if self.nodes.group is not None:
+            here = self.nodes.agree(meeting, here, done.peers_failed,
+                                    case.topology.rdzv_timeout_s)
+        return Launched(here, done.seen, done.warnings, done.returncode)
+
+    def _outcome(self, done: Watched, log_path: Path, measure: Measure) -> outcome.Outcome:
+        """How this node's part ended, from its events, exits and output."""
+        follower = self.nodes.is_follower
+        here = outcome.decide(done.seen, done.timed_out, has_rank0=not follower,
+                              memory_capped=measure.memory_limit_bytes is not None,
+                              stalled_s=measure.stall_timeout_s if done.stalled else None)
+        if follower and here.status == "failed" and here.error is None and done.returncode == 0:
+            # Rank 0 is on another node: a clean exit is all this node can report.
+            return outcome.Outcome("ok", None)
+        if here.status == "failed" and here.error is None and done.peers_failed:
+            return outcome.Outcome("failed", "its ranks were stopped when another node's part "
+                                             "failed")
+        if here.status == "failed" and here.error is None:
+            words = outcome.last_words(log_path)
+            return outcome.Outcome("failed", " | ".join(words) if words else
+                                   f"launcher exited with code {done.returncode}", bool(words))
+        return here
+
+    def _env(self, case: Case, spec: RunSpec, run_dir: Path,
+             launch_env: dict[str, str]) -> dict[str, str]:
+        """The environment every process of the run starts with."""
+        # Every process of the run inherits the tag, helpers such as a parameter server
+        # included, so what a run left behind can be found. The fault handler prints where
+        # Python was when a process dies of a signal, into that process's own output file.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",
+                   TRAINPERF_RUN_ID=str(run_dir.resolve()), **launch_env)
+        # Real data in a framework's own environment: its loader processes run this
+        # interpreter, which has the decoders (``data.feed``), and share this node's cores.
+        env.update({LOADER_PYTHON_ENV: sys.executable,
+                    LOCAL_WORLD_ENV: str(case.topology.devices_per_node)})
+        if spec.measure.threads:
+            env["OMP_NUM_THREADS"] = str(spec.threads)  # asked for: over the caller's own
+        else:
+            env.setdefault("OMP_NUM_THREADS", str(spec.threads))
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
+        if case.topology.nnodes > 1:
+            env.update(self.nodes.env(case.topology))
+        return env
+
+    def _watch(self, argv: list[str], env: dict[str, str], worker_events: Path,
+               log_path: Path, tags: dict, measure: Measure, meeting: str) -> Watched:
+        """Start the launcher and follow its events until it ends, its time is up, it has gone
+        ``stall_timeout_s`` without a step after its first, or another node's part of the run
+        has failed."""
+        tail = EventTail(worker_events)
+        done = Watched()
+        deadline = time.monotonic() + measure.timeout_s
+        # A profiled run reports its profiled steps together, after them: only the timeout.
+        stall = None if tags.get("profile") else measure.stall_timeout_s
+        next_look = time.monotonic() + PEER_POLL_S
+        with open(log_path, "wb") as log:
+            # Where every rank's start-up counts from (``End.startup_s``).
+            env = {**env, LAUNCHED_AT_ENV: repr(time.time())}
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                progressed, last_step = 0, None
+                while True:
+                    exited = proc.poll() is not None
+                    self._take(tail.read(), done, tags)
+                    if exited:
+                        break
+                    if len(done.seen) > progressed:
+                        new = done.seen[progressed:]
+                        progressed = len(done.seen)
+                        if any(isinstance(e, (Step, Eval)) for e in new):
+                            last_step = time.monotonic()
+                        if any(isinstance(e, End) for e in new):
+                            stall = None  # measured: what is left is leaving
+                    done.stalled = (stall is not None and last_step is not None
+                                    and time.monotonic() - last_step > stall)
+                    if time.monotonic() > deadline or done.stalled:
+                        done.timed_out = True
+                        kill_tree(proc)
+                        self._take(tail.read(), done, tags)
+                        break
+                    if self.nodes.group is not None and time.monotonic() > next_look:
+                        next_look = time.monotonic() + PEER_POLL_S
+                        done.peers_failed = self.nodes.failed_peers(meeting)
+                        if done.peers_failed:
+                            # This node's ranks would wait on the lost peer until a collective
+                            # gives up on it: the run has failed already.
+                            kill_tree(proc)
+                            self._take(tail.read(), done, tags)
+                            break
+                    time.sleep(POLL_S)
+            except BaseException:
+                kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
+                self._take(tail.read(), done, tags)
+                raise
+        done.returncode = proc.returncode
+        return done
+
+    def _take(self, new: list[dict], done: Watched, tags: dict) -> None:
+        steps = 0
+        for raw in new:
+            self.append({**raw, **tags})  # kept as written, even if malformed
+            try:
+                event = protocol.decode(raw)
+            except ProtocolError as exc:
+                done.warnings.append(f"worker broke the protocol ({exc}); the event was "
+                                     "ignored")
+                continue
+            done.seen.append(event)
+            if isinstance(event, Step):
+                steps += 1
+        if steps:
+            self.progress.steps_done(steps)
+
+
+def failed_to_meet(exc: RendezvousError) -> Launched:
+    """A run whose nodes could not meet: failed, nothing launched."""
+    return Launched(outcome.Outcome("failed", str(exc)), [], [], None)
