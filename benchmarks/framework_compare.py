@@ -10,6 +10,7 @@ own batch sizes.
     python benchmarks/framework_compare.py [--device cpu] [--runs 3] [--iters 12] [--warmup 4]
         [--frameworks torch,mxnet,paddle,jax,tf,oneflow] [--case tiny-arcface:dp:8] ...
         [--data PREFIX] [--breakdown [--fabric COMMBENCH.json]]
+    python benchmarks/framework_compare.py --readme-table FOLDER
 
 A case is RECIPE:FC:BATCH[:CLASSES]; FC and CLASSES may be lists (``mp,pfc``,
 ``1000,1000000``), which ``run`` sweeps, and the report then plots speed and memory against
@@ -53,6 +54,29 @@ def case_folder(recipe: str, fc: str, classes: list[str], real: bool) -> str:
     return "-".join(parts)
 
 
+def readme_table(folder: Path) -> str:
+    """The README's sample table from a case's record (``folder``: one folder per framework):
+    each framework's median samples/s per layout, with the execution mode it ran in."""
+    from trainperf.report.markdown import fmt, framework_name, table
+
+    docs = [results.load(p) for p in sorted(folder.glob("*/results.json"),
+                                            key=lambda p: FRAMEWORKS.split(",").index(
+                                                p.parent.name))]
+    keys = sorted({(c["nodes"], c["world_size"], c["batch_size_per_device"])
+                   for d in docs for c in d["cases"]}, key=lambda k: (k[2], k[1], k[0]))
+    rows = []
+    for key in keys:
+        row = [str(k) for k in key]
+        for d in docs:
+            c = next((c for c in d["cases"] if (c["nodes"], c["world_size"],
+                                                c["batch_size_per_device"]) == key), None)
+            row.append(f"{fmt(c['median_samples_per_s'])} ({c.get('mode') or '-'})" if c
+                       else "-")
+        rows.append(row)
+    return table(["node_num", "gpu_num", "batch/device", *(framework_name(d) for d in docs)],
+                 rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -70,7 +94,12 @@ def main() -> int:
                                          "against (with --breakdown)")
     parser.add_argument("--out", help="default benchmarks/results/framework_compare-<device> "
                                       "(breakdown-<device> with --breakdown)")
+    parser.add_argument("--readme-table", metavar="FOLDER",
+                        help="print the README's sample table from a case's record and stop")
     args = parser.parse_args()
+    if args.readme_table:
+        print(readme_table(Path(args.readme_table)))
+        return 0
     kind = "breakdown" if args.breakdown else "framework_compare"
     out = Path(args.out or Path(__file__).parent / "results" / f"{kind}-{args.device}")
     summary = {}

@@ -4,9 +4,9 @@ choice ``--mode best`` makes from its probe.
     python benchmarks/modes_cpu.py [--frameworks torch,oneflow,...] [--cases tiny,rn50,face]
         [--out benchmarks/results/modes-cpu]
 
-Each (framework, case) is one ``trainperf run --mode best --devices 1,2``: before each case's
-timed run, every mode the framework declares is probed in two rounds of opposite order
-(``trainperf.mode_choice``), and the timed run goes in the fastest. The cases are the tiny
+Each (framework, case) is one ``trainperf run --mode best --devices 1,2``: one probe of the modes
+both rank counts can run, on the 1-rank case, in two rounds of opposite order
+(``trainperf.mode_choice``), and both cases timed in its choice. The cases are the tiny
 recipe, ResNet50 v1b at 64x64 and the face step (PLSC's IResNet-50 ArcFace at 112x112, 1,000
 classes), small enough for 2 cores. Each framework's folders are kept under OUT/runs/, and
 OUT/modes.json and OUT/modes.md gather every probe, choice and timed figure; a framework run
@@ -40,30 +40,41 @@ timed run is the figure in the chosen one."""
 
 
 def measure_one(framework: str, case: str, out: Path) -> list[dict]:
-    """The framework's run of the case on 1 and 2 ranks under ``--mode best``; a row per rank
-    count: each mode's probe rates, the choice, the timed figure and the start-up."""
+    """The framework's plan of the case on 1 and 2 ranks under ``--mode best``: one probe (on
+    the 1-rank case, over the modes both cases can run) and both cases timed in its choice. A
+    row per rank count: the probe's rounds, the choice, the timed figure and the start-up and
+    compile seconds, with the machine's load before and after."""
     recipe, changes, batch = CASES[case]
     folder = out / "runs" / f"{framework}-{case}"
     plans = throughput_plans(recipe, changes, [batch], [1, 2], MEASURE, Tuning(),
                              Topology(device="cpu"), [framework], folder, modes=["best"])
+    load_before = os.getloadavg()
     try:
         docs = run_plans(plans, resume=(folder / "events.jsonl").exists())
     except ValueError as exc:
         return [{"framework": framework, "case": case, "refused": str(exc).splitlines()[0]}]
+    load_after = os.getloadavg()
+    probe = docs[0].get("mode_probe") or {}
     rows = []
     for c in docs[0]["cases"]:
-        probe = c.get("mode_probe") or {}
         runs = c["runs"]
         rows.append({
             "framework": framework, "case": case, "ranks": c["world_size"], "batch": batch,
-            "modes": probe.get("modes"), "probe_rates": probe.get("rates"),
-            "probe_medians": probe.get("medians"), "refused": probe.get("refused"),
-            "errors": probe.get("errors"), "chosen": probe.get("chosen"),
-            "why": probe.get("why"), "margin": probe.get("margin"),
+            "modes": probe.get("modes"), "probe_case": probe.get("case"),
+            "probe_rates": probe.get("rates"), "probe_medians": probe.get("medians"),
+            "probe_rounds": probe.get("rounds"), "probe_wall_s": probe.get("wall_s"),
+            "refused": probe.get("refused"), "unclean": probe.get("unclean"),
+            "chosen": probe.get("chosen"), "why": probe.get("why"),
+            "runner_up": probe.get("runner_up"), "margin": probe.get("margin"),
             "samples_per_s": c.get("median_samples_per_s"), "mode_ran": c.get("mode"),
+            "speedup": c.get("speedup"),
             "startup_s": c.get("startup_s"), "compile_s": c.get("compile_s"),
+            "compile_measure": next((r.get("compile_measure") for r in runs
+                                     if r.get("compile_measure")), None),
+            "first_step_excess_s": c.get("first_step_excess_s"),
             "status": [r["status"] for r in runs],
             "error": next((r["error"] for r in runs if r.get("error")), None),
+            "load_1min_before": load_before[0], "load_1min_after": load_after[0],
             "folder": str(folder.relative_to(out))})
     return rows
 
@@ -74,27 +85,34 @@ def _num(value: float | None, digits: int) -> str:
 
 def markdown(doc: dict) -> str:
     lines = [f"# Execution modes on {doc['machine']}", "",
-             f"Every mode each framework declares on this CPU, probed by `--mode best` (two "
-             f"rounds of opposite order, {doc['probe']} steps after its warm-up each), and the "
-             f"timed run in the chosen mode ({doc['measure']}). Samples/s; threads: the node's "
-             f"cores shared among the ranks.", "",
+             f"Every mode each framework declares on this CPU, probed by `--mode best`: one "
+             f"probe per plan, on its 1-rank case, over the modes both rank counts can run, two "
+             f"rounds of opposite order, each timing {doc['probe']} steps from one step after "
+             f"its compile count stopped moving; both rank counts are then timed in the chosen "
+             f"mode ({doc['measure']}). Samples/s; threads: the node's cores shared among the "
+             f"ranks. Load: the 1-minute load average before and after each plan.", "",
              "| framework | case | ranks | probe medians (samples/s) | chosen | why | "
-             "timed samples/s | start-up s | compile s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "timed samples/s | speedup | start-up s | compile s | first-step excess s | "
+             "load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         if "ranks" not in r:
             lines.append(f"| {r['framework']} | {r['case']} | - | - | - | {r['refused']} | - | "
-                         "- | - |")
+                         "- | - | - | - | - |")
             continue
         medians = ", ".join(f"{m} {v:.2f}" for m, v in (r["probe_medians"] or {}).items())
         extra = "; ".join(f"{m}: {why}" for m, why in {**(r["refused"] or {}),
-                                                        **(r["errors"] or {})}.items())
+                                                        **(r.get("unclean") or {})}.items())
         rate = _num(r["samples_per_s"], 2) if r["samples_per_s"] else (r["error"] or "-")
         why = f"{r['why']} ({extra})" if extra else r["why"]
+        if r["ranks"] > 1:
+            medians, why = "(the 1-rank probe's)", "as the 1-rank case"
         lines.append(f"| {r['framework']} | {r['case']} | {r['ranks']} | {medians or '-'} | "
-                     f"{r['chosen']} | {why} | {rate} | {_num(r['startup_s'], 1)} | "
-                     f"{_num(r['compile_s'], 2)} |")
-    lines += ["", "Every probe's rates and each run's folder: `modes.json`.", ""]
+                     f"{r['chosen']} | {why} | {rate} | {_num(r.get('speedup'), 2)} | "
+                     f"{_num(r['startup_s'], 1)} | {_num(r['compile_s'], 2)} | "
+                     f"{_num(r.get('first_step_excess_s'), 2)} | "
+                     f"{r.get('load_1min_before', 0):.1f}-{r.get('load_1min_after', 0):.1f} |")
+    lines += ["", "Every probe's rounds and each run's folder: `modes.json`.", ""]
     return "\n".join(lines)
 
 
