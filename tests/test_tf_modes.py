@@ -97,6 +97,19 @@ def events(out: Path, kind: str) -> list[dict]:
 
 
 
+def test_resnet_v1b_compiles_under_xla(tmp_path, tf_python):
+    """ResNet v1b's stem max pool, padded by 1 as torch's, compiles under XLA: XLA refuses a
+    pool's own explicit padding, on every device, so the padding is a pad of its own."""
+    workload = get_recipe("rn50-v1b-imagenet").workload.replace(
+        backbone="resnet_v1b_tiny", input_size=32, batch_size=2)
+    plan = Plan("rn50-v1b-imagenet", workload, Measure(runs=1, iters=3, warmup=1),
+                [Case(Topology(devices_per_node=1, device="cpu"), 2)], tmp_path,
+                Tuning(mode="xla"), framework="tf")
+    [run] = Runner(plan).run()["cases"][0]["runs"]
+    assert run["status"] == "ok" and run["mode"] == "xla", run["error"]
+    assert all(math.isfinite(v) for v in run["losses"]) and run["compile_s"] > 0
+
+
 def test_xla_starts_from_the_same_loss_as_function(mode_runs):
     first = {mode: mode_runs[mode][0]["cases"][0]["runs"][0]["loss_first"] for mode in MODES}
     assert first["xla"] == pytest.approx(first["function"], rel=FLOAT32_ROUNDING)

@@ -430,8 +430,11 @@ class ResNetV1b:
 
     def __call__(self, x: tf.Tensor, training: bool) -> tf.Tensor:
         x = tf.nn.relu(self.bn(self.conv(x), training))
-        # Explicit padding pads a max pool with -inf, as torch's MaxPool2d(3, 2, 1).
-        x = tf.nn.max_pool2d(x, 3, 2, _padding(1))
+        # torch's MaxPool2d(3, 2, 1) pads with -inf. Padded here with tf.pad rather than the
+        # pool's own explicit padding, which XLA does not compile ("XLA does not support
+        # pooling ops with explicit padding": --mode xla, on every device).
+        x = tf.nn.max_pool2d(tf.pad(x, _padding(1), constant_values=float("-inf")), 3, 2,
+                             "VALID")
         for block in self.body:
             x = block(x, training)
         return self.fc(tf.reduce_mean(x, axis=[1, 2]))
