@@ -191,7 +191,8 @@ def describe(framework: str, probe: dict[str, Any]) -> str:
     """One line for the report: ``paddle: dygraph, its default: no clear winner (...); probe
     41 s on 1n1g b8``."""
     where = f" on {probe['case']}" if probe.get("case") else ""
-    cost = f"; probe {probe['wall_s']:.0f} s{where}" if probe.get("wall_s") else ""
+    cost = (f"; probe {probe['wall_s']:.0f} s{where}"
+            if probe.get("rounds") and probe.get("wall_s") is not None else "")
     return f"{framework}: {probe['chosen']}, {probe['why']}{cost}"
 
 

@@ -109,7 +109,7 @@ def single_table(doc: dict) -> str:
             fmt(c["median_samples_per_s"] / c["world_size"]) if c["median_samples_per_s"] else "-",
             pct(c.get("mfu")), gib(c.get("peak_memory_bytes")),
             pct(c.get("memory_model_error")), c.get("mode") or "-",
-            fmt(c.get("startup_s"), 1), fmt(c.get("compile_s"), 1), status,
+            fmt(c.get("startup_s"), 1), fmt(c.get("compile_s"), 2), status,
             ", ".join(c["flags"]) or "-",
         ])
     return table(["node_num", "gpu_num", "batch/device", "samples/s (median)", "average",
@@ -230,8 +230,11 @@ def settings_text(doc: dict) -> str:
     if compile_s:
         # Compilation falls before the measured window (in the warm-up, or before the loop);
         # said so it is seen.
-        parts.append(f"compilation (before the window, not measured) {min(compile_s):.1f}-"
-                     f"{max(compile_s):.1f} s per run")
+        low, high = min(compile_s), max(compile_s)
+        digits = 1 if low >= 1 else 2
+        span = f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else (
+            f"{low:.{digits}f}-{high:.{digits}f}")
+        parts.append(f"compilation (before the window, not measured) {span} s per run")
     onednn = {c.get("onednn_opts") for c in cases} - {None}
     if onednn:
         parts.append("TensorFlow's oneDNN CPU ops " + ("on" if onednn == {True} else "off"))
@@ -396,10 +399,10 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
         parts += [f"## {label}", "", describe(doc), "", single_table(doc), ""]
         chosen = mode_lines(doc)
         if chosen:
-            parts += ["Execution mode chosen by a short probe of each mode on the first case "
-                      "(`--mode best`; every case is timed in it, and the probe is never one of "
-                      "the runs; start-up and compile seconds of runs after it are warm-cache "
-                      "figures):", "", *chosen, ""]
+            parts += ["Execution mode (`--mode best`: a short probe, on the first case, of each "
+                      "mode every case can run; every case is timed in the mode chosen, the "
+                      "probe is never one of the runs, and the start-up and compile seconds of "
+                      "runs after it are warm-cache figures):", "", *chosen, ""]
         fails = failures(doc)
         if fails:
             parts += ["Runs without a figure:", "", *fails, ""]
