@@ -1,16 +1,17 @@
 """Every framework in every execution mode it declares on this CPU, on 1 and 2 ranks, and the
 choice ``--mode best`` makes from its probe.
 
-    python benchmarks/modes_cpu.py [--frameworks torch,oneflow,...] [--cases tiny,rn50,face]
+    python benchmarks/modes_cpu.py [--frameworks torch,oneflow,...]
+        [--cases tiny,tiny-pfc,rn50,face,r100]
         [--out benchmarks/results/modes-cpu]
 
 Each (framework, case) is one ``trainperf run --mode best --devices 1,2``: one probe of the modes
 both rank counts can run, on the 1-rank case, in two rounds of opposite order
-(``trainperf.mode_choice``), and both cases timed in its choice. The cases are the tiny
-recipe, ResNet50 v1b at 64x64 and the face step (PLSC's IResNet-50 ArcFace at 112x112, 1,000
-classes), small enough for 2 cores. Each framework's folders are kept under OUT/runs/, and
+(``trainperf.mode_choice``), and both cases timed in its choice. The cases (``CASES``) are
+small enough for 2 cores. Each framework's folders are kept under OUT/runs/, and
 OUT/modes.json and OUT/modes.md gather every probe, choice and timed figure; a framework run
-again replaces its own rows only, so the record can be made one framework at a time.
+again is measured afresh and replaces its own rows only, so the record can be made one
+framework at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,10 +32,14 @@ from trainperf.plans import run_plans, throughput_plans
 HERE = Path(__file__).resolve().parent
 CASES = {
     "tiny": ("tiny-arcface", {}, 8),
+    "tiny-pfc": ("tiny-arcface", {"fc": "pfc", "sample_ratio": 0.1}, 8),
     "rn50": ("rn50-v1b-imagenet", {"input_size": 64}, 4),
     "face": ("r50-arcface-plsc", {"num_classes": 1000}, 2),
+    "r100": ("r100-arcface-emore", {"num_classes": 1000}, 2),
 }
-"""Name -> (recipe, workload changes, batch per rank)."""
+"""Name -> (recipe, workload changes, batch per rank): the tiny recipe (its dp head, and Partial
+FC at 0.1), ResNet50 v1b at 64x64, and the face step at 112x112 with 1,000 classes, in PLSC's
+IResNet-50 and in IResNet-100."""
 MEASURE = Measure(runs=1, iters=10, warmup=3, timeout_s=900)
 """One timed run per case: each mode's two probe rounds are the comparison between modes; the
 timed run is the figure in the chosen one."""
@@ -41,12 +47,26 @@ timed run is the figure in the chosen one."""
 
 def measure_one(framework: str, case: str, out: Path) -> list[dict]:
     """The framework's plan of the case on 1 and 2 ranks under ``--mode best``: one probe (on
-    the 1-rank case, over the modes both cases can run) and both cases timed in its choice. A
-    row per rank count: the probe's rounds, the choice, the timed figure and the start-up and
-    compile seconds, with the machine's load before and after."""
+    the 1-rank case, over the modes both cases can run) and both cases timed in its choice.
+    Where the plan left out a mode that the 1-rank case can run (one refused on 2 ranks), a
+    plan of the 1-rank case alone follows, so that every mode the framework runs on a CPU is
+    probed once. A row per case of each plan: the probe's rounds, the choice, the timed figure and the start-up and compile
+    seconds, with the machine's load before and after."""
+    rows = plan_rows(framework, case, out, [1, 2])
+    if any(not why.startswith(f"{r['probe_case']}:")
+           for r in rows if isinstance(r.get("refused"), dict) for why in r["refused"].values()):
+        rows += plan_rows(framework, case, out, [1])
+    return rows
+
+
+def plan_rows(framework: str, case: str, out: Path, ranks: list[int]) -> list[dict]:
     recipe, changes, batch = CASES[case]
-    folder = out / "runs" / f"{framework}-{case}"
-    plans = throughput_plans(recipe, changes, [batch], [1, 2], MEASURE, Tuning(),
+    suffix = "" if ranks == [1, 2] else "-" + "-".join(map(str, ranks)) + "rank"
+    folder = out / "runs" / f"{framework}-{case}{suffix}"
+    # Measured afresh: the runner would resume a finished plan, and its rows would then carry
+    # today's load beside another day's figures.
+    shutil.rmtree(folder, ignore_errors=True)
+    plans = throughput_plans(recipe, changes, [batch], ranks, MEASURE, Tuning(),
                              Topology(device="cpu"), [framework], folder, modes=["best"])
     load_before = os.getloadavg()
     try:
@@ -59,7 +79,8 @@ def measure_one(framework: str, case: str, out: Path) -> list[dict]:
     for c in docs[0]["cases"]:
         runs = c["runs"]
         rows.append({
-            "framework": framework, "case": case, "ranks": c["world_size"], "batch": batch,
+            "framework": framework, "case": case, "plan_ranks": ranks,
+            "ranks": c["world_size"], "batch": batch,
             "modes": probe.get("modes"), "probe_case": probe.get("case"),
             "probe_rates": probe.get("rates"), "probe_medians": probe.get("medians"),
             "probe_rounds": probe.get("rounds"), "probe_wall_s": probe.get("wall_s"),
@@ -76,6 +97,8 @@ def measure_one(framework: str, case: str, out: Path) -> list[dict]:
             "error": next((r["error"] for r in runs if r.get("error")), None),
             "load_1min_before": load_before[0], "load_1min_after": load_after[0],
             "folder": str(folder.relative_to(out))})
+    for runs in folder.rglob("runs"):  # per-run specs and logs stay out of the record
+        shutil.rmtree(runs, ignore_errors=True)
     return rows
 
 
@@ -89,25 +112,29 @@ def markdown(doc: dict) -> str:
              f"probe per plan, on its 1-rank case, over the modes both rank counts can run, two "
              f"rounds of opposite order, each timing {doc['probe']} steps from one step after "
              f"its compile count stopped moving; both rank counts are then timed in the chosen "
-             f"mode ({doc['measure']}). Samples/s; threads: the node's cores shared among the "
-             f"ranks. Load: the 1-minute load average before and after each plan.", "",
-             "| framework | case | ranks | probe medians (samples/s) | chosen | why | "
-             "timed samples/s | speedup | start-up s | compile s | first-step excess s | "
+             f"mode ({doc['measure']}). Where a mode could not run on 2 ranks, a plan of the "
+             f"1-rank case alone follows (plan's ranks 1) and probes it. Samples/s; threads: the "
+             f"node's cores shared among the ranks. Load: the 1-minute load average before and "
+             f"after each plan (on 2 cores the runs' own processes hold it near 2).", "",
+             "| framework | case | plan's ranks | ranks | probe medians (samples/s) | chosen | "
+             "why | timed samples/s | speedup | start-up s | compile s | first-step excess s | "
              "load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         if "ranks" not in r:
-            lines.append(f"| {r['framework']} | {r['case']} | - | - | - | {r['refused']} | - | "
-                         "- | - | - | - | - |")
+            lines.append(f"| {r['framework']} | {r['case']} | - | - | - | - | {r['refused']} | "
+                         "- | - | - | - | - | - |")
             continue
         medians = ", ".join(f"{m} {v:.2f}" for m, v in (r["probe_medians"] or {}).items())
-        extra = "; ".join(f"{m}: {why}" for m, why in {**(r["refused"] or {}),
-                                                        **(r.get("unclean") or {})}.items())
+        # The refused modes are in the probe's own words already; what failed a round is not.
+        extra = "; ".join(f"{m}: {why}" for m, why in (r.get("unclean") or {}).items())
         rate = _num(r["samples_per_s"], 2) if r["samples_per_s"] else (r["error"] or "-")
         why = f"{r['why']} ({extra})" if extra else r["why"]
         if r["ranks"] > 1:
             medians, why = "(the 1-rank probe's)", "as the 1-rank case"
-        lines.append(f"| {r['framework']} | {r['case']} | {r['ranks']} | {medians or '-'} | "
+        plan = ",".join(map(str, r.get("plan_ranks") or [1, 2]))
+        lines.append(f"| {r['framework']} | {r['case']} | {plan} | {r['ranks']} | "
+                     f"{medians or '-'} | "
                      f"{r['chosen']} | {why} | {rate} | {_num(r.get('speedup'), 2)} | "
                      f"{_num(r['startup_s'], 1)} | {_num(r['compile_s'], 2)} | "
                      f"{_num(r.get('first_step_excess_s'), 2)} | "
