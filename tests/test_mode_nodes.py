@@ -74,5 +74,6 @@ def test_every_node_runs_node_zeros_choice(tmp_path):
         assert spec["tuning"]["mode"] == "compile", n
     run = docs[0]["cases"][0]["runs"][0]
     assert run["status"] == "ok" and run["mode"] == "compile", run["error"]
-    assert docs[1]["cases"][0]["runs"][0]["status"] == "ok"
+    follower = docs[1]["cases"][0]["runs"][0]
+    assert follower["status"] == "ok" and follower["mode"] == "compile"
     assert left_behind(tmp_path) == []

@@ -292,5 +292,10 @@ class Runner:
         self._append_event({"event": "run_start", "t": time.time(), **tags})
         launched = self.launcher.launch(case, run_dir, spec, label, tags)
         record = launched.record(kind.run, run_dir)
+        if record.get("mode") is None and launched.here.status == "ok":
+            # A follower node reads no start event (rank 0 writes it): the mode it ran is its
+            # spec's, so that its record says it too.
+            record["mode"] = get_backend(self.plan.framework).resolve_mode(
+                mode, device_kind(case.topology.device))
         self.progress.run_finished(label, record)
         return record, launched.seen
