@@ -86,7 +86,7 @@ browser: install
 TEST_WORKERS ?= 2
 
 test: envs slurm browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The documentation site, in strict mode as the suite builds it: into build/site/.
 docs: install
