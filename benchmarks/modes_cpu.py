@@ -50,8 +50,8 @@ def measure_one(framework: str, case: str, out: Path) -> list[dict]:
     the 1-rank case, over the modes both cases can run) and both cases timed in its choice.
     Where the plan left out a mode that the 1-rank case can run (one refused on 2 ranks), a
     plan of the 1-rank case alone follows, so that every mode the framework runs on a CPU is
-    probed once. A row per case of each plan: the probe's rounds, the choice, the timed figure and the start-up and compile
-    seconds, with the machine's load before and after."""
+    probed once. A row per case of each plan: the probe's rounds, the choice, the timed
+    figure and the start-up and compile seconds, with the machine's load before and after."""
     rows = plan_rows(framework, case, out, [1, 2])
     if any(not why.startswith(f"{r['probe_case']}:")
            for r in rows if isinstance(r.get("refused"), dict) for why in r["refused"].values()):

@@ -230,10 +230,9 @@ def settings_text(doc: dict) -> str:
     if compile_s:
         # Compilation falls before the measured window (in the warm-up, or before the loop);
         # said so it is seen.
-        low, high = min(compile_s), max(compile_s)
-        digits = 1 if low >= 1 else 2
-        span = f"{low:.{digits}f}" if f"{low:.{digits}f}" == f"{high:.{digits}f}" else (
-            f"{low:.{digits}f}-{high:.{digits}f}")
+        digits = 1 if min(compile_s) >= 1 else 2
+        low, high = (f"{v:.{digits}f}" for v in (min(compile_s), max(compile_s)))
+        span = low if low == high else f"{low}-{high}"
         parts.append(f"compilation (before the window, not measured) {span} s per run")
     onednn = {c.get("onednn_opts") for c in cases} - {None}
     if onednn:
