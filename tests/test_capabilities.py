@@ -12,7 +12,7 @@ import pytest
 from trainperf.backends import BACKENDS, catalog
 from trainperf.backends.capabilities import markdown_table
 from trainperf.cli import main
-from trainperf.config import Topology, Tuning
+from trainperf.config import TUNING_SETTINGS, Topology, Tuning
 from trainperf.recipes import get_recipe
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -118,3 +118,42 @@ def test_the_readme_table_is_the_declaration():
     assert table == markdown_table(), ("the README's framework table differs from the "
                                        "declarations: paste `trainperf list --frameworks "
                                        "--markdown` between its markers")
+
+
+def test_a_setting_without_a_switch_of_its_own_is_refused_in_one_line(tmp_path, capsys,
+                                                                      monkeypatch):
+    torch = BACKENDS["torch"]
+    monkeypatch.setitem(BACKENDS, "torch", replace(torch, capabilities=replace(
+        torch.capabilities, tuning={"cudnn_benchmark": "torch.backends.cudnn.benchmark"})))
+    out = tmp_path / "out"
+    code = main(["run", "tiny-arcface", "--device", "cpu", "--runs", "1", "--out", str(out),
+                 "--ddp-bucket-mb", "16", "--no-ddp-static-graph"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and not out.exists()
+    assert ("the torch backend has no switch that honours --ddp-bucket-mb 16.0, "
+            "--no-ddp-static-graph (it honours: cudnn_benchmark;") in err
+
+
+def test_what_is_refused_is_the_backends_own_to_refuse():
+    """Another framework's setting is not torch's to refuse, nor a GPU setting on a CPU; a
+    setting left at its default is never refused."""
+    bare = replace(BACKENDS["torch"], capabilities=replace(BACKENDS["torch"].capabilities,
+                                                           tuning={}))
+    assert bare.tuning_refusal(Tuning(), "cuda") is None
+    assert bare.tuning_refusal(Tuning(mxnet_kvstore="device", tf_onednn=True), "cuda") is None
+    assert bare.tuning_refusal(Tuning(cudnn_benchmark=False, tf32="off"), "cpu") is None
+    assert "--no-cudnn-benchmark, --tf32 off" in bare.tuning_refusal(
+        Tuning(cudnn_benchmark=False, tf32="off"), "cuda")
+    mxnet = replace(BACKENDS["mxnet"], capabilities=replace(BACKENDS["mxnet"].capabilities,
+                                                            tuning={}))
+    assert "--mxnet-kvstore device" in mxnet.tuning_refusal(Tuning(mxnet_kvstore="device"),
+                                                             "cpu")
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_framework_declares_how_it_honours_tf32(name):
+    """One rule for fp32 on a GPU (``Tuning.tf32``) reaches all six, each by its own switch;
+    a declared setting names that switch."""
+    tuning = BACKENDS[name].capabilities.tuning
+    assert set(tuning) <= set(TUNING_SETTINGS)
+    assert "tf32" in tuning and all(tuning.values())

@@ -4,6 +4,7 @@ nodes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -16,6 +17,7 @@ import pytest
 from run_util import ports_taken_first, reserved_ports
 from trainperf import results
 from trainperf.cli import main
+from trainperf.config import TUNING_SETTINGS, Tuning
 
 pytestmark = pytest.mark.slow
 # No --timeout: a healthy run must never race a wall-clock limit that a busy machine can pass.
@@ -45,10 +47,8 @@ def test_results_follow_the_schema(e2e):
     assert [c["case"] for c in doc["cases"]] == ["1n1g", "1n2g"]
     assert doc["measure"] == {"runs": 2, "iters": 30, "warmup": 10, "timeout_s": 1800.0,
                               "memory_limit_bytes": None, "threads": None}
-    assert doc["tuning"] == {"cudnn_benchmark": True, "ddp_bucket_mb": 25.0,
-                             "ddp_static_graph": True, "ddp_broadcast_buffers": False,
-                             "mxnet_kvstore": "dist_sync", "tf_onednn": False,
-                             "mode": "default", "memory_format": "auto", "tf32": "default"}
+    assert doc["tuning"] == {**dataclasses.asdict(Tuning()), "mode": "default"}
+    assert Tuning().tf32 == "on"
     assert doc["framework"] == "torch"
     assert doc["model"] == "iresnet_tiny"  # no DLPerf key for the tiny recipe
     env = doc["env"]
@@ -57,6 +57,17 @@ def test_results_follow_the_schema(e2e):
         assert key in env
     one, two = doc["cases"]
     assert one["settings"]["ddp"] is None and one["settings"]["cudnn_benchmark"] is None
+    # What each run applied, by name: on a CPU neither cuDNN nor TF32 exists, and one rank
+    # has no DDP; another framework's settings are never torch's.
+    nothing = dict.fromkeys(TUNING_SETTINGS)
+    assert one["settings"]["tuning"] == nothing
+    assert two["settings"]["tuning"] == {**nothing, "ddp_bucket_mb": 25.0,
+                                         "ddp_static_graph": True,
+                                         "ddp_broadcast_buffers": False}
+    for c in doc["cases"]:
+        assert c["memory_kind"] == "resident_set_peak" and c["tf32_matmul"] is None
+        assert all(r["memory_kind"] == "resident_set_peak" and r["device_used_bytes"] is None
+                   for r in c["runs"])
     assert two["settings"]["ddp"] == {"bucket_cap_mb": 25.0, "static_graph": True,
                                       "broadcast_buffers": False,
                                       "gradient_as_bucket_view": True}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainperf.backends.capabilities import markdown_table
+from trainperf.backends.capabilities import markdown_table, tuning_table
 from trainperf.cli import reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,3 +123,11 @@ def test_the_readme_sample_table_is_its_record():
     assert block == compare.readme_table(record), (
         "run python benchmarks/framework_compare.py --readme-table "
         f"{record.relative_to(REPO)} and paste it into the README")
+
+
+def test_the_frameworks_page_speed_settings_are_the_declaration():
+    text = (DOCS / "frameworks.md").read_text(encoding="utf-8")
+    table = text.split("<!-- tuning: generated from Capabilities.tuning -->", 1)[1].split(
+        "<!-- /tuning -->", 1)[0].strip()
+    assert table == tuning_table(), ("docs/frameworks.md's speed settings differ from the "
+                                     "declarations (capabilities.tuning_table())")

@@ -159,15 +159,18 @@ def test_a_gpu_run_keeps_its_windows_own_peak(monkeypatch):
         counters.update(allocated=0, reserved=0)
 
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    # Device-wide: every process's memory and the allocator's cache, apart from the peak.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (100 * GIB, 141 * GIB))
+    used = {"device_used_bytes": 41 * GIB}
     cuda = torch.device("cuda", 0)
     before = runtime.start_window_peak(cuda)
     assert before == (12 * GIB, 14 * GIB) and counters["allocated"] == 0
     counters.update(allocated=8 * GIB, reserved=9 * GIB)  # the steady state holds less
     assert runtime.peak_memory(cuda, before) == {
         "peak_memory_bytes": 12 * GIB, "peak_reserved_bytes": 14 * GIB,
-        "window_peak_memory_bytes": 8 * GIB}
+        "window_peak_memory_bytes": 8 * GIB, **used}
     assert runtime.peak_memory(cuda) == {"peak_memory_bytes": 8 * GIB,
-                                         "peak_reserved_bytes": 9 * GIB}
+                                         "peak_reserved_bytes": 9 * GIB, **used}
     cpu = torch.device("cpu")
     assert runtime.start_window_peak(cpu) is None
     assert set(runtime.peak_memory(cpu, None)) == {"peak_memory_bytes"}

@@ -16,8 +16,10 @@ import pytest
 
 from trainperf.backends.base import Backend, Capabilities, Launch
 from trainperf import results
-from trainperf.backends.workerkit import FrameworkRun, process_start_time, worker_entry
-from trainperf.config import Measure
+from trainperf.backends.workerkit import (FrameworkRun, device_used_bytes, environment,
+                                         memory_fields, process_start_time, tf32_wanted,
+                                         worker_entry)
+from trainperf.config import TUNING_SETTINGS, Measure, Tuning
 from trainperf.protocol import LAUNCHED_AT_ENV, RunSpec, decode
 from trainperf.recipes import get_recipe
 
@@ -242,3 +244,63 @@ def test_an_unreadable_spec_is_an_error_event(tmp_path):
                         PlainRun)
     (event,) = [decode(json.loads(line)) for line in events_path.read_text().splitlines()]
     assert code == 1 and event.KIND == "error" and "JSONDecodeError" in event.message
+
+
+TUNED = Backend(name="plain", framework="plain", launch=lambda req: Launch([]),
+                capabilities=Capabilities(heads=("dp",), precisions={"cpu": ("fp32",)},
+                                          families=("iresnet",), modes={"cpu": ("eager",)},
+                                          tuning={"ddp_bucket_mb": "its own bucket size"}))
+
+
+class TunedRun(PlainRun):
+    backend = TUNED
+    applies: dict = {"ddp_bucket_mb": 8.0}
+
+    def applied_tuning(self) -> dict:
+        return dict(self.applies)
+
+
+def test_the_start_records_each_setting_as_applied_and_none_for_the_rest(tmp_path):
+    code, events = run_worker(tmp_path, TunedRun)
+    assert code == 0
+    tuning = events[0].settings["tuning"]
+    assert tuning == {**dict.fromkeys(TUNING_SETTINGS), "ddp_bucket_mb": 8.0}
+
+
+def test_a_worker_that_applies_an_undeclared_setting_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(TunedRun, "applies", {"cudnn_benchmark": True})
+    code, events = run_worker(tmp_path, TunedRun)
+    assert code != 0 and "does not declare" in events[-1].message
+
+
+def test_memory_rows_carry_device_used_memory_apart_from_the_peak():
+    rows = [(100, 150, 900), (120, 160, 950)]
+    assert memory_fields(rows, with_reserved=True, with_device_used=True) == {
+        "peak_memory_bytes": 120, "peak_memory_bytes_per_rank": [100, 120],
+        "peak_reserved_bytes": 160, "device_used_bytes": 950}
+    # A rank that could not read the driver: no figure rather than the others' largest.
+    assert memory_fields([(1, 900), (2, -1)], False, True)["device_used_bytes"] is None
+
+
+def test_the_environment_names_its_memory_kind_and_tf32_only_on_a_gpu(monkeypatch):
+    monkeypatch.setattr("trainperf.backends.workerkit.gpu_names", lambda: ["NVIDIA H200"])
+    gpu = environment("plain", "1", True, "its allocator's peak", memory_kind="allocator_peak",
+                      tf32_cudnn=True, tf32_matmul=False, tf32_switch="plain.tf32")
+    assert (gpu["memory_kind"], gpu["tf32_cudnn"], gpu["tf32_matmul"],
+            gpu["tf32_switch"]) == ("allocator_peak", True, False, "plain.tf32")
+    cpu = environment("plain", "1", False, "its allocator's peak", memory_kind="allocator_peak",
+                      tf32_cudnn=True, tf32_matmul=True, tf32_switch="plain.tf32")
+    assert (cpu["memory_kind"], cpu["tf32_cudnn"], cpu["tf32_switch"]) == (
+        "resident_set_peak", None, None)
+    with pytest.raises(ValueError, match="memory_kind"):
+        environment("plain", "1", True, "?", memory_kind="nvidia-smi")
+    assert tf32_wanted(Tuning(), True) is True and tf32_wanted(Tuning(tf32="off"), True) is False
+    assert tf32_wanted(Tuning(), False) is None
+
+
+def test_device_used_memory_without_a_cuda_driver_is_none():
+    """This machine has no libcuda: the driver's figure is absent, not 0."""
+    import ctypes.util
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver is installed here; the figure would be real")
+    assert device_used_bytes(0) is None

@@ -18,8 +18,26 @@ LOSSES = ("arcface", "cosface", "softmax", "combined")
 TASKS = ("face", "classification")
 PFC_UPDATES = ("sparse", "dense")
 DEVICE_KINDS = ("auto", "cuda", "cpu")
-MXNET_KVSTORES = ("dist_sync", "device")
-TF32_MODES = ("default", "off", "on")
+MXNET_KVSTORES = ("horovod", "dist_sync", "device")
+TF32_MODES = ("on", "off")
+TUNING_SETTINGS = ("cudnn_benchmark", "ddp_bucket_mb", "ddp_static_graph", "ddp_broadcast_buffers",
+                   "mxnet_kvstore", "tf_onednn", "tf32")
+"""The ``Tuning`` fields a framework honours by a switch of its own or refuses
+(``Capabilities.tuning``); the layout and the mode are resolved on their own terms."""
+SETTING_OWNER = {"mxnet_kvstore": "mxnet", "tf_onednn": "tf"}
+"""Settings that name the one framework they are for: the others neither honour nor refuse
+them, so that one flag can tune one framework of a comparison."""
+GPU_SETTINGS = ("cudnn_benchmark", "tf32")
+"""Settings that change nothing on a CPU (no cuDNN, no TF32): a CPU run neither applies nor
+refuses them."""
+
+
+def tuning_flag(name: str, value: object) -> str:
+    """A ``TUNING_SETTINGS`` value as the command line spells it (``--no-cudnn-benchmark``)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):  # the command line turns on what is off, and the reverse
+        return flag if value else flag.replace("--", "--no-", 1)
+    return f"{flag} {value}"
 MEMORY_FORMATS = ("auto", "channels_last", "channels_first")
 MODE_DEFAULT = "default"
 """``--mode default``: the first mode the framework declares for the device (its fixed default)."""
@@ -175,10 +193,13 @@ class Tuning:
     Off, as in arcface_torch: training-mode BatchNorm uses batch statistics, so the running ones
     change no step; they only stay per rank, as without SyncBN."""
 
-    mxnet_kvstore: str = "dist_sync"
-    """MXNet with several devices on a node: ``dist_sync``, one process per rank with a
-    parameter server (as torch runs one process per rank), or ``device``, one process driving
-    every device (as insightface's MXNet ArcFace and gluon-cv ran). The same arithmetic."""
+    mxnet_kvstore: str = "horovod"
+    """How MXNet's ranks talk: ``horovod``, one process per rank whose collectives are
+    Horovod's (NCCL on GPUs, gloo on a CPU; as the seeds' MXNet ran), ``dist_sync``, one
+    process per rank with MXNet's own parameter server (every gradient goes through a CPU
+    server process on each node: on many GPUs that measures the server), or ``device``, one
+    process driving every device of one node (as insightface's MXNet ArcFace and gluon-cv
+    ran). The same arithmetic."""
 
     tf_onednn: bool = False
     """TensorFlow's oneDNN custom CPU ops (``TF_ENABLE_ONEDNN_OPTS``), off unless asked for.
@@ -199,11 +220,14 @@ class Tuning:
     ``Capabilities.layouts``), ``channels_last`` or ``channels_first``. What ran is the
     workload's ``channels_last``, resolved per framework when the plans are made."""
 
-    tf32: str = "default"
-    """GPU fp32 work on Ampere and later: ``default`` keeps torch's choice (cuDNN convolutions
-    in TF32, matrix products in full fp32), ``off`` runs both in full fp32 (what a comparison
-    with a CPU run needs), ``on`` runs both in TF32. It changes rounding, not the arithmetic
-    asked for; MFU counts each engine at the peak of the format it ran in."""
+    tf32: str = "on"
+    """GPU fp32 work on Ampere and later, one rule for every framework: ``on`` runs fp32
+    convolutions and matrix products in TF32 wherever the device has TF32 units (what
+    TensorFlow, JAX, Paddle, MXNet's cuDNN and OneFlow do by default, and what torch does once
+    both its flags are set), ``off`` runs both in full fp32 (what a comparison with a CPU run
+    needs). Each framework sets it with its own switch and records what ran
+    (``tf32_cudnn``, ``tf32_matmul``, ``tf32_switch``); MFU counts each engine at the peak of
+    the format it ran in."""
 
     def __post_init__(self) -> None:
         if self.tf32 not in TF32_MODES:

@@ -4,11 +4,11 @@ model-FLOPs utilisation, MFU).
 Only devices listed here get an MFU; an unknown device gets none rather than a guess. Figures are
 the vendors' dense (no sparsity) tensor-core peaks of the SXM parts unless named otherwise.
 
-In an fp32 run on Ampere and later, cuDNN runs convolutions in TF32 by default
-(``torch.backends.cudnn.allow_tf32``) while cuBLAS runs matrix products in full fp32 unless
-``torch.backends.cuda.matmul.allow_tf32`` is set: the backbone's convolutions and the class
-matrix's products run at peaks 7x apart. MFU therefore divides by the peak the whole step would
-reach if each engine ran its own FLOPs at its own peak: total FLOPs / sum(FLOPs_op / peak_op).
+In an fp32 run on Ampere and later, convolutions and matrix products each run in TF32 or in full
+fp32 (``Tuning.tf32``; every worker records ``tf32_cudnn`` and ``tf32_matmul``), at peaks 7x
+apart. MFU therefore divides by the peak the whole step would reach if each engine ran its own
+FLOPs at its own peak: total FLOPs / sum(FLOPs_op / peak_op). An fp32 run on a device with TF32
+units that did not record its flags gets no MFU.
 """
 
 from __future__ import annotations
@@ -87,8 +87,13 @@ def effective_peak(peaks: dict[str, float] | None, precision: str,
     rates measured on the device (``trainperf gpucheck``)."""
     if not peaks or not flops_by_op:
         return None, None
-    bases = op_bases(precision, tf32_conv, tf32_matmul, peaks)
     work = {op: f for op, f in flops_by_op.items() if f}
+    flags = {"conv": tf32_conv, "matmul": tf32_matmul}
+    if precision == "fp32" and peaks.get("tf32") and any(flags[op] is None for op in work):
+        # On a device with TF32 units an unrecorded flag could mean either peak, 7x apart:
+        # no figure rather than one against the wrong peak.
+        return None, None
+    bases = op_bases(precision, tf32_conv, tf32_matmul, peaks)
     if any(not peaks.get(bases[op]) for op in work):
         return None, None
     total = sum(work.values())

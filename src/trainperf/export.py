@@ -99,8 +99,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("scaling_efficiency", "Float64", BOTH, "the case's speedup over its world size"),
     Column("mfu", "Float64", BOTH, "the case's model FLOP utilisation: model FLOP/s over the "
            "devices' peak (empty where the peak is not known, e.g. CPUs)"),
-    Column("peak_memory_bytes", "Int64", BOTH, "peak device memory allocated (a case: the "
-           "largest of its runs)"),
+    Column("peak_memory_bytes", "Int64", BOTH, "peak memory, of the kind `memory_kind` "
+           "names (a case: the largest of its runs)"),
+    Column("memory_kind", "string", BOTH, "what `peak_memory_bytes` is: allocator_peak, "
+           "device_used (device-wide, where the framework keeps no peak) or resident_set_peak "
+           "(CPU); figures of different kinds are not comparable"),
+    Column("device_used_bytes", "Int64", BOTH, "GPU: device-wide used memory at the end, "
+           "every process's (a case: the largest of its runs)"),
     Column("memory_model_error", "Float64", BOTH, "(predicted - measured) / measured peak "
            "memory (a case: the median over its runs)"),
     Column("startup_s", "Float64", BOTH, "seconds from the run's launch to the end of its "
@@ -250,6 +255,8 @@ def _case_figures(case: dict) -> dict[str, Any]:
         "spread": case.get("spread"),
         "samples_per_s_per_device": _per_device(median, case["world_size"]),
         "peak_memory_bytes": case.get("peak_memory_bytes"),
+        "memory_kind": case.get("memory_kind"),
+        "device_used_bytes": case.get("device_used_bytes"),
         "memory_model_error": case.get("memory_model_error"),
         "startup_s": case.get("startup_s"),
         "compile_s": case.get("compile_s"),
@@ -267,6 +274,8 @@ def _run_figures(case: dict, run: dict) -> dict[str, Any]:
         "samples_per_s": speed,
         "samples_per_s_per_device": _per_device(speed, case["world_size"]),
         "peak_memory_bytes": run.get("peak_memory_bytes"),
+        "memory_kind": run.get("memory_kind") or case.get("memory_kind"),
+        "device_used_bytes": run.get("device_used_bytes"),
         "memory_model_error": results.memory_model_error(run),
         "startup_s": run.get("startup_s"),
         "compile_s": run.get("compile_s"),

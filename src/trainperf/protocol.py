@@ -272,7 +272,13 @@ class End(Event):
     """Times the step compiled or traced again inside the window (a changed shape, a failed
     guard); None where the framework cannot tell."""
     peak_memory_bytes: int | None = None
-    """Largest peak over ranks: allocated device memory on a GPU, resident set on CPU."""
+    """Largest peak over ranks, of the kind ``Start.env["memory_kind"]`` names: the
+    framework allocator's peak, device-wide used memory where the framework keeps no peak, or
+    the resident set on a CPU."""
+    device_used_bytes: int | None = None
+    """On a GPU: the largest device-wide used memory (total - free, every process's) over
+    ranks at the end of the run, read from the CUDA driver; None on a CPU or where a rank
+    could not read it."""
     peak_reserved_bytes: int | None = None
     window_peak_memory_bytes: int | None = None
     """torch on a GPU: the largest allocated peak over ranks within the window alone."""

@@ -67,6 +67,8 @@ def run_record(run: int, events: list[Event], status: str, error: str | None = N
         "warmup_step_times_s": [e.seconds for e in steps if e.warmup],
         "samples_per_step": start.global_batch if start else None,
         "peak_memory_bytes": end.peak_memory_bytes if end else None,
+        "memory_kind": memory_kind(start),
+        "device_used_bytes": end.device_used_bytes if end else None,
         "peak_reserved_bytes": end.peak_reserved_bytes if end else None,
         "window_peak_memory_bytes": end.window_peak_memory_bytes if end else None,
         "peak_memory_bytes_per_rank": end.peak_memory_bytes_per_rank if end else None,
@@ -156,6 +158,18 @@ def training_summary(runs: list[dict]) -> dict[str, Any]:
                                   if t.get("best_accuracy") is not None), default=None)}
 
 
+def memory_kind(start: Start | None) -> str | None:
+    """What the run's ``peak_memory_bytes`` is (``workerkit.MEMORY_KINDS``). Records from
+    before workers named it: an allocator's peak on a GPU (torch's and JAX's were), the
+    resident set on a CPU."""
+    if start is None:
+        return None
+    env = start.env or {}
+    if env.get("memory_kind"):
+        return env["memory_kind"]
+    return "resident_set_peak" if env.get("device_type") == "cpu" else None
+
+
 def memory_model_error(run: dict) -> float | None:
     """(predicted - measured) / measured peak memory of one run; None where either is
     missing."""
@@ -210,6 +224,11 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
         "mfu": model_flops / (peak * key.world_size) if model_flops and peak else None,
         "mfu_peak_basis": basis,
         "peak_memory_bytes": max(peaks) if peaks else None,
+        "memory_kind": memory_kind(start),
+        "device_used_bytes": max((r["device_used_bytes"] for r in runs
+                                  if r.get("device_used_bytes")), default=None),
+        "tf32_conv": env.get("tf32_cudnn"),
+        "tf32_matmul": env.get("tf32_matmul"),
         "memory_model_error": stats.median(model_errors),
         "memory_model": start.memory_model if start else None,
         "data_wait_share": stats.median([r["data_wait_share"] for r in runs

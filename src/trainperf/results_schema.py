@@ -45,7 +45,13 @@ RUN_FIELDS: list[Field] = [
     ("step_times_s", "list[num]", True, "seconds of each measured step (rank 0's clock)"),
     ("warmup_step_times_s", "list[num]", False, "seconds of each warm-up step"),
     ("samples_per_step", "int?", False, "global batch: samples per step over all ranks"),
-    ("peak_memory_bytes", "int?", True, "largest peak of allocated device memory of any rank"),
+    ("peak_memory_bytes", "int?", True, "largest memory figure of any rank, of the kind "
+     "memory_kind names"),
+    ("memory_kind", "str?", False, "what peak_memory_bytes is: allocator_peak (the framework "
+     "allocator's peak), device_used (device-wide used memory, where the framework keeps no "
+     "peak) or resident_set_peak (CPU)"),
+    ("device_used_bytes", "int?", False, "GPU: largest device-wide used memory (every "
+     "process's) of any rank at the end, from the CUDA driver"),
     ("peak_reserved_bytes", "int?", False, "largest peak the allocator reserved"),
     ("window_peak_memory_bytes", "int?", False, "the peak inside the measured window"),
     ("peak_memory_bytes_per_rank", "list[int]?", False, "each rank's peak"),
@@ -117,7 +123,14 @@ CASE_FIELDS: list[Field] = [
     ("model_flops_per_s", "num?", False, "FLOPs per sample times the median samples/s"),
     ("mfu", "num?", False, "model FLOPs utilization against the devices' peak"),
     ("mfu_peak_basis", "str?", False, "which peak the MFU is taken against"),
-    ("peak_memory_bytes", "int?", False, "the largest peak of any run"),
+    ("tf32_conv", "bool?", False, "GPU fp32: whether convolutions ran in TF32 (null on a CPU "
+     "or not recorded)"),
+    ("tf32_matmul", "bool?", False, "GPU fp32: whether matrix products ran in TF32"),
+    ("peak_memory_bytes", "int?", False, "the largest peak of any run, of the kind "
+     "memory_kind names"),
+    ("memory_kind", "str?", False, "what peak_memory_bytes is (a run's memory_kind)"),
+    ("device_used_bytes", "int?", False, "GPU: the largest device-wide used memory of any "
+     "run"),
     ("memory_model_error", "num?", False, "median (predicted - measured) / measured peak"),
     ("memory_model", "obj?", False, "the memory model's terms"),
     ("data_wait_share", "num?", False, "real data: median over runs of data_wait_share"),

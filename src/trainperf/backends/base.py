@@ -11,11 +11,39 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from ..config import MODE_BEST, MODE_DEFAULT, Topology, Tuning, Workload
+from ..config import (GPU_SETTINGS, MODE_BEST, MODE_DEFAULT, SETTING_OWNER, TUNING_SETTINGS,
+                      Topology, Tuning, Workload, tuning_flag)
 from . import catalog
 
 COLLECTIVE_TIMEOUT_ENV = "TRAINPERF_COLLECTIVE_TIMEOUT_S"
 """Seconds a rank waits in a collective before it gives its peer up (set for multi-node runs)."""
+
+
+@dataclass(frozen=True)
+class SourceBuild:
+    """A package compiled from its source distribution against the packages already in the
+    environment (pip's ``--no-build-isolation``): Horovod against MXNet's headers and library.
+    Built last, never from a cached wheel, since the same release builds differently with
+    other variables."""
+
+    requirement: str
+    """What pip installs (``horovod==0.28.1``)."""
+    build_packages: tuple[str, ...] = ()
+    """What its build imports, installed first (the environment is its build environment)."""
+    tools: tuple[str, ...] = ()
+    """Programs the build runs that must be on PATH (``cmake``, ``c++``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables of the build everywhere."""
+    cuda_env: dict[str, str] = field(default_factory=dict)
+    """Added on a machine with an NVIDIA GPU; ``{site}`` stands for the environment's
+    site-packages folder."""
+    cuda_links: dict[str, str] = field(default_factory=dict)
+    """Links made before a CUDA build, ``{link: target}`` under ``{site}``: a name the build
+    looks a library up by that a wheel leaves out."""
+    cuda_home_var: str = ""
+    """The variable that tells a CUDA build which CUDA toolkit to compile with (its folder)."""
+    cuda_headers: tuple[str, ...] = ("cuda_runtime.h",)
+    """Headers a CUDA build includes from the toolkit: a toolkit without them is passed over."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +62,8 @@ class EnvSpec:
     no_deps_packages: tuple[str, ...] = ()
     """Installed after ``packages`` without their dependencies (libraries a wheel loads but
     does not declare)."""
+    source_builds: tuple[SourceBuild, ...] = ()
+    """Compiled in the environment after everything else, in order."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +186,11 @@ class Capabilities:
     dumped tensors' names (``running_var``) -> why. `trainperf align` measures those tensors and
     prints the difference beside its verdict, which they do not decide; nothing else may
     differ."""
+    tuning: dict[str, str] = field(default_factory=dict)
+    """The speed settings it honours (``config.TUNING_SETTINGS`` names), each with the
+    framework's own switch that does it (``{"cudnn_benchmark": "torch.backends.cudnn.
+    benchmark"}``). A setting changed from its default that is not here is refused; what a run
+    applied is recorded in its ``settings["tuning"]``."""
     why_not: dict[str, str] = field(default_factory=dict)
     """Why a precision or head it does not run is missing, said with the refusal
     (``{"bf16": "MXNet 1.9's bfloat16 AMP is CPU-only, through oneDNN"}``)."""
@@ -238,6 +273,23 @@ class Backend:
         why = self.capabilities.why_not.get(what)
         return f" ({why})" if why else ""
 
+    def tuning_refusal(self, tuning: Tuning, device_kind: str) -> str | None:
+        """Why a speed setting changed from its default is refused (one line): the backend
+        has no switch of its own that honours it. Settings for another framework
+        (``SETTING_OWNER``) and GPU settings on a CPU are not this run's to refuse. None:
+        every changed setting is honoured."""
+        default, declared = Tuning(), self.capabilities.tuning
+        changed = [name for name in TUNING_SETTINGS
+                   if getattr(tuning, name) != getattr(default, name) and name not in declared
+                   and SETTING_OWNER.get(name, self.name) == self.name
+                   and (device_kind == "cuda" or name not in GPU_SETTINGS)]
+        if not changed:
+            return None
+        flags = ", ".join(tuning_flag(name, getattr(tuning, name)) for name in changed)
+        honoured = ", ".join(declared) or "none"
+        return (f"the {self.name} backend has no switch that honours {flags} (it honours: "
+                f"{honoured}; `trainperf list --frameworks` shows each framework's)")
+
     def model_refusal(self, workload: Workload) -> str | None:
         """Why this backend does not build the workload's model (one line), or None: its
         backbone (and that backbone's task), its head mode, its memory format."""
@@ -281,7 +333,8 @@ class Backend:
         """Why this backend does not run the case (one line), or None: ``work_refusal``, and
         the case's layout (nodes, and the backend's own rules)."""
         why = (self.work_refusal(workload, device_kind, train, real_data)
-               or self.mode_refusal(tuning.mode, device_kind))
+               or self.mode_refusal(tuning.mode, device_kind)
+               or self.tuning_refusal(tuning, device_kind))
         if why:
             return why
         if topology.nnodes > 1 and not self.capabilities.several_nodes:

@@ -5,13 +5,14 @@ its ``backend.py``, and the table follows."""
 
 from __future__ import annotations
 
+from ..config import GPU_SETTINGS, SETTING_OWNER, TUNING_SETTINGS, tuning_flag
 from . import BACKENDS, catalog
 from .base import Backend
 
 COLUMNS = ("framework", "version", "heads", "precisions on a CPU", "precisions on a GPU",
            "backbones", "modes on a CPU", "modes on a GPU", "layout on a GPU",
            "channels-last", "real data (`--data`)", "trains to a target",
-           "several nodes", "written as", "ranks start through")
+           "several nodes", "speed settings", "written as", "ranks start through")
 FAMILY_NAMES = {"iresnet": "IResNet", "mobilefacenet": "MobileFaceNet",
                 "resnet_v1b": "ResNet v1b"}
 
@@ -55,6 +56,7 @@ def row(backend: Backend) -> dict[str, str]:
         "real data (`--data`)": _yes(caps.real_data),
         "trains to a target": _yes(caps.trains),
         "several nodes": _yes(caps.several_nodes),
+        "speed settings": ", ".join(f"`{s}`" for s in caps.tuning) or "-",
         "written as": backend.runs_as,
         "ranks start through": backend.ranks_start,
     }
@@ -68,4 +70,35 @@ def markdown_table() -> str:
     """The README's framework table (a test keeps the README's copy equal to this)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r[c] for c in COLUMNS) + " |" for r in rows()]
+    return "\n".join(lines)
+
+
+def tuning_cell(backend: Backend, name: str) -> str:
+    """How ``backend`` honours speed setting ``name``: its own switch, or why it does not."""
+    switch = backend.capabilities.tuning.get(name)
+    if switch:
+        return switch
+    owner = SETTING_OWNER.get(name)
+    if owner is not None and owner != backend.name:
+        return "not its setting"
+    return "refused"
+
+
+def tuning_table() -> str:
+    """Each speed setting (``config.TUNING_SETTINGS``, as the command line spells it) against
+    each framework: the switch of its own that honours it, or ``refused`` (a run that changes
+    it from its default is refused before it starts). The frameworks page holds this table."""
+    from ..config import Tuning
+    default = Tuning()
+    names = [b.name for b in BACKENDS.values()]
+    lines = ["| setting | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for name in TUNING_SETTINGS:
+        value = getattr(default, name)
+        flag = (f"`{tuning_flag(name, not value)}`" if isinstance(value, bool) else
+                f"`{tuning_flag(name, value).split()[0]}` (default {value:g})"
+                if isinstance(value, float) else
+                f"`{tuning_flag(name, value).split()[0]}` (default {value})")
+        where = " (GPU)" if name in GPU_SETTINGS else ""
+        cells = [tuning_cell(b, name).replace("|", "\\|") for b in BACKENDS.values()]
+        lines.append(f"| {flag}{where} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

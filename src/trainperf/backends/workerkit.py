@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Sequence
 
-from ..config import AlignSpec, Measure, Workload
+from ..config import TUNING_SETTINGS, AlignSpec, Measure, Tuning, Workload
 from ..faults import inject, parse_faults
 from ..protocol import LAUNCHED_AT_ENV, End, Error, EventWriter, Phases, RunSpec, Start, Step
 from .base import Backend, require
@@ -83,18 +83,80 @@ def gpu_names() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def environment(framework: str, version: str, gpu: bool, gpu_memory_measure: str,
+MEMORY_KINDS = ("allocator_peak", "device_used", "resident_set_peak")
+"""What a run's ``peak_memory_bytes`` is (``env.memory_kind``): the framework allocator's own
+peak, device-wide used memory (where the framework keeps no peak), or, on a CPU, the process's
+peak resident set. Figures of different kinds are never ranked against each other."""
+CPU_MEMORY = "peak resident set (ru_maxrss)"
+
+
+def tf32_wanted(tuning: Tuning, gpu: bool) -> bool | None:
+    """Whether fp32 convolutions and matrix products are to run in TF32 (``Tuning.tf32``,
+    one rule for every framework); None on a CPU, where no TF32 exists."""
+    return tuning.tf32 == "on" if gpu else None
+
+
+def process_env(name: str) -> str | None:
+    """A variable as this process's C environment holds it now: what a framework's C++ side
+    reads, which ``os.environ`` does not see change when the library sets it itself."""
+    import ctypes
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    raw = getenv(name.encode())
+    return raw.decode() if raw is not None else None
+
+
+def device_used_bytes(ordinal: int = 0) -> int | None:
+    """Device-wide used memory (total - free) of CUDA device ``ordinal`` as this process
+    numbers them (after ``CUDA_VISIBLE_DEVICES``), from the CUDA driver: ``cuMemGetInfo`` in
+    the device's primary context, the one every framework's runtime uses, so no context is
+    added and nothing depends on matching a PID (which a container's own PID namespace
+    breaks). None where no driver or device answers."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
+            or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):
+        return None
+    try:
+        if cuda.cuCtxPushCurrent_v2(ctx):
+            return None
+        try:
+            failed = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+        finally:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        cuda.cuDevicePrimaryCtxRelease_v2(dev)
+    return None if failed else int(total.value - free.value)
+
+
+def environment(framework: str, version: str, gpu: bool, gpu_memory_measure: str, *,
+                memory_kind: str, tf32_cudnn: bool | None = None,
+                tf32_matmul: bool | None = None, tf32_switch: str | None = None,
                 **fields: Any) -> dict[str, Any]:
     """``Start.env`` in the shape every worker writes (the report reads these keys): the
     framework's and numpy's versions, the device kind and, on a GPU, the device names
-    (nvidia-smi's); what memory the figures measure (on a CPU, the peak resident set).
+    (nvidia-smi's); what memory the figures measure and its kind (``MEMORY_KINDS``; on a CPU,
+    the peak resident set); whether fp32 convolutions (``tf32_cudnn``) and matrix products
+    (``tf32_matmul``) ran in TF32 and the framework's switch that said so (None on a CPU).
     ``fields`` give the rest (counts and CUDA versions the framework knows, its own settings)."""
     import numpy as np
 
+    if memory_kind not in MEMORY_KINDS:
+        raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
     env = {"framework": framework, "framework_version": version, "numpy_version": np.__version__,
            "device_type": "cuda" if gpu else "cpu", "device_names": gpu_names() if gpu else [],
            "device_count": 0, "cuda_version": None, "cudnn_version": None, "nccl_version": None,
-           "memory_measure": gpu_memory_measure if gpu else "peak resident set (ru_maxrss)"}
+           "memory_measure": gpu_memory_measure if gpu else CPU_MEMORY,
+           "memory_kind": memory_kind if gpu else "resident_set_peak",
+           "tf32_cudnn": tf32_cudnn if gpu else None, "tf32_matmul": tf32_matmul if gpu else None,
+           "tf32_switch": tf32_switch if gpu else None}
     env.update(fields)
     return env
 
@@ -227,6 +289,12 @@ class FrameworkRun:
         measure = self.spec.measure
         return timed_loop(step, self.markers, measure.iters, measure.warmup, on_steps,
                           self.barrier, self.wait, self.sync)
+
+    def applied_tuning(self) -> dict[str, Any]:
+        """Each ``config.TUNING_SETTINGS`` setting this run applied, as applied (a GPU-only
+        one on a CPU is left out); only settings the backend declares (``Capabilities.
+        tuning``). The start event's ``settings["tuning"]`` holds them, None for the rest."""
+        return {}
 
     def loop_settings(self) -> dict[str, Any]:
         """What ``start`` says of the measured loop."""
@@ -459,6 +527,17 @@ class RealData:
             feed.close()
 
 
+def tuning_record(fw: FrameworkRun) -> dict[str, Any]:
+    """``settings["tuning"]``: every ``TUNING_SETTINGS`` name, its value as this run applied it
+    or None; a setting the backend does not declare cannot have been applied."""
+    applied = fw.applied_tuning()
+    declared = fw.backend.capabilities.tuning if fw.backend is not None else None
+    if declared is not None and not set(applied) <= set(declared):
+        raise RuntimeError(f"the worker applied {sorted(set(applied) - set(declared))}, which "
+                           f"its backend does not declare (Capabilities.tuning)")
+    return {name: applied.get(name) for name in TUNING_SETTINGS}
+
+
 def _prepare(fw: FrameworkRun, events: EventWriter) -> tuple[int, int, Callable[[], None],
                                                                Callable[[], bool]]:
     """What every run does before its steps: the spec checked against the framework's
@@ -488,7 +567,7 @@ def _prepare(fw: FrameworkRun, events: EventWriter) -> tuple[int, int, Callable[
             return
         fields = fw.start_fields(baseline)
         fields["settings"] = {**fields.get("settings", {}), **fw.loop_settings(),
-                              "mode": fw.mode}
+                              "mode": fw.mode, "tuning": tuning_record(fw)}
         if fw.real is not None:
             fields["settings"]["input"] = fw.real.info
         events.emit(Start(world_size=fw.world_size, global_batch=global_batch, device=fw.device,
@@ -738,13 +817,17 @@ def startup_fields(first_done_at: float | None, compiles_before: int | None,
             "recompiles_in_window": recompiles}
 
 
-def memory_fields(per_rank, with_reserved: bool) -> dict:
-    """The ``end`` event's memory figures from every rank's gathered ``(peak[, reserved])``
-    row: the largest over ranks, and each rank's peak."""
+def memory_fields(per_rank, with_reserved: bool, with_device_used: bool = False) -> dict:
+    """The ``end`` event's memory figures from every rank's gathered ``(peak[, reserved][,
+    device_used])`` row: the largest over ranks, and each rank's peak. A device-used figure
+    below 0 is one a rank could not read (``device_used_bytes``'s None)."""
     peaks = [int(row[0]) for row in per_rank]
     out: dict = {"peak_memory_bytes": max(peaks), "peak_memory_bytes_per_rank": peaks}
     if with_reserved:
         out["peak_reserved_bytes"] = max(int(row[1]) for row in per_rank)
+    if with_device_used:
+        used = [int(row[2 if with_reserved else 1]) for row in per_rank]
+        out["device_used_bytes"] = max(used) if min(used) >= 0 else None
     return out
 
 

@@ -32,9 +32,11 @@ def add_topology_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_tuning_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mxnet-kvstore", choices=list(MXNET_KVSTORES), default="dist_sync",
-                   help="mxnet on several devices: one process per rank with a parameter "
-                        "server (dist_sync, default) or one process for all (device)")
+    p.add_argument("--mxnet-kvstore", choices=list(MXNET_KVSTORES), default=Tuning.mxnet_kvstore,
+                   help="mxnet on several devices: one process per rank over Horovod "
+                        "(horovod, default: NCCL on GPUs, gloo on a CPU), one process per rank "
+                        "with MXNet's parameter server (dist_sync: every gradient through a "
+                        "CPU server process per node) or one process for all (device)")
     p.add_argument("--tf-onednn", action="store_true",
                    help="tf: turn TensorFlow's oneDNN custom CPU ops on (off by default: "
                         "they corrupt memory on AVX-512 CPUs in 1x1 stride-2 convolutions "
@@ -49,9 +51,10 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                         "default (each framework's first) or best (each mode probed, the "
                         "runs in the fastest); a list sweeps them. Default: best when "
                         "several frameworks are compared, else default")
-    p.add_argument("--tf32", choices=list(TF32_MODES), default="default",
-                   help="GPU fp32: default (torch's: TF32 convolutions, fp32 matrix products), "
-                        "off (all full fp32), on (all TF32)")
+    p.add_argument("--tf32", choices=list(TF32_MODES), default=Tuning.tf32,
+                   help="GPU fp32 convolutions and matrix products, in every framework by its "
+                        "own switch: on (TF32 where the device has it; default) or off (full "
+                        "fp32)")
     p.add_argument("--no-cudnn-benchmark", action="store_true",
                    help="GPU: do not let cuDNN time its algorithms (it does by default)")
     p.add_argument("--ddp-bucket-mb", type=float, default=Tuning.ddp_bucket_mb,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .markdown import fmt, framework_name, head_key, is_class_sweep, table
+from .markdown import fmt, framework_name, head_key, is_class_sweep, memory_kind_text, table
 from .plots import _pyplot
 
 
@@ -58,15 +58,17 @@ def classes_section(docs: list[dict]) -> str | None:
                      str(case["world_size"]),
                      *([str(case["batch_size_per_device"])] if several_batches else []),
                      _speed(case), fmt(case["speedup"]),
-                     f"{peak / 2**30:.2f}" if peak else "-"])
+                     f"{peak / 2**30:.2f}" if peak else "-", memory_kind_text(case)])
     header = ["identities", "framework", "head", "devices",
               *(["batch/device"] if several_batches else []), "samples/s", "speedup",
-              "peak memory / device (GiB)"]
+              "peak memory / device (GiB)", "memory kind"]
     return "\n".join([
         "## Against the number of identities", "",
         "Each row is one case; its speedup is against 1 device at the same identities and head. "
-        "Peak memory is the largest of the ranks' peaks (allocated device memory on a GPU, the "
-        "resident set on a CPU). A case whose runs all failed shows how they ended.", "",
+        "Peak memory is the largest of the ranks' figures, of the kind named beside it (the "
+        "framework allocator's peak, device-wide used memory where the framework keeps no "
+        "peak, the resident set on a CPU): figures of different kinds do not compare. A case "
+        "whose runs all failed shows how they ended.", "",
         table(header, rows)])
 
 
@@ -76,12 +78,15 @@ def _lines(docs: list[dict]) -> dict[str, list[dict]]:
     worlds = len({c["world_size"] for d in docs for c in d["cases"]}) > 1
     batches = len({c["batch_size_per_device"] for d in docs for c in d["cases"]}) > 1
     frameworks = len({_framework(d) for d in docs}) > 1
+    kinds = len({c.get("memory_kind") for d in docs for c in d["cases"]}) > 1
     lines: dict[str, list[dict]] = {}
     for doc, case in _rows(docs):
         classes, fc, ratio = head_key(doc)
+        # Memory of different kinds on one axis: each line says which it is.
         name = " ".join([*([_framework(doc)] if frameworks else []), _head(fc, ratio),
                          *([f"{case['world_size']} dev"] if worlds else []),
-                         *([f"b{case['batch_size_per_device']}"] if batches else [])])
+                         *([f"b{case['batch_size_per_device']}"] if batches else []),
+                         *([f"({memory_kind_text(case)})"] if kinds else [])])
         lines.setdefault(name, []).append({**case, "identities": classes})
     return lines
 

@@ -27,6 +27,23 @@ def gib(n: int | None) -> str:
     return "-" if not n else f"{n / 2**30:.2f} GiB"
 
 
+MEMORY_KIND_WORDS = {"allocator_peak": "allocator peak", "device_used": "device used",
+                     "resident_set_peak": "resident set peak"}
+"""How a memory figure's kind (``memory_kind``) is written beside it."""
+
+
+def memory_kind_text(case: dict) -> str:
+    kind = case.get("memory_kind")
+    return MEMORY_KIND_WORDS.get(kind, kind or "kind not recorded")
+
+
+def memory_cell(case: dict) -> str:
+    """A case's memory figure with its kind: figures of different kinds (an allocator's peak,
+    device-wide used memory) are never set side by side as if comparable."""
+    peak = case.get("peak_memory_bytes")
+    return f"{gib(peak)} ({memory_kind_text(case)})" if peak else "-"
+
+
 def framework_name(doc: dict) -> str:
     env = doc.get("env", {})
     return (env.get("framework") or doc.get("framework")
@@ -107,7 +124,7 @@ def single_table(doc: dict) -> str:
             fmt(c["median_samples_per_s"]), fmt(c["average_samples_per_s"]),
             pct(c.get("spread")), fmt(c["speedup"]), pct(c["scaling_efficiency"]),
             fmt(c["median_samples_per_s"] / c["world_size"]) if c["median_samples_per_s"] else "-",
-            pct(c.get("mfu")), gib(c.get("peak_memory_bytes")),
+            pct(c.get("mfu")), memory_cell(c),
             pct(c.get("memory_model_error")), c.get("mode") or "-",
             fmt(c.get("startup_s"), 1), fmt(c.get("compile_s"), 2), status,
             ", ".join(c["flags"]) or "-",

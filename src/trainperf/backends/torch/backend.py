@@ -41,7 +41,14 @@ BACKEND = Backend(
         families=FAMILIES, channels_last=True, real_data=True, trains=True,
         # The H200 record (benchmarks/results/gpu-h200-2026-11-26/): R100 channels-last ran
         # 1.47x (fp32) to 1.97x (bf16) NCHW. On a CPU torch's convolutions stay channels-first.
-        layouts={"cuda": "channels_last"}),
+        layouts={"cuda": "channels_last"},
+        tuning={"cudnn_benchmark": "torch.backends.cudnn.benchmark",
+                "ddp_bucket_mb": "DistributedDataParallel(bucket_cap_mb=)",
+                "ddp_static_graph": "DistributedDataParallel(static_graph=)",
+                "ddp_broadcast_buffers": "DistributedDataParallel(forward_sync_buffers=), "
+                                         "broadcast_buffers= before torch 2.13",
+                "tf32": "torch.backends.cudnn.allow_tf32, "
+                        "torch.backends.cuda.matmul.allow_tf32"}),
     runs_as="eager modules or torch.compile (inductor; CUDA graphs on a GPU), DDP; pfc with a "
             "sparse (default) or dense update",
     ranks_start="one process per rank, `torch.distributed.run`'s variables")

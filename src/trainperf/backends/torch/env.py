@@ -19,7 +19,10 @@ def framework_env(device: torch.device) -> dict:
         "torch_num_interop_threads": torch.get_num_interop_threads(),
         "tf32_matmul": None,
         "tf32_cudnn": None,
+        "tf32_switch": None,
         "cudnn_benchmark": None,
+        "memory_measure": "peak resident set (ru_maxrss)",
+        "memory_kind": "resident_set_peak",
     }
     if device.type == "cuda":
         env["cudnn_version"] = torch.backends.cudnn.version()
@@ -32,5 +35,9 @@ def framework_env(device: torch.device) -> dict:
         env["device_names"] = [torch.cuda.get_device_name(i) for i in range(count)]
         env["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
         env["tf32_cudnn"] = torch.backends.cudnn.allow_tf32
+        env["tf32_switch"] = ("torch.backends.cudnn.allow_tf32, "
+                              "torch.backends.cuda.matmul.allow_tf32")
+        env["memory_measure"] = "CUDA caching allocator's peak (torch.cuda.max_memory_allocated)"
+        env["memory_kind"] = "allocator_peak"
         env["cudnn_benchmark"] = torch.backends.cudnn.benchmark
     return env

@@ -10,7 +10,7 @@ import torch
 from ...config import Tuning, Workload
 from ...protocol import EventWriter, Start
 from ..workerkit import is_oom as reads_as_oom
-from ..workerkit import rss_now_bytes, rss_peak_bytes
+from ..workerkit import rss_now_bytes, rss_peak_bytes, tf32_wanted
 from .dist import DistContext, all_gather
 from .env import framework_env
 from .flops import backbone_profile, train_flops_per_sample
@@ -54,11 +54,13 @@ def peak_memory(device: torch.device, before_window: tuple[int, int] | None = No
     if device.type == "cuda":
         allocated, reserved = (torch.cuda.max_memory_allocated(device),
                                torch.cuda.max_memory_reserved(device))
+        free, total = torch.cuda.mem_get_info(device)
+        used = {"device_used_bytes": total - free}
         if before_window is None:
-            return {"peak_memory_bytes": allocated, "peak_reserved_bytes": reserved}
+            return {"peak_memory_bytes": allocated, "peak_reserved_bytes": reserved, **used}
         return {"peak_memory_bytes": max(allocated, before_window[0]),
                 "peak_reserved_bytes": max(reserved, before_window[1]),
-                "window_peak_memory_bytes": allocated}
+                "window_peak_memory_bytes": allocated, **used}
     return {"peak_memory_bytes": rss_peak_bytes()}
 
 
@@ -88,10 +90,24 @@ def classes_computed(workload: Workload, step: TrainStep, ctx: DistContext) -> i
 def configure_backend(tuning: Tuning, device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = tuning.cudnn_benchmark
-        if tuning.tf32 != "default":
-            on = tuning.tf32 == "on"
-            torch.backends.cudnn.allow_tf32 = on
-            torch.backends.cuda.matmul.allow_tf32 = on
+        # torch's own default differs (convolutions in TF32, matrix products not); trainperf's
+        # rule is one for every framework (Tuning.tf32).
+        on = tf32_wanted(tuning, True)
+        torch.backends.cudnn.allow_tf32 = on
+        torch.backends.cuda.matmul.allow_tf32 = on
+
+
+def applied_tuning(tuning: Tuning, device: torch.device, step: TrainStep) -> dict:
+    """The ``Tuning`` settings this run applied, as applied (``Capabilities.tuning``)."""
+    out: dict = {}
+    if device.type == "cuda":
+        out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
+        out["tf32"] = "on" if torch.backends.cuda.matmul.allow_tf32 else "off"
+    ddp = step.ddp_settings
+    if ddp is not None:
+        out.update(ddp_bucket_mb=ddp["bucket_cap_mb"], ddp_static_graph=ddp["static_graph"],
+                   ddp_broadcast_buffers=ddp["broadcast_buffers"])
+    return out
 
 
 def step_settings(step: TrainStep, device: torch.device) -> dict:

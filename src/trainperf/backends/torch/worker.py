@@ -32,8 +32,9 @@ from .data import real_feed, synthetic_batch
 from .dist import init_from_env
 from .modes import (CUDA_GRAPH_MODES, compile_measure, compile_seconds, cudagraph_skips,
                     force_recompile, graphs_compiled, recompile_step)
-from .runtime import (configure_backend, current_memory, is_oom, memory_over_ranks,
-                      peak_memory, start_fields, start_window_peak, waits_over_ranks)
+from .runtime import (applied_tuning, configure_backend, current_memory, is_oom,
+                      memory_over_ranks, peak_memory, start_fields, start_window_peak,
+                      waits_over_ranks)
 from .step import ONE_GRAPH_PHASE, ONE_GRAPH_WHY, TrainStep
 from .timing import make_timer, timed_loop
 
@@ -101,6 +102,9 @@ class TorchRun(FrameworkRun):
     def start_fields(self, baseline: int) -> dict:
         return start_fields(self.ctx, self.train_step, baseline, self.input_info,
                             cudagraph_skips=cudagraph_skips(self.mode))
+
+    def applied_tuning(self) -> dict:
+        return applied_tuning(self.spec.tuning, self.ctx.device, self.train_step)
 
     def compile_count(self) -> int | None:
         return graphs_compiled(self.mode)
