@@ -717,6 +717,11 @@ for tag, kwargs in (("mp", {"mode": "mp"}), ("pfc1", {"mode": "pfc", "sample_rat
         values = [v.numpy() for v in fn(emb, labels)]
         for key, v in zip(("loss", "logits", "grad_emb", "grad_weight"), values):
             out[f"{tag}/{key}{call}"] = v
+# The gathers a compiled step makes (sums: Comm.all_gather_by_sum), in place of the strategy's.
+head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, comm, mode="mp", gather_by_sum=True)
+head.set_weight(x["weight"])
+for key, v in zip(("loss", "logits", "grad_emb", "grad_weight"), head_pass(head)(emb, labels)):
+    out[f"mp_sum/{key}1"] = v.numpy()
 head = MarginSoftmaxHead(c, d, (1.0, 0.5, 0.0), 64.0, comm, mode="pfc", sample_ratio=0.5)
 head.set_weight(x["weight"])
 values = [v.numpy() for v in
@@ -748,6 +753,28 @@ for j, v in enumerate(step.variables):
 out["mp/loss"] = step(*batches[r])[0].numpy()
 for j, v in enumerate(step.variables):
     out[f"mp/after/{j}"] = v.numpy()
+
+# The collectives in the graph of each step XLA would compile on several ranks, traced and not
+# run (the refusal of several CPU ranks put aside: TensorFlow compiles no collective for CPUs),
+# and in function mode's, which gathers with the strategy's all-gather.
+from trainperf.backends.tf import step as step_module
+from trainperf.backends.tf.comm import XLA_COLLECTIVES
+
+
+def collectives(train_step):
+    graph = train_step._fn.get_concrete_function(*batches[r]).graph.as_graph_def()
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return np.array(sorted({n.op for n in nodes if n.op.startswith("Collective")}))
+
+
+refuse = step_module.xla_refusal
+step_module.xla_refusal = lambda *args: None
+for fc in ("dp", "mp", "pfc"):
+    out[f"ops/xla/{fc}"] = collectives(TrainStep(wl.replace(fc=fc, sample_ratio=1.0), comm,
+                                                 mode="xla"))
+step_module.xla_refusal = refuse
+out["ops/function/mp"] = collectives(step)
+out["xla_collectives"] = np.array(sorted(XLA_COLLECTIVES))
 
 pfc = TrainStep(Workload(**base, fc="pfc", sample_ratio=0.4), comm)
 out["pfc_step/update"] = pfc.pfc_update
@@ -785,6 +812,21 @@ def test_mp_head_on_two_ranks_equals_the_full_softmax(two_ranks):
     first; pfc at ratio 1.0 is mp exactly."""
     folder, ranks = two_ranks
     check_mp_on_two_ranks(np.load(folder / "head_in.npz"), ranks, MARGINS["arcface"], SCALE)
+
+
+def test_a_compiled_steps_gathers_are_sums_equal_to_the_all_gather(two_ranks):
+    """The mp head gathering by a sum of zero-padded rows (``Comm.all_gather_by_sum``, what
+    ``--mode xla`` runs) gives the strategy's all-gather's loss, logits and gradients, bit for
+    bit; and the graph of an xla step on several ranks (dp, mp, pfc at ratio 1) holds no
+    collective but those XLA compiles (``comm.XLA_COLLECTIVES``: the all-reduce), where
+    function mode's mp step gathers with CollectiveGatherV2, which XLA does not compile."""
+    _, ranks = two_ranks
+    for got in ranks:
+        for key in ("loss", "logits", "grad_emb", "grad_weight"):
+            np.testing.assert_array_equal(got[f"mp_sum/{key}1"], got[f"mp/{key}1"], err_msg=key)
+        for fc in ("dp", "mp", "pfc"):
+            assert set(got[f"ops/xla/{fc}"]) == set(got["xla_collectives"]), fc
+        assert "CollectiveGatherV2" in set(got["ops/function/mp"])
 
 
 def test_pfc_on_two_ranks_is_the_softmax_over_the_sampled_classes(two_ranks):

@@ -132,7 +132,8 @@ def test_what_xla_cannot_compile_is_refused_up_front(tmp_path, capsys, argv, nee
 def test_only_xla_is_refused_and_only_where_it_cannot_compile():
     """The same cases in ``function`` (and ``default``, ``best``, which probes only the modes
     not refused) run; ``xla`` runs a pfc without sampling (it is mp) and, on GPUs, several
-    ranks (NCCL collectives compile inside ``jit_compile``)."""
+    ranks, every head (NCCL all-reduces compile inside ``jit_compile``, and a sharded head's
+    gathers are all-reduces there: ``test_tf_models_heads.py``)."""
     tf = get_backend("tf")
     face = get_recipe("tiny-arcface").workload
     sampling = face.replace(fc="pfc", sample_ratio=0.5)
@@ -147,7 +148,9 @@ def test_only_xla_is_refused_and_only_where_it_cannot_compile():
     assert SAMPLING_PFC in why(sampling, 1, "xla")
     assert why(face, 1, "xla") is None
     assert why(face.replace(fc="pfc"), 1, "xla") is None
-    assert why(face, 2, "xla", "cuda") is None
+    for fc in ("dp", "mp", "pfc"):
+        assert why(face.replace(fc=fc), 2, "xla", "cuda") is None
+    assert SAMPLING_PFC in why(sampling, 2, "xla", "cuda")
 
 
 def test_xla_aligned_in_float64(tmp_path, tf_python):

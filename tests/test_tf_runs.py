@@ -79,12 +79,23 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
         assert settings["communication"] == (None if case["world_size"] == 1 else "RING")
         # oneDNN's custom CPU ops are off unless asked for, as TensorFlow itself reports.
         assert settings["onednn_opts"] is False
+        # What ran of the tuning: the gradient all-reduce's packs only where there is one;
+        # cuDNN and TF32 on a GPU only.
+        two = case["world_size"] == 2
+        assert settings["tuning"] == {
+            "cudnn_benchmark": None, "ddp_bucket_mb": 25.0 if two else None,
+            "ddp_static_graph": None, "ddp_broadcast_buffers": None, "mxnet_kvstore": None,
+            "tf_onednn": False, "tf32": None}
+        assert settings["gradient_pack_bytes"] == (25 * 2**20 if two else None)
     assert doc["tuning"]["tf_onednn"] is False
     env = doc["env"]
     version = json.loads(Path(tf_python).parent.parent.joinpath("trainperf-env.json")
                          .read_text())["versions"]["tensorflow"]
     assert env["framework"] == "tensorflow" and env["framework_version"] == version == "2.21.0"
     assert env["device_type"] == "cpu"
+    assert env["memory_kind"] == "resident_set_peak"
+    assert env["tf32_cudnn"] is env["tf32_matmul"] is env["tf32_switch"] is None
+    assert "tf32" not in env and "cudnn_autotune" not in env
     assert doc["cases"][1]["speedup"] is not None
     # Every step's trace count, from step 0 on: the explicit trace was the only one.
     assert step_compiles(out) == {"1n1g": [1] * ITERS, "1n2g": [1] * ITERS}

@@ -7,6 +7,7 @@ global rank)."""
 from __future__ import annotations
 
 import json
+import os
 
 from ...config import Topology, Tuning, Workload
 from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
@@ -30,6 +31,33 @@ def log_env(mode: str) -> dict[str, str]:
     return dict(XLA_COMPILE_LOG if mode == "xla" else QUIET_LOG)
 
 
+AUTOTUNE_FLAG = "--xla_gpu_autotune_level"
+"""XLA's own autotuning of GEMMs and convolutions (``xla/debug_options_flags.cc``: "0 = off"),
+which ``--mode xla`` runs instead of TensorFlow's cuDNN kernels and ``TF_CUDNN_USE_AUTOTUNE``."""
+
+
+def tuning_env(tuning: Tuning, caller_env: dict[str, str]) -> dict[str, str]:
+    """The variables that carry ``tuning`` to TensorFlow, which reads them when it loads or
+    builds a kernel: oneDNN's custom CPU ops, cuDNN's autotuning of convolutions (``--mode
+    function``) and, under ``--mode xla`` without it, XLA's autotuning turned off, after the
+    caller's own ``XLA_FLAGS``. Set either way, so that a value left in the user's shell cannot
+    change what the results say ran (the worker records what TensorFlow made of them)."""
+    env = {"TF_ENABLE_ONEDNN_OPTS": "1" if tuning.tf_onednn else "0",
+           "TF_CUDNN_USE_AUTOTUNE": "1" if tuning.cudnn_benchmark else "0"}
+    if tuning.mode == "xla" and not tuning.cudnn_benchmark:
+        kept = [f for f in caller_env.get("XLA_FLAGS", "").split()
+                if not f.startswith(AUTOTUNE_FLAG + "=")]
+        env["XLA_FLAGS"] = " ".join([*kept, AUTOTUNE_FLAG + "=0"])
+    return env
+
+
+def xla_autotunes(xla_flags: str) -> bool:
+    """Whether XLA autotunes under these ``XLA_FLAGS`` (the last level given wins; XLA's own
+    default autotunes)."""
+    levels = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(AUTOTUNE_FLAG + "=")]
+    return not levels or levels[-1] != "0"
+
+
 def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     from ..spawn import rank_endpoints  # not at the top: see spawn's docstring
     config = {"cluster": {"worker": rank_endpoints(cluster)},
@@ -39,11 +67,9 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
 
 def launch(req: LaunchRequest) -> Launch:
     from ..spawn import spawn_launch  # not at the top: see spawn's docstring
-    # Set either way, so that a value left in the user's shell cannot change what the results
-    # say ran (``Tuning.tf_onednn``; the worker records what TensorFlow made of it) or what
-    # the worker can read of TensorFlow's log.
-    return spawn_launch(req, "tf", {"TF_ENABLE_ONEDNN_OPTS": "1" if req.tuning.tf_onednn
-                                    else "0", **log_env(req.tuning.mode)})
+    # The log is set either way too, for what the worker reads of it.
+    return spawn_launch(req, "tf", {**tuning_env(req.tuning, dict(os.environ)),
+                                    **log_env(req.tuning.mode)})
 
 
 def xla_refusal(workload: Workload, world_size: int, device_kind: str) -> str | None:
@@ -52,7 +78,9 @@ def xla_refusal(workload: Workload, world_size: int, device_kind: str) -> str | 
     hold every positive of the batch (``heads.py``). TensorFlow 2.21 compiles a collective
     inside ``jit_compile`` only as NCCL ("Collectives are not yet implemented for CPU devices
     when compiling with XLA", b/194942685; RING: "Only compiling NCCL/auto collective is
-    supported"), so several CPU ranks cannot run one compiled step."""
+    supported"), so several CPU ranks cannot run one compiled step. Several GPU ranks can: the
+    one collective XLA lowers is the all-reduce, and the step uses nothing else there
+    (``comm.XLA_COLLECTIVES``: a sharded head's gathers are sums)."""
     if workload.task == "face" and workload.fc == "pfc" and workload.sample_ratio < 1.0:
         return ("the tf backend runs --fc pfc with sampling (--sample-ratio below 1) in --mode "
                 "function only: XLA compiles static shapes, and pfc's sample grows on the device "
@@ -91,6 +119,12 @@ BACKEND = Backend(
         # NHWC is the only layout its backbones have (models.py), on every device.
         layouts={"cpu": "channels_last", "cuda": "channels_last"},
         real_data=True,
+        tuning={"cudnn_benchmark": "TF_CUDNN_USE_AUTOTUNE; under --mode xla, XLA_FLAGS="
+                                   "--xla_gpu_autotune_level=0 when off (GEMMs too)",
+                "ddp_bucket_mb": "tf.distribute.experimental.CommunicationOptions("
+                                 "bytes_per_pack=) of the gradient all-reduce",
+                "tf_onednn": "TF_ENABLE_ONEDNN_OPTS",
+                "tf32": "tf.config.experimental.enable_tensor_float_32_execution"},
         why_not={"fp16": "TensorFlow's mixed float16 is not run on a CPU"}),
     runs_as="tf.Variable and tf.nn in one tf.function (XLA-compiled in --mode xla); pfc with "
             "a sparse (default) or dense update",

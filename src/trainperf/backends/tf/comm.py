@@ -18,6 +18,13 @@ sharded head's class rows are per rank by design, and its collectives (the gathe
 own gradients. The strategy's all-gather sends each rank's first dimension before its data (it
 allows uneven ones), so a gather is two collectives.
 
+Inside ``jit_compile`` (``--mode xla``) a collective must be one XLA lowers, and TensorFlow 2.21
+lowers one: ``CollectiveReduceV2`` (``XLA_COLLECTIVES``). The strategy's all-gather is
+``CollectiveGatherV2``, which has no XLA kernel, and its size exchange makes the gathered shape
+a value known only on the device; so a compiled step gathers with ``all_gather_by_sum``: each
+rank's rows placed at its offset in zeros, summed over ranks, which is the same gather, values
+and gradient.
+
 Order of set-up matters: thread counts and visible devices must be set, and the strategy
 created, before TensorFlow runs its first operation (``Comm.create``).
 """
@@ -32,6 +39,22 @@ import numpy as np
 import tensorflow as tf
 
 from ..workerkit import device_kind_for
+
+XLA_COLLECTIVES = frozenset({"CollectiveReduceV2"})
+"""The collectives TensorFlow 2.21 compiles inside ``jit_compile``: those with an XLA kernel.
+``tensorflow/compiler/tf2xla/kernels/all_reduce_op.cc`` registers ``REGISTER_XLA_OP(Name(
+"CollectiveReduceV2")...)`` for every XLA device, lowered to ``xla::AllReduce`` where
+``merge_op`` is Add or Mul, ``final_op`` Id and the hint ``nccl`` or ``auto`` (the strategy's
+all-reduce: Add, Id, its MEAN a division after it; NCCL on GPUs). No other Collective*V2 op has
+one: the 2.21.0 wheels' registry (``kernels.get_registered_kernels_for_op``, after a compile
+has registered XLA's kernels) lists ``XLA_CPU_JIT`` and ``XLA_GPU_JIT`` kernels for
+``CollectiveReduceV2`` and none for ``CollectiveGatherV2``; tests/test_tf_device_ops.py reads it
+from the CPU wheel. Across processes, TensorFlow resolves the group for XLA
+(``ResolveDeviceAssignment``, ``tf2xla/xla_helpers.cc``; in the 2.21.0 CUDA wheel it calls
+``GpuExecutableRunOptions::set_gpu_global_device_ids`` and ``set_clique_id_callback``), and
+``MultiWorkerMirroredStrategy`` calls its collectives without ``merge_call`` when XLA compiles
+the replica function on GPUs (``CollectiveAllReduceExtended._use_merge_call``). No GPU here has
+run a compiled collective."""
 
 
 class Comm:
@@ -94,22 +117,29 @@ class Comm:
 
     # --------------------------------------------------------------------- replica context
 
-    def all_reduce_mean(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Mean over ranks of each tensor (call inside ``strategy.run``); one batched
-        collective (the strategy packs the tensors); the identity in one process."""
-        if not self.distributed:
-            return list(values)
-        ctx = tf.distribute.get_replica_context()
-        return ctx.all_reduce(tf.distribute.ReduceOp.MEAN, list(values))
+    def all_reduce_mean(self, values: list[tf.Tensor], pack_bytes: int = 0
+                        ) -> list[tf.Tensor]:
+        """Mean over ranks of each tensor (call inside ``strategy.run``); the identity in one
+        process. The strategy concatenates the tensors into packs of about ``pack_bytes``
+        each (``CommunicationOptions.bytes_per_pack``; 0: one pack), one collective a pack."""
+        return self._all_reduce(tf.distribute.ReduceOp.MEAN, values, pack_bytes)
 
-    def all_reduce_sum(self, values: list[tf.Tensor]) -> list[tf.Tensor]:
+    def all_reduce_sum(self, values: list[tf.Tensor], pack_bytes: int = 0
+                       ) -> list[tf.Tensor]:
         """Sum over ranks of each tensor, as ``all_reduce_mean``. Its gradient is the sum
         over ranks of the gradients (the strategy's own): what each rank differentiates is
         its share of one objective summed over ranks."""
+        return self._all_reduce(tf.distribute.ReduceOp.SUM, values, pack_bytes)
+
+    def _all_reduce(self, op: tf.distribute.ReduceOp, values: list[tf.Tensor],
+                    pack_bytes: int) -> list[tf.Tensor]:
         if not self.distributed:
             return list(values)
-        ctx = tf.distribute.get_replica_context()
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+        # Per call: the strategy packs with the options it is given here, before it merges
+        # its own (``CollectiveAllReduce._all_reduce``).
+        options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=pack_bytes)
+        return tf.distribute.get_replica_context().all_reduce(op, list(values),
+                                                               options=options)
 
     def all_gather(self, value: tf.Tensor) -> tf.Tensor:
         """Every rank's ``value`` [k, ...] concatenated in rank order (call inside
@@ -120,6 +150,21 @@ class Comm:
         # The identity places a ``strategy.run`` argument on the replica's device, where
         # all_gather finds its destination (see ``gather_rows``).
         return tf.distribute.get_replica_context().all_gather(tf.identity(value), axis=0)
+
+    def all_gather_by_sum(self, value: tf.Tensor) -> tf.Tensor:
+        """``all_gather`` as an all-reduce, the form XLA compiles (module doc): this rank's
+        ``value`` [k, ...] at rows ``rank * k`` of zeros [world_size * k, ...], summed over
+        ranks. Every rank's ``k`` must be the same. Adding zeros changes no value, and the
+        gradient is the all-gather's: the sum over ranks of the gathered gradient, sliced to
+        this rank's rows (the pad's gradient is that slice)."""
+        if not self.distributed:
+            return value
+        k = value.shape[0]
+        if k is None:
+            raise ValueError("all_gather_by_sum needs the first dimension known when traced")
+        padding = [[self.rank * k, (self.world_size - 1 - self.rank) * k]]
+        padded = tf.pad(value, padding + [[0, 0]] * (value.shape.rank - 1))
+        return self.all_reduce_sum([padded])[0]
 
     # ---------------------------------------------------------------------- host side
 

@@ -125,13 +125,16 @@ class MarginSoftmaxHead:
     ``comm``: the ranks the classes are sharded over (None: one process). ``sample_ratio`` and
     ``update``: pfc's sample and which update the step runs (``sparse``: the sampled rows and
     their momentum only; ``dense``: arcface_torch's whole-matrix SGD). ``straight_through``:
-    the negative control's margin gradient (module doc), for strict alignment runs only."""
+    the negative control's margin gradient (module doc), for strict alignment runs only.
+    ``gather_by_sum``: gather over ranks with ``Comm.all_gather_by_sum``, the form XLA
+    compiles (``--mode xla``), instead of the strategy's all-gather; the same values."""
 
     def __init__(self, num_classes: int, embedding_size: int,
                  margins: tuple[float, float, float], scale: float, comm: Comm | None = None,
                  mode: str = "dp", sample_ratio: float = 1.0, update: str = "sparse",
                  seed: int = 0, compute_dtype: tf.DType | None = None,
-                 dtype: tf.DType = tf.float32, straight_through: bool = False) -> None:
+                 dtype: tf.DType = tf.float32, straight_through: bool = False,
+                 gather_by_sum: bool = False) -> None:
         check_fc(mode)
         if update not in PFC_UPDATES:
             raise ValueError(f"pfc update must be one of {', '.join(PFC_UPDATES)}, got "
@@ -145,6 +148,7 @@ class MarginSoftmaxHead:
         self.dtype = tf.as_dtype(dtype)
         self.compute_dtype = compute_dtype or self.dtype
         self.straight_through = straight_through
+        self.gather_by_sum = gather_by_sum
         self.sharded = mode != "dp"
         self.matrix_shape = (int(num_classes), int(embedding_size))
         """The whole class matrix's, of which this rank holds rows ``start`` on (``count``)."""
@@ -189,6 +193,8 @@ class MarginSoftmaxHead:
     def _gather(self, value: tf.Tensor) -> tf.Tensor:
         if self.comm is None or not self.comm.distributed:
             return value
+        if self.gather_by_sum:
+            return self.comm.all_gather_by_sum(value)
         return self.comm.all_gather(value)
 
     def _sum(self, values: list[tf.Tensor]) -> list[tf.Tensor]:

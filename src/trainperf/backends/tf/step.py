@@ -9,17 +9,20 @@ Modes (``MODES``, the backend's ``Capabilities.modes``): ``function`` traces the
 graph that Grappler rewrites and TensorFlow's executor runs op by op (``jit_compile=False``);
 ``xla`` compiles the whole traced step, the collectives of several GPU ranks (NCCL) included,
 into one XLA program (``jit_compile=True``), so every shape in it must be known when it is
-traced. A sampling ``pfc`` grows its sample on the device to hold every positive, a size XLA
-cannot compile, and TensorFlow compiles no collective for CPU devices: the backend refuses those
-cases under ``xla`` (``backend.xla_refusal``). Both modes trace once, before the first call
+traced, and every collective must be one XLA lowers: the all-reduce, so a sharded head gathers
+by a sum (``comm.XLA_COLLECTIVES``, ``Comm.all_gather_by_sum``). A sampling ``pfc`` grows its
+sample on the device to hold every positive, a size XLA cannot compile, and TensorFlow compiles
+no collective for CPU devices: the backend refuses those cases under ``xla``
+(``backend.xla_refusal``). Both modes trace once, before the first call
 (``trace``, timed by the worker: ``compiling.py``); a second trace (``traces``) is a
 recompilation.
 
 Gradients, as torch's DDP set-up:
 
 - ``dp`` and classification: every gradient (backbone and the whole class matrix) is the mean
-  over ranks, in one batched all-reduce (``Comm.all_reduce_mean``). Each rank's loss is the mean
-  over its own batch, so the mean of the gradients is the gradient of the global-batch mean.
+  over ranks, in batched all-reduces of about ``pack_bytes`` each (``Comm.all_reduce_mean``,
+  ``--ddp-bucket-mb``). Each rank's loss is the mean over its own batch, so the mean of the
+  gradients is the gradient of the global-batch mean.
 - ``mp`` and ``pfc``: the loss is the mean over the gathered global batch, the same on every
   rank, and each rank differentiates its share of it (``heads.py``), so each rank's backbone
   gradient is one partial of the true gradient: they are summed (``Comm.all_reduce_sum``). The
@@ -27,7 +30,7 @@ Gradients, as torch's DDP set-up:
 
 The class matrix's update: ``dp``, ``mp`` and ``pfc`` without sampling run the update below on
 the whole matrix (shard). A sampling ``pfc`` takes the gradient of the sampled rows only (the
-gather's output) and, ``sparse`` (default), applies it with ``ResourceSparseApplyMomentum``:
+gather's output) and, ``sparse`` (default), applies it to those rows (``sparse_momentum``):
 ``buf[rows] = m * buf[rows] + g + wd * w[rows]; w[rows] -= lr * buf[rows]``, momentum kept per
 row, the rows not sampled and their momentum untouched (the Partial FC paper, PLSC). ``dense``
 reproduces insightface's arcface_torch: the whole shard's gradient (zero off the sample),
@@ -80,6 +83,38 @@ from .heads import MarginSoftmaxHead
 
 CLIP_EPS = 1e-6
 MODES = ("function", "xla")
+SPARSE_UPDATE_OPS = frozenset({"ResourceGather", "Mul", "AddV2", "ResourceScatterUpdate",
+                               "ResourceScatterAdd", "ResourceScatterSub"})
+"""The ops of ``sparse_momentum``, each with a GPU kernel in TensorFlow 2.21 for float16, float32
+and float64, int32 indices: ``tensorflow/core/kernels/resource_variable_ops.cc`` registers
+ResourceGather for ``DEVICE_GPU`` over ``TF_CALL_GPU_ALL_TYPES``, and ResourceScatterUpdate,
+ResourceScatterAdd and ResourceScatterSub over ``TF_CALL_GPU_NUMBER_TYPES``
+(``REGISTER_SCATTER_ARITHMETIC_GPU``); the cwise kernels, Mul and AddV2 (``cwise_op_mul_1.cc``,
+``cwise_op_add_1.cc``); the 2.21.0 CUDA wheel's registry lists a ``GPU`` kernel for each. Not
+``ResourceSparseApplyMomentum``: ``core/kernels/training_ops.cc`` registers it for
+``DEVICE_CPU`` only ("this op works on cpu only"), so on a GPU its variable would be read and
+written across the PCIe bus, or not placed. ``tests/test_tf_device_ops.py`` keeps the ops traced
+here equal to this set."""
+
+
+def sparse_momentum(var: tf.Variable, buf: tf.Variable, rows: tf.Tensor, grad: tf.Tensor,
+                    index: tf.Tensor, rate: tf.Tensor, momentum: tf.Tensor,
+                    weight_decay: float) -> list[tf.Operation]:
+    """torch's SGD on rows ``index`` (unique) of ``var`` and their momentum ``buf`` only:
+    ``rows`` is ``var[index]`` as the step read it, ``grad`` its gradient. The arithmetic of
+    ``ResourceSparseApplyMomentum`` and its roundings (``accum = accum * m + g; var -= lr *
+    accum``, per row, ``g`` the gradient plus the weight decay), with ops that have GPU kernels
+    (``SPARSE_UPDATE_OPS``). Each sum is a scatter-add, not an add of tensors: Grappler's
+    arithmetic optimizer would turn a chain of adds into one AddN, in another order."""
+    decayed = grad + weight_decay * rows
+    kept = tf.raw_ops.ResourceGather(resource=buf.handle, indices=index, dtype=buf.dtype)
+    return [tf.raw_ops.ResourceScatterUpdate(resource=buf.handle, indices=index,
+                                             updates=kept * momentum),
+            tf.raw_ops.ResourceScatterAdd(resource=buf.handle, indices=index, updates=decayed),
+            tf.raw_ops.ResourceScatterSub(
+                resource=var.handle, indices=index,
+                updates=rate * tf.raw_ops.ResourceGather(resource=buf.handle, indices=index,
+                                                         dtype=buf.dtype))]
 
 
 def check_precision(precision: str, device_type: str) -> None:
@@ -126,11 +161,13 @@ class TrainStep:
 
     ``dtype``: what the variables, buffers and the step's arithmetic are in (float64 for a
     strict alignment run); ``keep_state``: keep each step's gradient norm and rate
-    (``grad_norm``, ``rate``); ``straight_through``: the head's negative control."""
+    (``grad_norm``, ``rate``); ``straight_through``: the head's negative control;
+    ``pack_bytes``: the size of the gradient all-reduce's packs (0: one)."""
 
     def __init__(self, workload: Workload, comm: Comm, init: Any = None,
                  dtype: str = "float32", keep_state: bool = False,
-                 straight_through: bool = False, mode: str = "function") -> None:
+                 straight_through: bool = False, mode: str = "function",
+                 pack_bytes: int = 0) -> None:
         require(BACKEND.model_refusal(workload))
         if mode not in MODES:
             raise ValueError(f"the TensorFlow step runs in mode {', '.join(MODES)}, not {mode!r}")
@@ -141,6 +178,7 @@ class TrainStep:
         self.mode = mode
         self.workload = workload
         self.comm = comm
+        self.pack_bytes = int(pack_bytes)
         self.fp16 = workload.precision == "fp16"
         self.dtype = tf.as_dtype(dtype)
         if self.fp16 and self.dtype != tf.float32:
@@ -161,7 +199,7 @@ class TrainStep:
                     workload.scale, comm=comm, mode=workload.fc,
                     sample_ratio=workload.sample_ratio, update=workload.pfc_update,
                     seed=workload.seed, compute_dtype=compute, dtype=self.dtype,
-                    straight_through=straight_through)
+                    straight_through=straight_through, gather_by_sum=mode == "xla")
                 if init is not None:
                     self.head.set_weight(np.asarray(init["head/weight"]))
             self.sharded = self.head is not None and self.head.sharded
@@ -209,7 +247,9 @@ class TrainStep:
                              "replica context",
                 "graph": BACKEND.capabilities.mode_words[self.mode],
                 "update": "ResourceApplyMomentum (torch's SGD rule)"
-                + ("; class rows: ResourceSparseApplyMomentum" if self.sparse else ""),
+                + ("; class rows: the same rule, gathered and scattered back (sparse_momentum)"
+                   if self.sparse else ""),
+                "gradient_pack_bytes": self.pack_bytes if self.comm.distributed else None,
                 "backbone_gradient": "sum over ranks" if self.sharded else "mean over ranks",
                 "mixed_precision": "float16" if self.fp16 else None,
                 "loss_scaling": "dynamic, on the device, one decision for all ranks"
@@ -260,7 +300,7 @@ class TrainStep:
         """Gradients over ranks (module doc) and, for a sharded head in fp16, how many ranks'
         local shard gradients are not all finite (None otherwise)."""
         if not self.sharded:
-            return self.comm.all_reduce_mean(grads), None
+            return self.comm.all_reduce_mean(grads, self.pack_bytes), None
         nb = len(self.backbone_vars)
         local = grads[nb:]
         flag = []
@@ -268,7 +308,7 @@ class TrainStep:
             # The shard's gradient is not reduced: its overflow travels as a count, so that
             # every rank makes the same decision.
             flag = [tf.cast(tf.logical_not(_all_finite(local)), tf.float32)]
-        reduced = self.comm.all_reduce_sum(grads[:nb] + flag)
+        reduced = self.comm.all_reduce_sum(grads[:nb] + flag, self.pack_bytes)
         return reduced[:nb] + local, (reduced[nb] if self.fp16 else None)
 
     def _update(self, grads: list[tf.Tensor], sample: tuple[tf.Tensor, tf.Tensor] | None
@@ -293,9 +333,8 @@ class TrainStep:
         for var, buf, grad in zip(self.variables, self.buffers, grads):
             if sample is not None and var is self.head.weight:
                 index, rows = sample
-                ops.append(tf.raw_ops.ResourceSparseApplyMomentum(
-                    var=var.handle, accum=buf.handle, lr=rate, grad=grad + wl.weight_decay * rows,
-                    indices=index, momentum=momentum, use_locking=False, use_nesterov=False))
+                ops.extend(sparse_momentum(var, buf, rows, grad, index, rate, momentum,
+                                           wl.weight_decay))
                 continue
             ops.append(tf.raw_ops.ResourceApplyMomentum(
                 var=var.handle, accum=buf.handle, lr=rate, grad=grad + wl.weight_decay * var,

@@ -34,12 +34,13 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from ...config import Tuning
 from ..phases import PhaseClock, compiled_step_phase
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
-                         dumps_state, environment, leave, load_init, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_entry)
+                         device_used_bytes, dumps_state, environment, leave, load_init,
+                         memory_fields, rss_now_bytes, rss_peak_bytes, tf32_wanted, worker_entry)
 from . import models, profiling
-from .backend import BACKEND
+from .backend import BACKEND, xla_autotunes
 from .comm import Comm
 from .compiling import CompileClock
 from .step import TrainStep, init_batch, synthetic_batch
@@ -62,9 +63,16 @@ def peak_memory(comm: Comm) -> int:
 
 
 def memory_over_ranks(comm: Comm) -> dict:
-    """The largest peak over ranks, and every rank's (a collective call)."""
-    per_rank = comm.gather_rows(np.array([peak_memory(comm)], dtype=np.float64))
-    return memory_fields(per_rank.reshape(-1, 1), with_reserved=False)
+    """The largest peak over ranks, and every rank's (a collective call); on GPUs also the
+    device-wide used memory (``device_used_bytes``; -1 where a rank could not read it)."""
+    row = [peak_memory(comm)]
+    gpu = comm.device_type == "gpu"
+    if gpu:
+        used = device_used_bytes(0)  # the one device CUDA_VISIBLE_DEVICES leaves this rank
+        row.append(-1 if used is None else used)
+    per_rank = comm.gather_rows(np.array(row, dtype=np.float64))
+    return memory_fields(per_rank.reshape(-1, len(row)), with_reserved=False,
+                         with_device_used=gpu)
 
 
 # ---------------------------------------------------------------------------- environment
@@ -88,12 +96,38 @@ def onednn_opts() -> bool | None:
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
+TF32_SWITCH = "tf.config.experimental.enable_tensor_float_32_execution"
+"""TensorFlow's one switch for TF32 in fp32 convolutions and matrix products alike, in its own
+kernels and in XLA's (the tf2xla convolution and dot kernels ask for HIGHEST precision when it
+is off)."""
+
+
+def apply_tf32(tuning: Tuning, gpu: bool) -> None:
+    """``Tuning.tf32`` with TensorFlow's switch, before anything is built; nothing on a CPU."""
+    wanted = tf32_wanted(tuning, gpu)
+    if wanted is not None:
+        tf.config.experimental.enable_tensor_float_32_execution(wanted)
+
+
+def tf32_enabled(gpu: bool) -> bool | None:
+    """Whether TensorFlow runs fp32 work in TF32, as it says; None on a CPU."""
+    return bool(tf.config.experimental.tensor_float_32_execution_enabled()) if gpu else None
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean variable as TensorFlow's ``ReadBoolFromEnvVar`` reads it."""
+    value = os.environ.get(name, "").strip().lower()
+    return {"1": True, "true": True, "0": False, "false": False}.get(value, default)
+
+
 def framework_env(comm: Comm, threads: int | None) -> dict:
     gpu = comm.device_type == "gpu"
     build = tf.sysconfig.get_build_info()
+    tf32 = tf32_enabled(gpu)
     return environment(
         "tensorflow", tf.__version__, gpu,
-        "allocator peak (tf.config.experimental.get_memory_info)",
+        "allocator peak (tf.config.experimental.get_memory_info()['peak'])",
+        memory_kind="allocator_peak", tf32_cudnn=tf32, tf32_matmul=tf32, tf32_switch=TF32_SWITCH,
         keras_version=_version_of("keras"),
         device_count=len(tf.config.list_physical_devices("GPU")) if gpu else 0,
         cuda_version=build.get("cuda_version") if gpu else None,
@@ -101,9 +135,7 @@ def framework_env(comm: Comm, threads: int | None) -> dict:
         collective=comm.communication,
         intra_op_threads=tf.config.threading.get_intra_op_parallelism_threads() or None,
         inter_op_threads=tf.config.threading.get_inter_op_parallelism_threads() or None,
-        threads_asked=threads,
-        tf32=tf.config.experimental.tensor_float_32_execution_enabled() if gpu else None,
-        cudnn_autotune=os.environ.get("TF_CUDNN_USE_AUTOTUNE", "1") if gpu else None)
+        threads_asked=threads)
 
 
 # ------------------------------------------------------------------------------------ run
@@ -112,11 +144,11 @@ class TFRun(FrameworkRun):
     backend = BACKEND
 
     def connect(self) -> None:
-        # Read once, at the first convolution: cuDNN's timing of its algorithms per shape.
-        os.environ["TF_CUDNN_USE_AUTOTUNE"] = "1" if self.spec.tuning.cudnn_benchmark else "0"
+        # TF_CUDNN_USE_AUTOTUNE and XLA_FLAGS come from the launch (backend.tuning_env).
         # Distributed: a failing rank leaves at once, as TensorFlow's shutdown would wait on
         # peers stuck in a collective; the launcher stops them.
         self.comm = Comm.create(self.spec.device, self.spec.threads)
+        apply_tf32(self.spec.tuning, self.comm.device_type == "gpu")
         self.join(self.comm)
         self.outputs: list[tuple] = []
 
@@ -129,7 +161,8 @@ class TFRun(FrameworkRun):
         dtype = align_dtype(spec)
         self.train_step = TrainStep(
             spec.workload, comm, init=init, dtype=dtype, keep_state=dumps_state(align),
-            straight_through=breaks_margin(align), mode=self.mode)
+            straight_through=breaks_margin(align), mode=self.mode,
+            pack_bytes=self.pack_bytes())
         self.clock = CompileClock(self.train_step, xla=self.mode == "xla")
         if spec.data is not None:
             self.real = RealData(spec, [comm.rank], comm.world_size, self.real_batch)
@@ -150,6 +183,23 @@ class TFRun(FrameworkRun):
             return (tf.cast(x, tf.float16) if half else x,
                     tf.convert_to_tensor(labels.astype(np.int32)))
 
+    def pack_bytes(self) -> int:
+        """``--ddp-bucket-mb`` as the gradient all-reduce's pack size."""
+        return int(self.spec.tuning.ddp_bucket_mb * 2**20)
+
+    def applied_tuning(self) -> dict:
+        applied = {"tf_onednn": onednn_opts()}
+        if applied["tf_onednn"] is None:
+            applied["tf_onednn"] = env_flag("TF_ENABLE_ONEDNN_OPTS", False)
+        if self.comm.distributed:
+            applied["ddp_bucket_mb"] = self.spec.tuning.ddp_bucket_mb
+        if self.comm.device_type == "gpu":
+            applied["cudnn_benchmark"] = (xla_autotunes(os.environ.get("XLA_FLAGS", ""))
+                                          if self.mode == "xla"
+                                          else env_flag("TF_CUDNN_USE_AUTOTUNE", True))
+            applied["tf32"] = "on" if tf32_enabled(True) else "off"
+        return applied
+
     def compile_count(self) -> int | None:
         # Each trace of the step is a new graph (and, under XLA, a new compilation).
         return self.train_step.traces
@@ -162,10 +212,8 @@ class TFRun(FrameworkRun):
 
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
-        settings = {**step.settings, "ddp": None,
-                    "cudnn_benchmark": self.spec.tuning.cudnn_benchmark
-                    if comm.device_type == "gpu" else None,
-                    "onednn_opts": onednn_opts()}
+        settings = {**step.settings, "ddp": None, "onednn_opts": onednn_opts(),
+                    "cudnn_benchmark": self.applied_tuning().get("cudnn_benchmark")}
         return {"env": framework_env(comm, self.spec.threads), "settings": settings,
                 "backbone_params": models.param_count(step.backbone),
                 "pfc_update": step.pfc_update}
