@@ -25,6 +25,7 @@ import pytest
 
 from trainperf import results
 from trainperf.cli import main
+from trainperf.config import TUNING_SETTINGS
 from trainperf.envs import state
 from trainperf.outcome import names_bind_failure
 from align_checks import align, assert_one_rank_with_controls, assert_strictly_aligned
@@ -114,6 +115,10 @@ def test_mp_on_one_and_two_ranks_gives_results(mp_run):
         assert "persistent compilation cache" in run["compile_measure"]
         assert settings["mesh"] == {"axis": "r", "devices": case["world_size"]}
         assert case["pfc_update"] == "full"
+        # On a CPU JAX applies none of its declared settings (both are GPU-only).
+        assert settings["tuning"] == dict.fromkeys(TUNING_SETTINGS)
+    assert env["memory_kind"] == "resident_set_peak"
+    assert env["tf32_cudnn"] is env["tf32_matmul"] is env["tf32_switch"] is None
     assert doc["cases"][1]["speedup"] is not None
     # Two ranks on this node's cores: each rank ran its share (the runner's threads per rank,
     # test_jax_threads.py), and the gradients were reduced as one buffer across the processes.

@@ -12,6 +12,7 @@ import pytest
 from trainperf import results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
+from trainperf.config import TUNING_SETTINGS
 from align_checks import align, assert_strictly_aligned
 from run_util import (BREAKDOWN, assert_a_suspended_rank_is_named, assert_delay_lands,
                       assert_started_again, assert_timed_runs_unprofiled, left_behind,
@@ -67,6 +68,13 @@ def test_a_sharded_run_on_one_and_two_ranks(mp_run):
     # The 2-rank settings name the data-parallel wrapper of the sharded set-up.
     assert doc["cases"][1]["settings"]["oneflow_ddp"]["wraps"] == "backbone"
     assert doc["cases"][0]["settings"]["oneflow_ddp"] is None
+    # On a CPU only DDP's buffer broadcast applies, where DDP wraps the model (two ranks).
+    for case in doc["cases"]:
+        applied = {k: v for k, v in case["settings"]["tuning"].items() if v is not None}
+        assert applied == ({"ddp_broadcast_buffers": False} if case["world_size"] == 2 else {})
+        assert set(case["settings"]["tuning"]) == set(TUNING_SETTINGS)
+    assert doc["env"]["memory_kind"] == "resident_set_peak"
+    assert doc["env"]["tf32_cudnn"] is doc["env"]["tf32_matmul"] is None
 
 
 def test_the_worker_reports_torchs_parameter_count(mp_run):

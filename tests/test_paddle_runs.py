@@ -23,6 +23,7 @@ import pytest
 from trainperf import envs, results
 from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
+from trainperf.config import TUNING_SETTINGS
 from align_checks import align, assert_strictly_aligned
 from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
                       assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
@@ -76,6 +77,12 @@ def test_a_measured_run_on_one_and_two_ranks(measured):
         assert len(run["peak_memory_bytes_per_rank"]) == case["world_size"]
         # Paddle's default mode, dygraph, builds no program.
         assert run["mode"] == "dygraph" and run["compile_s"] == 0.0
+        # On a CPU only the gradient buckets apply, on two ranks.
+        applied = {k: v for k, v in case["settings"]["tuning"].items() if v is not None}
+        assert applied == ({"ddp_bucket_mb": 25.0} if case["world_size"] == 2 else {})
+        assert set(case["settings"]["tuning"]) == set(TUNING_SETTINGS)
+    assert env["memory_kind"] == "resident_set_peak"
+    assert env["tf32_cudnn"] is env["tf32_matmul"] is env["tf32_switch"] is None
     assert doc["cases"][1]["speedup"] is not None
     assert left_behind(out) == []
 

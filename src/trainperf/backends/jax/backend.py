@@ -28,6 +28,15 @@ def launch(req: LaunchRequest) -> Launch:
     return spawn_launch(req, "jax")
 
 
+TUNING = {
+    "cudnn_benchmark": "XLA's xla_gpu_autotune_level compile option: XLA's default (4) times "
+                       "every convolution's algorithms, 0 when off (it then times no GEMM "
+                       "either)",
+    "tf32": "jax.config jax_default_matmul_precision: tensorfloat32 (on) or float32 (off), "
+            "for dots and convolutions alike"}
+"""The speed settings JAX honours, by its own switches (``tuning.py`` says how each works)."""
+
+
 # NHWC throughout: XLA picks its layouts, so --channels-last changes nothing it runs.
 BACKEND = Backend(
     name="jax", framework="jax", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
@@ -37,7 +46,7 @@ BACKEND = Backend(
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32", "bf16"),
                     "cuda": ("fp32", "fp16", "bf16")},
-        families=FAMILIES, channels_last=True, real_data=True),
+        families=FAMILIES, channels_last=True, real_data=True, tuning=TUNING),
     runs_as="flax linen, optax; one jitted `shard_map` step; pfc's global batch up to the "
             "per-shard sample",
     ranks_start="one process per rank, `jax.distributed` coordinator")

@@ -470,9 +470,11 @@ class TrainStep:
     def pfc_update(self) -> str | None:
         return None if self.head is None else self.head.update
 
-    def compile(self, images: jax.Array, labels: jax.Array) -> None:
-        """Lower and compile the step for these batch shapes (ahead of the first call); a
-        float64 step's program is checked first (:meth:`check_program`). Adds the seconds of
+    def compile(self, images: jax.Array, labels: jax.Array,
+                options: dict[str, Any] | None = None) -> None:
+        """Lower and compile the step for these batch shapes (ahead of the first call), with
+        XLA's compile ``options`` (``tuning.compiler_options``); a float64 step's program is
+        checked first (:meth:`check_program`). Adds the seconds of
         the lowering (tracing to a jaxpr, then to StableHLO) and of XLA's compile to
         ``compile_s``, and one to ``compiles``."""
         began = time.perf_counter()
@@ -481,7 +483,7 @@ class TrainStep:
         if self.dtype == jnp.float64:
             self.check_program(lowered.as_text())
         began = time.perf_counter()
-        self._compiled = lowered.compile()
+        self._compiled = lowered.compile(compiler_options=options)
         self.compile_s += lowered_s + time.perf_counter() - began
         self.compiles += 1
 

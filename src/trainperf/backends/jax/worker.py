@@ -24,6 +24,11 @@ multi-process run only process 0's: JAX 0.10 writes the cache from process 0 alo
 other processes' keys differ); the settings and ``compile_measure`` say whether one was
 configured.
 
+Speed settings (``tuning.py``): on a GPU, TF32 is JAX's ``jax_default_matmul_precision``, set
+once the device is known and before the step is traced; cuDNN's timing off compiles the step
+with XLA's autotuning off. Memory on a GPU is the allocator's ``peak_bytes_in_use``, with the
+device's used memory beside it (``workerkit.device_used_bytes``).
+
 Alignment (``RunSpec.align``): the start file's weights and batches instead of drawn ones; in
 float64, JAX's 64-bit mode is switched on before any array exists (``configure_process``) and
 the whole step runs in float64 (``step.py``); with a dump, ``align_state`` gives each step's
@@ -47,8 +52,9 @@ import numpy as np
 from ...protocol import RunSpec
 from ..phases import PhaseClock, compiled_step_phase
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
-                         dumps_state, environment, load_init, memory_fields, rss_now_bytes,
-                         leave, rss_peak_bytes, worker_entry)
+                         device_used_bytes, dumps_state, environment, load_init, memory_fields,
+                         rss_now_bytes, leave, rss_peak_bytes, worker_entry)
+from . import tuning
 from .backend import BACKEND
 
 SINGLE_THREAD_FLAG = "--xla_cpu_multi_thread_eigen=false"
@@ -101,21 +107,26 @@ def current_memory(layout) -> int:
     return rss_now_bytes()
 
 
-def peak_memory(layout) -> tuple[int, int]:
-    """(peak, reserved): the allocator's peak in use and its pool on a GPU; the process's
-    peak resident set on CPU (both)."""
+def peak_memory(layout) -> tuple[int, ...]:
+    """(peak, reserved, device used) on a GPU: the allocator's peak in use and its pool, and the
+    device-wide used memory (-1 where the driver cannot say); (peak, peak) of the process's
+    resident set on a CPU."""
     if layout.device_type == "cuda":
         stats = _device_stats(layout)
         peak = int(stats.get("peak_bytes_in_use", 0))
-        return peak, int(stats.get("pool_bytes", stats.get("bytes_reserved", peak)) or peak)
+        used = device_used_bytes(layout.devices[layout.rank].local_hardware_id)
+        return (peak, int(stats.get("pool_bytes", stats.get("bytes_reserved", peak)) or peak),
+                -1 if used is None else used)
     rss = rss_peak_bytes()
     return rss, rss
 
 
 def memory_over_ranks(layout) -> dict:
     """The largest figures over ranks, and every rank's peak (a collective call)."""
-    per_rank = layout.gather_host(np.asarray(peak_memory(layout), dtype=np.int64))
-    return memory_fields(per_rank.reshape(-1, 2), with_reserved=layout.device_type == "cuda")
+    row = np.asarray(peak_memory(layout), dtype=np.int64)
+    per_rank = layout.gather_host(row).reshape(-1, len(row))
+    gpu = layout.device_type == "cuda"
+    return memory_fields(per_rank, with_reserved=gpu, with_device_used=gpu)
 
 
 # ----------------------------------------------------------------------------- environment
@@ -143,6 +154,7 @@ def framework_env(layout, threads: int | None) -> dict:
     cuda, cudnn = _cuda_versions() if gpu else (None, None)
     env = environment(
         "jax", jax.__version__, gpu, "allocator peak_bytes_in_use (device memory_stats)",
+        memory_kind="allocator_peak", **tuning.tf32_fields(gpu),
         jaxlib_version=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
         flax_version=flax.__version__, optax_version=optax.__version__,
         device_count=jax.device_count() if gpu else 0, platform=layout.devices[0].platform,
@@ -225,6 +237,8 @@ def _jaxlib_version() -> str | None:
 
 class JaxRun(FrameworkRun):
     backend = BACKEND
+    compiler_options: dict[str, Any] | None = None
+    """XLA's compile options of the step (``tuning.compiler_options``), set by ``build``."""
 
     def connect(self) -> None:
         configure_process(self.spec)
@@ -236,6 +250,12 @@ class JaxRun(FrameworkRun):
         self.layout = layout = layout_from_env(self.distributed)
         self.rank, self.world_size = layout.rank, layout.world_size
         self.device, self.device_kind = layout.device, layout.device_type
+        # Before build traces the step: the precision is part of what is traced.
+        tuning.configure(self.spec.tuning, self.gpu)
+
+    @property
+    def gpu(self) -> bool:
+        return self.device_kind == "cuda"
 
     def close(self) -> None:
         """After a run that went to its end (a failed distributed rank leaves at once): leave
@@ -264,7 +284,8 @@ class JaxRun(FrameworkRun):
         else:
             self.images, self.labels = layout.per_rank(lambda r: synthetic_batch(workload, r))
         self.rank_threads = threads_over_ranks(layout)
-        self.train_step.compile(self.images, self.labels)
+        self.compiler_options = tuning.compiler_options(spec.tuning, self.gpu)
+        self.train_step.compile(self.images, self.labels, self.compiler_options)
         if spec.data is not None:
             # Compiled for the synthetic batch's shapes and dtypes, which real batches share.
             self.real = RealData(spec, layout.local_ranks, layout.world_size, self.real_batch)
@@ -295,7 +316,8 @@ class JaxRun(FrameworkRun):
             "mesh": {"axis": "r", "devices": self.world_size},
             "grad_reduce": step.grad_reduce,
             "gloo_send_buffer_bytes": self.layout.gloo_send_bytes,
-            "cudnn_benchmark": None,
+            "compiler_options": self.compiler_options,
+            "cudnn_benchmark": self.applied_tuning().get("cudnn_benchmark"),
             "ddp": None,
             "loss_scaling": "dynamic, one overflow decision for all ranks, on the device"
             if workload.precision == "fp16" else None,
@@ -304,6 +326,9 @@ class JaxRun(FrameworkRun):
                "threads_per_rank": self.rank_threads}
         return {"env": env, "settings": settings,
                 "backbone_params": step.param_count, "pfc_update": step.pfc_update}
+
+    def applied_tuning(self) -> dict[str, Any]:
+        return tuning.applied(self.gpu, self.compiler_options)
 
     def batch(self) -> tuple[Any, Any]:
         """This step's (images, labels), global arrays over the ranks."""

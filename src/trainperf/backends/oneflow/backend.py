@@ -45,9 +45,40 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     return {**torch_style_env(local_rank, cluster), PORT_VARIABLE: str(cluster.ports[0][-1])}
 
 
+TF32_MATMUL_VAR = "ONEFLOW_EP_CUDA_ENABLE_TF32_EXECUTION"
+"""OneFlow 0.9's own TF32 switch, for cuBLAS only: read (default true) when each CUDA stream is
+made, which then puts its cuBLAS handle in ``CUBLAS_TF32_TENSOR_OP_MATH``
+(``oneflow/core/ep/cuda/cuda_stream.cpp``); the fused MLP's cuBLASLt calls read it too
+(``oneflow/user/kernels/cublas_fused_mlp_util.cuh``). OneFlow 0.9 sets no math type of its own
+on a float32 convolution (``oneflow/core/device/cudnn_conv_util.cpp``): cuDNN's default, which
+allows TF32, governs, and only ``TF32_OVERRIDE`` turns it off."""
+TF32_OVERRIDE = "NVIDIA_TF32_OVERRIDE"
+"""cuBLAS's and cuDNN's own variable: 0 keeps every fp32 product of theirs off TF32."""
+
+
+def launch_env(tuning: Tuning) -> dict[str, str]:
+    """The TF32 variables a OneFlow run starts with (read when OneFlow makes its CUDA streams
+    and when cuDNN starts, before the worker could set anything; a CPU run reads neither).
+    ``--tf32 on`` leaves cuDNN alone (any other value of the override is reserved)."""
+    if tuning.tf32 == "on":
+        return {TF32_MATMUL_VAR: "1"}
+    return {TF32_MATMUL_VAR: "0", TF32_OVERRIDE: "0"}
+
+
 def launch(req: LaunchRequest) -> Launch:
     from ..spawn import spawn_launch  # not at the top: see spawn's docstring
-    return spawn_launch(req, "oneflow", {"LD_LIBRARY_PATH": library_path(req.python)})
+    return spawn_launch(req, "oneflow", {"LD_LIBRARY_PATH": library_path(req.python),
+                                         **launch_env(req.tuning)})
+
+
+TUNING = {
+    "cudnn_benchmark": "flow.backends.cudnn.enable_conv_heuristic_search_algo(False), which "
+                       "only nn.Graph reads (--mode graph): eager convolutions always take "
+                       "cuDNN's heuristic, recorded as cudnn_benchmark false",
+    "ddp_broadcast_buffers": "nn.parallel.DistributedDataParallel(broadcast_buffers=)",
+    "tf32": f"{TF32_MATMUL_VAR} (cuBLAS); {TF32_OVERRIDE}=0 beside it for off (cuDNN's "
+            f"convolutions, which OneFlow 0.9 has no switch for)"}
+"""The speed settings OneFlow honours, each by the switch that does it (``tuning.py``)."""
 
 
 GRAPH_FLOAT64 = ("the oneflow backend's --mode graph computes in float32 only: OneFlow 0.9's "
@@ -69,10 +100,19 @@ def graph_refusal(workload: Workload) -> str | None:
     return None
 
 
+GRAPH_BUFFERS = ("the oneflow backend's --mode graph has no DDP: each rank keeps its own "
+                 "BatchNorm statistics, so --ddp-broadcast-buffers runs in --mode eager only")
+
+
 def mode_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str | None:
     """Why the case's ``--mode`` cannot run it, or None. ``best`` probes ``graph`` only where
     this says None for it."""
-    return graph_refusal(workload) if tuning.mode == "graph" else None
+    if tuning.mode != "graph":
+        return None
+    several = topology.devices_per_node * topology.nnodes > 1
+    if several and tuning.ddp_broadcast_buffers:
+        return GRAPH_BUFFERS
+    return graph_refusal(workload)
 
 
 BACKEND = Backend(
@@ -87,7 +127,7 @@ BACKEND = Backend(
                              "OneFlow)"},
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
-        families=("iresnet", "mobilefacenet", "resnet_v1b"), real_data=True,
+        families=("iresnet", "mobilefacenet", "resnet_v1b"), real_data=True, tuning=TUNING,
         why_not={"fp16": "OneFlow 0.9's eager mode has no dynamic loss "
                          "scaler"}),
     runs_as="eager; mp and pfc as global tensors, `split(0)`; `--mode graph`: one nn.Graph",

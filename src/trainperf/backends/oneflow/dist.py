@@ -49,8 +49,13 @@ class Dist:
     def device(self) -> flow.device:
         """This rank's device for local tensors."""
         if self.device_type == "cuda":
-            return flow.device("cuda", self.local_rank % flow.cuda.device_count())
+            return flow.device("cuda", self.gpu_index)
         return flow.device("cpu")
+
+    @property
+    def gpu_index(self) -> int:
+        """This rank's GPU as the process numbers them (it sees all of its node's)."""
+        return self.local_rank % flow.cuda.device_count()
 
     @property
     def device_name(self) -> str:

@@ -30,8 +30,17 @@ device, with no read-back.
 
 SGD: ``oneflow.optim.SGD``, whose momentum update in OneFlow 0.9 is torch's: ``buf = m * buf +
 g + wd * w; w -= lr * buf`` (checked in the tests against ``oracle.sgd_momentum_step``). On a GPU
-the backbone's arrays are updated by OneFlow's fused multi-tensor kernel. The rate of each step
-is ``Workload.lr_at``.
+the backbone's arrays are updated by OneFlow's fused multi-tensor kernel (``SGD(fused=True)``,
+which OneFlow turns off, with a warning, for arrays not on a GPU): ``flow._C.
+multi_tensor_momentum_update`` with the group's rate, momentum and weight decay, dampening 0,
+no Nesterov (``python/oneflow/nn/optimizer/sgd.py``, v0.9.0), whose kernel is registered for
+CUDA float32 (``oneflow/user/kernels/multi_tensor_model_update_kernel.cpp``) and computes, per
+element, ``g + wd * w`` (its ``l1`` and ``l2`` left 0), ``buf = m * buf + g``, ``w -= lr * buf``
+(``MultiTensorMomentumUpdateGpu`` in ``multi_tensor_model_update_kernel_util.cu``): the CPU
+path's ``momentum_update`` rule, where the weight decay comes in as its ``l2``
+(``MomentumUpdateFunctor``, ``model_update_kernel_util.h``). It has never run here (no GPU);
+``tests/test_oneflow_tuning.py`` runs the fused call's arguments through that rule on a CPU. The
+rate of each step is ``Workload.lr_at``.
 
 Alignment (``trainperf.config.AlignSpec``): ``dtype`` float64 holds the weights, BatchNorm
 statistics, activations, the head, the gradients and the momentum in float64, with BatchNorm,

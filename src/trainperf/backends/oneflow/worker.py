@@ -17,13 +17,17 @@ batches are each rank's piece of a global ``split(0)`` batch (``placed``), and a
 is the data and that job as one phase. Compile time (``compile_seconds``): in ``graph``, the
 host seconds inside the graph's ``_compile``, OneFlow's own compile path, which its first call
 runs inside step 0 (``graph_step.StepGraph``); in ``eager``, 0.0: nothing is compiled.
+
+Speed settings and memory (``tuning.py``): TF32 comes with the launch's variables and is read
+back from them; cuDNN's search is set on the session before any graph is built. OneFlow 0.9
+keeps no allocator statistics, so on a GPU the memory figure is the device's used memory
+(``workerkit.device_used_bytes``, the CUDA driver's, by device, not by process id).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 from typing import Sequence
 
@@ -35,10 +39,10 @@ wait_for_rank0()
 import oneflow as flow  # noqa: E402
 
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
-                         cudnn_version, dumps_state, environment, load_init, memory_fields,
-                         leave, rss_now_bytes, rss_peak_bytes, worker_entry)
+                         cudnn_version, device_used_bytes, dumps_state, environment, load_init,
+                         memory_fields, leave, rss_now_bytes, rss_peak_bytes, worker_entry)
 from ..phases import NO_COMM, PhaseClock, compiled_step_phase
-from . import models, profiling
+from . import models, profiling, tuning
 from .alignment import step_state
 from .backend import BACKEND
 from .dist import Dist, dist_from_env
@@ -48,35 +52,31 @@ from .step import TrainStep, init_batch, synthetic_batch
 
 # ---------------------------------------------------------------------------------- memory
 
-def _gpu_process_bytes() -> int:
-    """Device memory held by this process (nvidia-smi; OneFlow 0.9 exposes no allocator
-    statistics). Its caching allocator keeps what it took, so after a run this is its peak."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                             timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    for line in out.splitlines():
-        pid, _, used = line.partition(",")
-        if pid.strip() == str(os.getpid()):
-            return int(used.strip()) * 2**20
-    return 0
+def device_used(dist: Dist) -> int | None:
+    """Device-wide used memory of this rank's GPU (OneFlow 0.9 keeps no allocator statistics;
+    its caching allocator keeps what it took, so after a run this holds its peak)."""
+    return device_used_bytes(dist.gpu_index)
 
 
 def current_memory(dist: Dist) -> int:
-    """Memory in use now: this process's device memory on a GPU, its resident set on CPU."""
-    return _gpu_process_bytes() if dist.device_type == "cuda" else rss_now_bytes()
+    """Memory in use now: the device's used memory on a GPU, the resident set on CPU."""
+    return (device_used(dist) or 0) if dist.device_type == "cuda" else rss_now_bytes()
 
 
-def peak_memory(dist: Dist) -> int:
-    return _gpu_process_bytes() if dist.device_type == "cuda" else rss_peak_bytes()
+def peak_memory(dist: Dist) -> list[float]:
+    """(peak, device used) on a GPU, both the device's used memory (-1 where the driver cannot
+    say, the peak then 0); (peak,) of the resident set on CPU."""
+    if dist.device_type != "cuda":
+        return [float(rss_peak_bytes())]
+    used = device_used(dist)
+    return [float(used or 0), float(-1 if used is None else used)]
 
 
 def memory_over_ranks(dist: Dist) -> dict:
     """The largest peak over ranks, and every rank's (a collective call)."""
-    per_rank = dist.gather_host([float(peak_memory(dist))])
-    return memory_fields(per_rank, with_reserved=False)
+    per_rank = dist.gather_host(peak_memory(dist))
+    return memory_fields(per_rank, with_reserved=False,
+                         with_device_used=dist.device_type == "cuda")
 
 
 # ---------------------------------------------------------------------------- environment
@@ -96,7 +96,9 @@ def framework_env(dist: Dist, threads: int | None) -> dict:
         fields = {"device_count": flow.cuda.device_count(), "cudnn_version": _cudnn_version(),
                   "cuda_version": f"{code // 1000}.{code % 1000 // 10}"}
     return environment("oneflow", flow.__version__, gpu,
-                       "device memory held by the process after the run (nvidia-smi)",
+                       "the device's used memory after the run (CUDA driver cuMemGetInfo: "
+                       "total - free); OneFlow 0.9 keeps no allocator statistics",
+                       memory_kind="device_used", **tuning.tf32_fields(gpu),
                        intra_op_threads=threads, omp_threads=os.environ.get("OMP_NUM_THREADS"),
                        **fields)
 
@@ -130,6 +132,8 @@ class OneFlowRun(FrameworkRun):
 
     def build(self) -> None:
         spec, dist = self.spec, self.dist
+        # Before any graph is built: its convolutions' search is fixed when it compiles.
+        tuning.configure(spec.tuning, dist.device_type == "cuda")
         init = load_init(spec)
         align = spec.align
         dtype = getattr(flow, align_dtype(spec))
@@ -187,9 +191,15 @@ class OneFlowRun(FrameworkRun):
     def start_fields(self, baseline: int) -> dict:
         step = self.train_step
         return {"env": framework_env(self.dist, self.spec.threads),
-                "settings": {**step.settings, "cudnn_benchmark": None},
+                "settings": {**step.settings,
+                             "cudnn_benchmark": self.applied_tuning().get("cudnn_benchmark")},
                 "backbone_params": models.param_count(step.backbone),
                 "pfc_update": step.pfc_update}
+
+    def applied_tuning(self) -> dict:
+        dist = self.dist
+        return tuning.applied(self.spec.tuning, dist.device_type == "cuda", self.graph_mode,
+                              ddp=not self.graph_mode and dist.distributed)
 
     def step(self, index: int) -> flow.Tensor:
         if self.real is not None:

@@ -4,6 +4,7 @@ several."""
 
 from __future__ import annotations
 
+from ...config import Tuning
 from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
 from ..catalog import FAMILIES
 
@@ -33,10 +34,38 @@ shape, keep the fastest). Given through the environment, which Paddle reads when
 ``paddle.set_flags`` refuses this flag in some builds. A CPU build ignores it."""
 
 
+TF32_OVERRIDE = "NVIDIA_TF32_OVERRIDE"
+"""cuBLAS's and cuDNN's own variable: 0 keeps every fp32 product of theirs off TF32 whatever
+the caller asked. Paddle's own default for it moved in the 3.3 cycle: PaddlePaddle/Paddle PR
+75476 (October 2025; reverted, reopened as 75972) turned it to 0, PR 77781 (February 2026,
+cherry-picked as 77842) took that out again for its flags (``tuning.py``); which of them the
+pinned GPU wheel holds could not be read here. ``--tf32 on`` gives 1, as PaddlePaddle's own
+benchmark CI does to keep TF32 under that default (PaddlePaddle/benchmark PR 1828), which
+leaves the libraries to Paddle's switches; ``off`` gives 0 beside the switches, for any fp32
+product of a Paddle kernel that no switch of Paddle's reaches."""
+
+
+def launch_env(tuning: Tuning) -> dict[str, str]:
+    """The variables a Paddle run starts with: read by Paddle and cuDNN when they start, before
+    the worker could set anything (a CPU build ignores both)."""
+    return {CUDNN_SEARCH_FLAG: "1" if tuning.cudnn_benchmark else "0",
+            TF32_OVERRIDE: "1" if tuning.tf32 == "on" else "0"}
+
+
 def launch(req: LaunchRequest) -> Launch:
     from ..spawn import spawn_launch  # not at the top: see spawn's docstring
-    return spawn_launch(req, "paddle",
-                        {CUDNN_SEARCH_FLAG: "1" if req.tuning.cudnn_benchmark else "0"})
+    return spawn_launch(req, "paddle", launch_env(req.tuning))
+
+
+TUNING = {
+    "cudnn_benchmark": CUDNN_SEARCH_FLAG,
+    "ddp_bucket_mb": "the size of the flat buckets trainperf's all-reduce sums the gradients "
+                     "in after the backward (paddle.distributed.all_reduce; Paddle's "
+                     "DataParallel is not used)",
+    "tf32": "paddle.base.core.set_cublas_switch and set_cudnn_switch (and FLAGS_cublas_allow_"
+            "tf32, FLAGS_cudnn_allow_tf32 where the build has them); NVIDIA_TF32_OVERRIDE 1 "
+            "(on) or 0 (off) beside them"}
+"""The speed settings Paddle honours, each by the switch that does it (``tuning.py``)."""
 
 
 DYGRAPH, STATIC = "dygraph", "static"
@@ -65,7 +94,7 @@ BACKEND = Backend(
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16", "bf16")},
         families=FAMILIES, real_data=True,
-        rule_differences=RULE_DIFFERENCES,
+        rule_differences=RULE_DIFFERENCES, tuning=TUNING,
         why_not={p: "Paddle's CPU build has no half-precision matrix "
                     "products" for p in ("fp16", "bf16")}),
     runs_as="dynamic graph, AMP O1; pfc by PLSC's rule, sparse or dense update",

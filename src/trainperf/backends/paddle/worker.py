@@ -18,6 +18,12 @@ Compile time (``compile_seconds``, ``End.compile_s``): in ``static`` mode, the s
 spends building the backbone's programs inside the first step, timed where Paddle builds them
 (``step.ProgramBuilds``); ``dygraph`` builds nothing (0.0).
 
+Speed settings (``tuning.py``): TF32 by Paddle's own switches, set before the model is built,
+and read back with ``NVIDIA_TF32_OVERRIDE`` from the launch; cuDNN's exhaustive search from the
+launch's ``FLAGS_cudnn_exhaustive_search``. Memory on a GPU is the allocator's
+``max_memory_allocated``, with the device's used memory beside it
+(``workerkit.device_used_bytes``).
+
 Profiled runs (``run --breakdown``): :meth:`TrainStep.profiled` runs the same step phase by
 phase; ``profiling.py`` says how they are timed and traced.
 
@@ -35,11 +41,12 @@ import numpy as np
 import paddle
 
 from ..phases import PhaseClock
-from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment, leave,
-                         load_init, memory_fields, rss_now_bytes, rss_peak_bytes, worker_entry)
-from . import models, profiling
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, device_used_bytes,
+                         environment, leave, load_init, memory_fields, rss_now_bytes,
+                         rss_peak_bytes, worker_entry)
+from . import models, profiling, tuning
 from .alignment import step_state
-from .backend import BACKEND, CUDNN_SEARCH_FLAG
+from .backend import BACKEND
 from .comm import Comm, comm_from_env
 from .step import TrainStep, init_batch, synthetic_batch
 
@@ -55,11 +62,14 @@ def current_memory(comm: Comm) -> int:
     return rss_now_bytes()
 
 
-def peak_memory(comm: Comm) -> tuple[int, int]:
-    """(peak, reserved): Paddle's allocator peaks on a GPU, the peak resident set on CPU."""
+def peak_memory(comm: Comm) -> tuple[int, ...]:
+    """(peak, reserved, device used) on a GPU: Paddle's allocator peaks and the device-wide
+    used memory (-1 where the driver cannot say); (peak, peak) of the resident set on CPU."""
     if comm.device_type == "gpu":
+        used = device_used_bytes(comm.gpu_index)
         return (int(paddle.device.cuda.max_memory_allocated(comm.gpu_index)),
-                int(paddle.device.cuda.max_memory_reserved(comm.gpu_index)))
+                int(paddle.device.cuda.max_memory_reserved(comm.gpu_index)),
+                -1 if used is None else used)
     rss = rss_peak_bytes()
     return rss, rss
 
@@ -68,7 +78,8 @@ def memory_over_ranks(comm: Comm) -> dict:
     """The largest figures over ranks, and every rank's peak (a collective call)."""
     mine = paddle.to_tensor(np.array([peak_memory(comm)], dtype=np.float64))
     per_rank = comm.all_gather(mine).numpy()
-    return memory_fields(per_rank, with_reserved=comm.device_type == "gpu")
+    gpu = comm.device_type == "gpu"
+    return memory_fields(per_rank, with_reserved=gpu, with_device_used=gpu)
 
 
 # ---------------------------------------------------------------------------- environment
@@ -83,6 +94,7 @@ def framework_env(comm: Comm, threads: int | None) -> dict:
                   "nccl_version": nccl() if callable(nccl) else None}
     return environment("paddle", paddle.__version__, gpu,
                        "paddle.device.cuda.max_memory_allocated",
+                       memory_kind="allocator_peak", **tuning.tf32_fields(gpu),
                        paddle_commit=getattr(paddle.version, "commit", None),
                        collective_backend=comm.backend,
                        omp_threads=threads or os.environ.get("OMP_NUM_THREADS"), **fields)
@@ -111,6 +123,7 @@ class PaddleRun(FrameworkRun):
     def build(self) -> None:
         spec, comm = self.spec, self.comm
         configure(spec.threads)
+        tuning.configure(spec.tuning, comm.device_type == "gpu")
         init = load_init(spec)
         self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init, align=spec.align,
                                     mode=self.mode)
@@ -133,10 +146,13 @@ class PaddleRun(FrameworkRun):
     def start_fields(self, baseline: int) -> dict:
         step, comm = self.train_step, self.comm
         settings = {**step.settings, "ddp": None,
-                    "cudnn_benchmark": os.environ.get(CUDNN_SEARCH_FLAG) == "1"
-                    if comm.device_type == "gpu" else None}
+                    "cudnn_benchmark": self.applied_tuning().get("cudnn_benchmark")}
         return {"env": framework_env(comm, self.spec.threads), "settings": settings,
                 "backbone_params": models.param_count(step.net), "pfc_update": step.pfc_update}
+
+    def applied_tuning(self) -> dict:
+        comm = self.comm
+        return tuning.applied(self.spec.tuning, comm.device_type == "gpu", comm.distributed)
 
     def compile_count(self) -> int | None:
         return self.train_step.compile_count()
