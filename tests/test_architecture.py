@@ -36,9 +36,10 @@ FLOORS: list[tuple[str, set[str]]] = [
     ("scenarios", {"plans", "search", "align", "train", "scale", "gpucheck", "parity"}),
     ("cli", {"cli"}),
 ]
-FRAMEWORKS = {"torch", "mxnet", "paddle", "paddlepaddle", "jax", "jaxlib", "flax", "optax",
-              "tensorflow", "keras", "oneflow"}
-FRAMEWORK_PACKAGES = {"mxnet": {"mxnet"}, "paddle": {"paddle"},
+FRAMEWORKS = {"torch", "mxnet", "horovod", "paddle", "paddlepaddle", "jax", "jaxlib", "flax",
+              "optax", "tensorflow", "keras", "oneflow"}
+# Horovod is built into MXNet's environment (its collectives and rendezvous server).
+FRAMEWORK_PACKAGES = {"mxnet": {"mxnet", "horovod"}, "paddle": {"paddle"},
                       "jax": {"jax", "jaxlib", "flax", "optax"}, "tf": {"tensorflow"},
                       "oneflow": {"oneflow"}}
 WORKER_SHARED = {"trainperf.protocol", "trainperf.config", "trainperf.faults",

@@ -102,14 +102,87 @@ def test_package_link_gives_this_trainperf_and_nothing_else(tmp_path):
     assert out == str(folder / "trainperf" / "protocol.py")
 
 
-def test_mxnet_environment_holds_only_the_framework_and_numpy(mxnet_python):
+def test_mxnet_environment_holds_the_framework_numpy_and_horovod_built_for_it(mxnet_python):
+    """Horovod compiled in the environment against its MXNet (with gloo; no NCCL on a CPU),
+    recorded in the manifest; nothing of trainperf's own environment."""
     out = subprocess.run([mxnet_python, "-c", "import json, importlib.metadata as m; print("
                           "json.dumps(sorted(d.metadata['Name'].lower() for d in "
                           "m.distributions())))"], capture_output=True, text=True,
                          check=True).stdout
     installed = set(json.loads(out))
-    assert {"mxnet", "numpy"} <= installed
-    assert not installed & {"torch", "trainperf", "rich", "psutil"}
+    assert {"mxnet", "numpy", "horovod"} <= installed
+    assert not installed & {"torch", "trainperf", "rich"}
+    manifest = json.loads((Path(mxnet_python).parents[1] / envs.MANIFEST).read_text())
+    assert manifest["packages"][-1] == "horovod==0.28.1"
+    assert {k: manifest["versions"][k] for k in ("horovod", "horovod_gloo", "horovod_nccl")
+            } == {"horovod": "0.28.1", "horovod_gloo": True, "horovod_nccl": None}
+    assert manifest["build_s"] > 0
+
+
+def test_an_mxnet_environment_without_horovod_is_outdated(env_root):
+    folder = env_root / "mxnet"
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin" / "python").symlink_to(sys.executable)
+    manifest = {"packages": ["mxnet==1.9.1", "numpy<1.24"], "cuda": False}
+    (folder / envs.MANIFEST).write_text(json.dumps(manifest))
+    assert envs.state("mxnet").state == "outdated"
+
+
+def test_horovods_build_takes_nccl_from_the_wheel_where_there_is_cuda(monkeypatch, tmp_path):
+    """The CUDA build's variables point Horovod at the NCCL wheel in the environment (its
+    headers, the folder that gets the libnccl.so link, the run path); a CPU build has none of
+    them. A missing compiler is said before anything is built."""
+    (horovod,) = get_backend("mxnet").env.source_builds
+    site = tmp_path / "site"
+    monkeypatch.delenv("MAKEFLAGS", raising=False)
+    monkeypatch.setattr(envs, "_tool_path", lambda tool, build=None: f"/usr/bin/{tool}")
+    cpu = envs.build_env(horovod, False, site)
+    assert {k: cpu[k] for k in ("HOROVOD_WITH_MXNET", "HOROVOD_WITH_GLOO",
+                                "HOROVOD_WITHOUT_MPI", "HOROVOD_WITHOUT_TENSORFLOW",
+                                "HOROVOD_WITHOUT_PYTORCH")} == dict.fromkeys(
+        ("HOROVOD_WITH_MXNET", "HOROVOD_WITH_GLOO", "HOROVOD_WITHOUT_MPI",
+         "HOROVOD_WITHOUT_TENSORFLOW", "HOROVOD_WITHOUT_PYTORCH"), "1")
+    assert "HOROVOD_GPU_OPERATIONS" not in cpu and cpu["MAKEFLAGS"].startswith("-j")
+    cuda = envs.build_env(horovod, True, site)
+    lib = f"{site}/nvidia/nccl/lib"
+    assert cuda["HOROVOD_GPU_OPERATIONS"] == "NCCL" and cuda["HOROVOD_NCCL_LINK"] == "SHARED"
+    assert cuda["HOROVOD_NCCL_INCLUDE"] == f"{site}/nvidia/nccl/include"
+    assert cuda["HOROVOD_NCCL_LIB"] == lib and cuda["LDFLAGS"] == f"-Wl,-rpath,{lib}"
+    assert cuda["HOROVOD_CUDA_HOME"] == "/usr" and cuda["PATH"].startswith("/usr/bin:")
+    assert horovod.cuda_links == {"{site}/nvidia/nccl/lib/libnccl.so": "libnccl.so.2"}
+    assert any(p.startswith("nvidia-nccl-cu11==") for p in get_backend("mxnet").env.cuda_packages)
+    monkeypatch.setattr(envs, "_tool_path",
+                        lambda tool, build=None: None if tool == "nvcc" else tool)
+    envs.check_tools(horovod, False)  # a CPU build needs no nvcc
+    with pytest.raises(ValueError, match=r"building horovod==0.28.1 needs nvcc \(nvcc: a CUDA "
+                       r"toolkit with cuda_runtime.h, cuda.h, cublas_v2.h, curand.h, in "):
+        envs.check_tools(horovod, True)
+
+
+def test_the_cuda_toolkit_is_one_with_every_header_the_build_includes(monkeypatch, tmp_path):
+    """A wrapper ``nvcc`` on PATH outside its toolkit, or a toolkit without cuBLAS's headers
+    (which a CUDA MXNet's headers include), is passed over for one that has them."""
+    def toolkit(name: str, headers: tuple[str, ...]) -> Path:
+        root = tmp_path / name
+        (root / "bin").mkdir(parents=True)
+        (root / "include").mkdir()
+        (root / "bin" / "nvcc").write_text("#!/bin/sh\n")
+        (root / "bin" / "nvcc").chmod(0o755)
+        for h in headers:
+            (root / "include" / h).write_text("")
+        return root
+
+    wanted = ("cuda_runtime.h", "cublas_v2.h")
+    slim = toolkit("slim", ("cuda_runtime.h",))
+    full = toolkit("full", wanted)
+    monkeypatch.setenv("PATH", str(slim / "bin"))
+    for var in envs.CUDA_HOMES:
+        monkeypatch.delenv(var, raising=False)
+    assert envs.cuda_home(("cuda_runtime.h",)) == slim
+    monkeypatch.setenv("CUDA_HOME", str(full))
+    assert envs.cuda_home(wanted) == full
+    monkeypatch.delenv("CUDA_HOME")
+    assert envs.cuda_home(wanted) in (None, Path("/usr/local/cuda"))
 
 
 def test_a_framework_tied_to_other_pythons_gets_one_or_a_one_line_error(monkeypatch, tmp_path):

@@ -1,7 +1,8 @@
 """Every non-torch backend started across nodes from a ``Cluster``: what each rank is told (global
 rank, every rank's endpoint, the coordinator on node 0, the GPU by local rank), which processes
-the MXNet launcher starts on which node, and two real two-"node" runs over loopback (Paddle, the
-cheapest framework to start, and MXNet's dist_sync, the one with the most moving parts).
+the MXNet launcher starts on which node, and real two-"node" runs over loopback (Paddle, the
+cheapest framework to start, MXNet's dist_sync, the one with the most moving parts, and MXNet
+over Horovod, its default, whose rendezvous node 0's launcher serves).
 
 The real runs start one launcher per "node", each with its own cluster file and events file, one
 rank each; node 1 lives at 127.0.0.2 (loopback too on Linux), so every address a node is told is
@@ -152,8 +153,8 @@ def test_every_backend_takes_several_nodes_and_passes_the_cluster_file(name, tmp
     cut = several.argv.index("--")
     assert f"--cluster={path}" in several.argv[:cut]
     assert several.argv[cut:] == one.argv[one.argv.index("--"):]
-    if name == "mxnet":  # one rank per node still needs the parameter server
-        assert "--kvstore=local" in one.argv and "--kvstore=dist_sync" in several.argv
+    if name == "mxnet":  # one rank per node still needs collectives
+        assert "--kvstore=local" in one.argv and "--kvstore=horovod" in several.argv
 
 
 # A worker stand-in for spawn: writes what it was told, one file per global rank.
@@ -245,3 +246,11 @@ def test_mxnet_dist_sync_two_nodes_over_loopback(mxnet_python, tmp_path):
     events are on node 0 only because the worker takes the launcher's rank instead."""
     launcher = ["trainperf.backends.mxnet.launch", "--kvstore=dist_sync"]
     assert_ran_on_two_nodes(*two_node_run(mxnet_python, launcher, "dp", tmp_path), tmp_path)
+
+
+def test_mxnet_horovod_two_nodes_over_loopback(mxnet_python, tmp_path):
+    """mp: the sharded head's gathers and sums cross the nodes through gloo, which the ranks
+    joined at node 0's rendezvous, each node named by its own address (127.0.0.2 for node
+    1)."""
+    launcher = ["trainperf.backends.mxnet.launch", "--kvstore=horovod"]
+    assert_ran_on_two_nodes(*two_node_run(mxnet_python, launcher, "mp", tmp_path), tmp_path)

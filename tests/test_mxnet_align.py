@@ -3,13 +3,16 @@ in float64, each tensor's update within the float64 tolerance of torch's (BatchN
 means included; the running variances, which MXNet's kernel moves with the biased batch
 variance, are the backend's one declared difference of rule, measured and not judged), on one
 rank with the negative controls that break one rule in MXNet's run only (weight decay,
-momentum, clipping, the margin's derivative), and on two ranks (dp and mp, one process per rank
-over the dist_sync kvstore: the summed gradients, the gathered embeddings and the sharded
-softmax, all carried exactly in float64).
+momentum, clipping, the margin's derivative), and on two ranks (dp, mp and pfc, one process per
+rank over Horovod's gloo, the default layout: the summed gradients, the gathered embeddings and
+the sharded softmax, all in float64; ``test_mxnet_launch.py`` holds dist_sync's collectives to
+the same exactness).
 
 torch's side of each check runs once per session (``shared_torch_alignment_runs``)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -30,12 +33,17 @@ def test_float64_alignment_on_one_rank_catches_every_control(tmp_path, mxnet_pyt
     assert left_behind(tmp_path) == []
 
 
-def test_float64_alignment_on_two_ranks_dp_and_mp(tmp_path, mxnet_python, capsys):
-    code, outcome = align("mxnet", tmp_path / "align", "2", "dp,mp")
+def test_float64_alignment_on_two_ranks_dp_mp_and_pfc(tmp_path, mxnet_python, capsys):
+    code, outcome = align("mxnet", tmp_path / "align", "2", "dp,mp,pfc")
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert outcome["aligned"] and outcome["dtype"] == "float64", printed
-    assert {(c["fc"], c["ranks"]) for c in outcome["checks"]} == {("dp", 2), ("mp", 2)}
+    assert {(c["fc"], c["ranks"]) for c in outcome["checks"]} == {("dp", 2), ("mp", 2),
+                                                                 ("pfc", 2)}
+    starts = [json.loads(line) for f in (tmp_path / "align").rglob("events.jsonl")
+              for line in f.read_text().splitlines() if '"start"' in line]
+    mine = [e for e in starts if e.get("event") == "start" and e["env"]["framework"] == "mxnet"]
+    assert len(mine) == 3 and {e["env"]["kvstore"] for e in mine} == {"horovod"}
     for check in outcome["checks"]:
         assert_strictly_aligned(check)
     # Each rank trains on its own batch: the ranks' losses differ in dp, agree in mp (one loss
@@ -44,5 +52,5 @@ def test_float64_alignment_on_two_ranks_dp_and_mp(tmp_path, mxnet_python, capsys
     first = {fc: {s["rank"]: s["loss"]["other"] for s in steps if s["step"] == 0}
              for fc, steps in by.items()}
     assert first["dp"][0] != first["dp"][1]
-    assert first["mp"][0] == first["mp"][1]
+    assert first["mp"][0] == first["mp"][1] and first["pfc"][0] == first["pfc"][1]
     assert left_behind(tmp_path) == []

@@ -591,8 +591,8 @@ def test_sparse_pfc_update_moves_only_sampled_rows_with_momentum_per_row(updates
 
 def test_unsupported_settings_are_refused_up_front(updates):
     pfc, fp16, bf16 = (updates / "refused.txt").read_text().splitlines()
-    assert pfc == ("kvstore device runs data parallel only (--fc dp); use dist_sync for "
-                   "--fc pfc")
+    assert pfc == ("kvstore device runs data parallel only (--fc dp); use horovod (the "
+                   "default) for --fc pfc")
     assert fp16 == "the mxnet backend runs --precision fp32 on a CPU; fp16 needs a GPU"
     assert bf16.startswith("the mxnet backend runs --precision fp32 on a CPU (MXNet 1.9's")
 

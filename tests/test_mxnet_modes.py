@@ -122,12 +122,13 @@ def test_a_mode_mxnet_lacks_is_refused_before_anything_runs(tmp_path):
 
 def test_no_case_is_refused_for_its_mode():
     """What the backend runs hybridized it runs imperative: every head on 1 and 2 ranks over
-    dist_sync, dp over kvstore device, on either device; the one refusal is the kvstore's."""
+    Horovod and dist_sync, dp over kvstore device, on either device; the one refusal is the
+    kvstore's."""
     backend = get_backend("mxnet")
     face = get_recipe("tiny-arcface").workload
     for kind in ("cpu", "cuda"):
         for fc in ("dp", "mp", "pfc"):
-            for kvstore in ("dist_sync", "device"):
+            for kvstore in ("horovod", "dist_sync", "device"):
                 for ranks in RANKS:
                     topology = Topology(devices_per_node=ranks, device=kind)
                     answers = {mode: backend.refusal(face.replace(fc=fc), topology,
@@ -256,7 +257,7 @@ def test_the_batchnorm_stand_in_holds_imperative(worker_side):
 
 
 def test_imperative_aligns_with_torch_in_float64(tmp_path, mxnet_python, capsys):
-    """mp on two ranks (one process per rank over dist_sync: the backbone's gradients summed
+    """mp on two ranks (one process per rank over Horovod: the backbone's gradients summed
     over ranks, the gathered embeddings and the sharded softmax; torch's side is the one
     ``test_mxnet_align`` uses): every tensor within float64's tolerance of torch's, the
     running variances set apart as the backend's declared rule. The mode changes only the

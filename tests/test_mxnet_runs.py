@@ -41,6 +41,12 @@ def test_torch_and_mxnet_run_side_by_side(side_by_side):
         assert doc["cases"][1]["speedup"] is not None
     env = docs["mxnet"]["env"]
     assert env["framework"] == "mxnet" and env["framework_version"] == "1.9.1"
+    # Two ranks talk through Horovod by default (gloo on a CPU); one rank through nothing.
+    one, two = (c["settings"] for c in docs["mxnet"]["cases"])
+    assert (one["kvstore"], two["kvstore"]) == ("local", "horovod")
+    assert one["tuning"]["mxnet_kvstore"] is None and two["tuning"]["mxnet_kvstore"] == "horovod"
+    assert {k for k, v in two["tuning"].items() if v is not None} == {"mxnet_kvstore"}
+    assert docs["mxnet"]["cases"][1]["memory_kind"] == "resident_set_peak"
     assert docs["torch"]["env"]["framework"] == "pytorch"
     # One step's samples are the same global batch in both frameworks.
     for t, m in zip(docs["torch"]["cases"], docs["mxnet"]["cases"]):
@@ -53,11 +59,11 @@ def test_torch_and_mxnet_run_side_by_side(side_by_side):
 
 @pytest.mark.parametrize("framework", ["torch", "mxnet"])
 def test_a_launch_whose_ports_were_taken_starts_again(side_by_side, framework):
-    """The first 2-rank launch of each framework found its ports taken (the store's, the
-    scheduler's): it failed before its first step and ran again on fresh ports."""
+    """The first 2-rank launch of each framework found its ports taken (the store's, Horovod's
+    rendezvous): it failed before its first step and ran again on fresh ports."""
     _, out = side_by_side
     error = assert_started_again(out / framework)["retries"][0]["error"]
-    assert {"torch": "EADDRINUSE", "mxnet": "bind failed"}[framework] in error
+    assert {"torch": "EADDRINUSE", "mxnet": "Address already in use"}[framework] in error
 
 
 def test_the_report_compares_the_frameworks(side_by_side):
@@ -140,14 +146,15 @@ def test_mxnet_refuses_what_it_does_not_run(tmp_path, capsys):
     assert main(["run", "tiny-arcface", "--framework", "mxnet", "--devices", "2", "--fc", "pfc",
                  "--mxnet-kvstore", "device", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
-    assert "kvstore device runs data parallel only (--fc dp); use dist_sync for --fc pfc" in err
+    assert ("kvstore device runs data parallel only (--fc dp); use horovod (the default) for "
+            "--fc pfc") in err
     assert not (tmp_path / "r").exists()
 
 
 def test_the_breakdown_splits_an_mp_step_into_phases(tmp_path, monkeypatch, mxnet_python):
     """One profiled run (the fixture above runs torch too, and data parallel only): the
     hand-written mp head runs its own backward and its collectives in ``head``; the gradient
-    pushpull runs in ``backward``, as the engine overlaps it there, and every other step skips
+    allreduce runs in ``backward``, as the engine overlaps it there, and every other step skips
     it to tell how much of it is not hidden. Every profiled step sleeps in its head: the sleep
     must land there and in no timed run."""
     out = tmp_path / "bd"
@@ -163,8 +170,8 @@ def test_the_breakdown_splits_an_mp_step_into_phases(tmp_path, monkeypatch, mxne
     assert list(bd["phases_s"]) == ["data", "backbone_forward", "head", "backward", "grad_comm",
                                     "optimizer", "other"]
     assert bd["hidden_comm_measured"] and bd["steps"] == bd["no_comm_steps"] == 2
-    push = ["KVStoreDistDefaultStoragePushPull"]
-    assert bd["collectives"] == {"head": push, "backward": push}
+    summed = ["horovod_allreduce"]
+    assert bd["collectives"] == {"head": summed, "backward": summed}
     assert bd["matmul_what"] == "mx.nd.dot float32 1024^3"
     trace = out / bd["folder"] / "trace"
     assert sorted(f.name for f in trace.iterdir()) == ["mxnet-trace-rank0.json",

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .backends import BACKENDS, get_backend
-from .backends.base import Backend
+from .backends.base import Backend, SourceBuild
 from .env import gpu_count
 
 MANIFEST = "trainperf-env.json"
@@ -50,7 +50,14 @@ def env_dir(name: str) -> Path:
 
 
 def wanted_packages(backend: Backend, cuda: bool) -> list[str]:
+    """What the environment is made of, as its manifest records it: pip's requirements, then
+    the packages compiled in it (``EnvSpec.source_builds``)."""
     assert backend.env is not None, f"{backend.name} runs in trainperf's own interpreter"
+    return [*_pip_packages(backend, cuda), *(b.requirement for b in backend.env.source_builds)]
+
+
+def _pip_packages(backend: Backend, cuda: bool) -> list[str]:
+    assert backend.env is not None
     return list(backend.env.cuda_packages if cuda else backend.env.packages)
 
 
@@ -179,17 +186,20 @@ def _uv() -> str | None:
 
 
 def pip_install(python: str, packages: list[str], flags: Sequence[str] = (),
-                target: str | None = None, log=None) -> None:
+                target: str | None = None, log=None, env: dict[str, str] | None = None,
+                fresh: bool = False) -> None:
     """Install ``packages`` for the interpreter ``python`` (into ``target`` if given) with uv
-    where it is installed, else pip. CalledProcessError when it fails."""
+    where it is installed, else pip; ``fresh``: build and download without the cache, and
+    leave nothing in it. CalledProcessError when it fails."""
     where = ["--target", target] if target else []
     uv = _uv()
     if uv:
         argv = [uv, "pip", "install", "--quiet", "--python", python, *_pip_index_args(),
-                *where, *flags, *packages]
+                *where, *(["--no-cache"] if fresh else []), *flags, *packages]
     else:
-        argv = [python, "-m", "pip", "install", "--quiet", *where, *flags, *packages]
-    subprocess.run(argv, check=True, stdout=log, stderr=log)
+        argv = [python, "-m", "pip", "install", "--quiet", *where,
+                *(["--no-cache-dir"] if fresh else []), *flags, *packages]
+    subprocess.run(argv, check=True, stdout=log, stderr=log, env=env)
 
 
 def _build(path: Path, python: str, packages: list[str], no_deps: list[str], log) -> None:
@@ -205,6 +215,93 @@ def _build(path: Path, python: str, packages: list[str], no_deps: list[str], log
         subprocess.run([python, "-m", "venv", str(path)], check=True, stdout=log, stderr=log)
     for wanted, flags in steps:
         pip_install(str(path / "bin/python"), wanted, flags, log=log)
+
+
+CUDA_HOMES = ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH")
+"""Variables that name a CUDA toolkit's folder."""
+
+
+def cuda_home(headers: Sequence[str] = ("cuda_runtime.h",)) -> Path | None:
+    """The CUDA toolkit a CUDA build compiles with: the first folder holding ``bin/nvcc`` and
+    every one of ``headers`` in ``include`` of those the variables name, the one whose
+    ``nvcc`` is on PATH, and ``/usr/local/cuda``. (An ``nvcc`` on PATH may be a wrapper outside
+    its toolkit; CMake then finds no headers beside it.)"""
+    on_path = shutil.which("nvcc")
+    candidates = [os.environ.get(v) for v in CUDA_HOMES]
+    candidates += [str(Path(os.path.realpath(on_path)).parent.parent) if on_path else None,
+                   "/usr/local/cuda"]
+    for home in filter(None, candidates):
+        root = Path(home)
+        if os.access(root / "bin" / "nvcc", os.X_OK) and all(
+                (root / "include" / h).is_file() for h in headers):
+            return root
+    return None
+
+
+def _tool_path(tool: str, build: SourceBuild | None = None) -> str | None:
+    """Where ``tool`` is: on PATH, or (``nvcc``) in a CUDA toolkit that has the headers
+    ``build`` needs (``cuda_home``)."""
+    if tool != "nvcc":
+        return shutil.which(tool)
+    home = cuda_home(build.cuda_headers if build else ("cuda_runtime.h",))
+    return str(home / "bin" / "nvcc") if home else None
+
+
+def site_packages(python: str) -> Path:
+    out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                          "['purelib'])"], capture_output=True, text=True, check=True).stdout
+    return Path(out.strip())
+
+
+def _tools(build: SourceBuild, cuda: bool) -> list[str]:
+    return [*build.tools, *(["nvcc"] if cuda and build.cuda_env else [])]
+
+
+def check_tools(build: SourceBuild, cuda: bool) -> None:
+    """ValueError naming the programs ``build`` needs that this machine lacks (before anything
+    is built)."""
+    missing = [tool for tool in _tools(build, cuda) if _tool_path(tool, build) is None]
+    if missing:
+        where = (f" (nvcc: a CUDA toolkit with {', '.join(build.cuda_headers)}, in "
+                 f"${', $'.join(CUDA_HOMES)}, on PATH or in /usr/local/cuda)"
+                 if "nvcc" in missing else "")
+        raise ValueError(f"building {build.requirement} needs {', '.join(missing)}{where}; "
+                         f"install {'them' if len(missing) > 1 else 'it'} and run again")
+
+
+def build_env(build: SourceBuild, cuda: bool, site: Path) -> dict[str, str]:
+    """The variables ``build`` compiles under: this process's, the build's own, one compile
+    job per core unless MAKEFLAGS says otherwise, and on a CUDA machine the CUDA ones, with the
+    toolkit's ``bin`` first on PATH and named by the build's own variable."""
+    check_tools(build, cuda)
+    env = dict(os.environ, **build.env)
+    env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 1}")
+    if cuda:
+        env.update({k: v.format(site=site) for k, v in build.cuda_env.items()})
+        nvcc = _tool_path("nvcc", build) if "nvcc" in _tools(build, cuda) else None
+        if nvcc:
+            env["PATH"] = f"{Path(nvcc).parent}{os.pathsep}{env.get('PATH', '')}"
+            if build.cuda_home_var:
+                env[build.cuda_home_var] = str(Path(nvcc).parent.parent)
+    return env
+
+
+def build_from_source(path: Path, build: SourceBuild, cuda: bool, log) -> None:
+    """Compile ``build`` in the environment at ``path`` against what it holds
+    (``base.SourceBuild``), on this machine's compilers."""
+    python = str(path / "bin/python")
+    site = site_packages(python)
+    env = build_env(build, cuda, site)
+    if build.build_packages:
+        pip_install(python, list(build.build_packages), log=log)
+    if cuda:
+        for link, target in build.cuda_links.items():
+            where = Path(link.format(site=site))
+            if not where.exists():
+                where.symlink_to(target)
+    print(f"compiling {build.requirement} in the environment (minutes)", file=log, flush=True)
+    pip_install(python, [build.requirement], ["--no-build-isolation"], log=log, env=env,
+                fresh=True)
 
 
 def compile_bytecode(python: str, folder: Path) -> None:
@@ -230,7 +327,7 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
     if backend.env is None or os.environ.get(python_override_var(name)):
         return state(name)  # nothing for trainperf to build
     cuda = gpu_count() > 0 if cuda is None else cuda
-    packages = wanted_packages(backend, cuda)
+    packages = _pip_packages(backend, cuda)
     python = base_python(backend)
     root = env_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -246,11 +343,16 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
                 compile_bytecode(str(path / "bin/python"), path / "lib")
                 _write_manifest(path, {**manifest, "bytecode": True})
             return current
+        for build in backend.env.source_builds:
+            check_tools(build, cuda)
         shutil.rmtree(path, ignore_errors=True)
+        started = time.monotonic()
         print(f"creating the {name} environment in {path}: {' '.join(packages)}", file=log,
               flush=True)
         try:
             _build(path, python, packages, list(backend.env.no_deps_packages), log)
+            for build in backend.env.source_builds:
+                build_from_source(path, build, cuda, log)
             compile_bytecode(str(path / "bin/python"), path / "lib")
             probe = subprocess.run([str(path / "bin/python"), "-c", backend.env.probe],
                                    capture_output=True, text=True, check=True)
@@ -258,10 +360,11 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
             raise ValueError(f"building the {name} environment failed ({exc.cmd[0]} exited "
                              f"with {exc.returncode}): {(exc.stderr or '').strip()[-300:]}"
                              ) from None
-        manifest = {"backend": name, "packages": packages, "cuda": cuda,
+        manifest = {"backend": name, "packages": wanted_packages(backend, cuda), "cuda": cuda,
                     "python": python,
                     "versions": json.loads(probe.stdout.strip().splitlines()[-1]),
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bytecode": True}
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bytecode": True,
+                    "build_s": round(time.monotonic() - started)}
         _write_manifest(path, manifest)
     return state(name)
 

@@ -3,14 +3,38 @@
 from __future__ import annotations
 
 from ...config import Topology, Tuning, Workload
-from ..base import Backend, Capabilities, EnvSpec, Launch, LaunchRequest
+from ..base import Backend, Capabilities, EnvSpec, Launch, LaunchRequest, SourceBuild
 from ..catalog import FAMILIES
 
-# MXNet 1.9.1 is the last release; numpy 1.24 removed aliases it still uses.
+# MXNet 1.9.1 is the last release; numpy 1.24 removed aliases it still uses. Horovod's NCCL
+# operations link the NCCL of a CUDA 11 wheel (the CUDA build below).
 PACKAGES = ("mxnet==1.9.1", "numpy<1.24")
-CUDA_PACKAGES = ("mxnet-cu117==1.9.1", "numpy<1.24")
-PROBE = ("import json, mxnet, numpy; print(json.dumps({'mxnet': mxnet.__version__, "
-         "'numpy': numpy.__version__, 'gpus': mxnet.context.num_gpus()}))")
+CUDA_PACKAGES = ("mxnet-cu117==1.9.1", "numpy<1.24", "nvidia-nccl-cu11==2.21.5")
+NCCL_LIB = "{site}/nvidia/nccl/lib"
+HOROVOD = SourceBuild(
+    # The last release; it has no wheels, and its MXNet extension compiles against the
+    # headers and libmxnet.so of the MXNet it is built beside. setup.py imports packaging;
+    # setuptools 69 is what it was built and tested with here.
+    requirement="horovod==0.28.1",
+    build_packages=("setuptools<70", "wheel", "packaging"),
+    tools=("cmake", "c++"),
+    env={"HOROVOD_WITH_MXNET": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",
+         "HOROVOD_WITHOUT_TENSORFLOW": "1", "HOROVOD_WITHOUT_PYTORCH": "1",
+         "HOROVOD_CPU_OPERATIONS": "gloo"},
+    # NCCL's wheel ships libnccl.so.2 only; Horovod's FindNCCL asks for libnccl.so (the link)
+    # and its extension then loads libnccl.so.2 from the wheel's folder (the run path). A CUDA
+    # MXNet's mshadow headers include cuBLAS's and cuRAND's: the toolkit must hold them.
+    cuda_env={"HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_NCCL_LINK": "SHARED",
+              "HOROVOD_NCCL_INCLUDE": "{site}/nvidia/nccl/include",
+              "HOROVOD_NCCL_LIB": NCCL_LIB, "LDFLAGS": f"-Wl,-rpath,{NCCL_LIB}"},
+    cuda_links={f"{NCCL_LIB}/libnccl.so": "libnccl.so.2"}, cuda_home_var="HOROVOD_CUDA_HOME",
+    cuda_headers=("cuda_runtime.h", "cuda.h", "cublas_v2.h", "curand.h"))
+PROBE = ("import json, mxnet, numpy, horovod, horovod.mxnet as hvd; nccl = hvd.nccl_built(); "
+         "print(json.dumps({'mxnet': mxnet.__version__, 'numpy': numpy.__version__, "
+         "'gpus': mxnet.context.num_gpus(), 'horovod': horovod.__version__, "
+         "'horovod_gloo': bool(hvd.gloo_built()), 'horovod_nccl': nccl or None}))")
+"""The versions an environment holds, and Horovod's: whether it has gloo, and the NCCL it was
+built with (``NCCL_VERSION_CODE``, e.g. 22105 for 2.21.5; None: built without NCCL)."""
 
 RULE_DIFFERENCES = {
     "running_var": "MXNet's BatchNorm (its CPU kernel, the one alignment runs on) moves the "
@@ -25,7 +49,7 @@ MODES = (HYBRID, IMPERATIVE)
 """How the backbone executes, on either device kind; the first is the default. ``hybrid``
 is the seeds' MXNet (insightface's symbolic Module and gluon-cv's hybridized Gluon each run one
 cached graph); the head, the collectives and the update are NDArray operations in both. The
-mode changes nothing else, so each runs every case the other does (every head, both kvstores,
+mode changes nothing else, so each runs every case the other does (every head, every kvstore,
 real data, fp16 AMP, whose casts wrap MXNet's imperative operators as they wrap its symbols):
 no case is refused for its mode."""
 MODE_WORDS = {
@@ -36,16 +60,23 @@ MODE_WORDS = {
 }
 
 
+TF32_OFF = {"NVIDIA_TF32_OVERRIDE": "0"}
+"""``--tf32 off``: MXNet 1.9.1 has no TF32 switch of its own (cuDNN's default math runs fp32
+convolutions in TF32, and its linalg GEMMs set ``CUBLAS_TF32_TENSOR_OP_MATH`` themselves), so
+the variable cuBLAS and cuDNN read turns TF32 off in every process, set before any starts."""
+
+
 def launch(req: LaunchRequest) -> Launch:
-    """One rank on several nodes still needs the parameter server (``dist_sync``); the
-    tuning's ``device`` across nodes is passed on for ``launch.py`` to refuse in one line."""
+    """One rank on one node needs no collectives (``local``); one rank on each of several
+    still does. The tuning's ``device`` across nodes is passed on for ``launch.py`` to refuse
+    in one line."""
     from ..spawn import cluster_args, output_args  # not at the top: see spawn's docstring
     nproc = req.topology.devices_per_node
     several = req.cluster is not None and req.cluster.nnodes > 1
     kvstore = "local" if nproc == 1 and not several else req.tuning.mxnet_kvstore
     return Launch([req.python, "-m", "trainperf.backends.mxnet.launch", f"--nproc={nproc}",
                    f"--kvstore={kvstore}", *cluster_args(req), *output_args(req), "--",
-                   *req.worker_args])
+                   *req.worker_args], dict(TF32_OFF) if req.tuning.tf32 == "off" else {})
 
 
 def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str | None:
@@ -54,15 +85,16 @@ def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str
         return None
     if topology.nnodes > 1:
         return ("--mxnet-kvstore device runs in one process on one node; several nodes use "
-                "dist_sync")
+                "horovod (the default) or dist_sync")
     if topology.devices_per_node > 1 and workload.task == "face" and workload.fc != "dp":
-        return (f"kvstore device runs data parallel only (--fc dp); use dist_sync for "
-                f"--fc {workload.fc}")
+        return (f"kvstore device runs data parallel only (--fc dp); use horovod (the "
+                f"default) for --fc {workload.fc}")
     return None
 
 
 BACKEND = Backend(
-    name="mxnet", framework="mxnet", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    name="mxnet", framework="mxnet", launch=launch,
+    env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE, source_builds=(HOROVOD,)),
     capabilities=Capabilities(
         modes={"cpu": MODES, "cuda": MODES},
         mode_words=MODE_WORDS,
@@ -70,9 +102,15 @@ BACKEND = Backend(
         precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
         families=FAMILIES, real_data=True,
         rule_differences=RULE_DIFFERENCES,
+        tuning={"cudnn_benchmark": "MXNET_CUDNN_AUTOTUNE_DEFAULT",
+                "mxnet_kvstore": "horovod.mxnet or mx.kv.create('dist_sync' or 'device'), "
+                                 "as launch.py lays the ranks out",
+                "tf32": "NVIDIA_TF32_OVERRIDE=0 for off (MXNet 1.9.1 has no TF32 switch: "
+                        "cuDNN's default math and its linalg GEMMs run TF32 on their own)"},
         why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
                          "not benchmarked here"}),
     runs_as="Gluon (the mode: hybridized or imperative); fp16 through AMP; pfc as "
             "insightface's memory bank, sparse or dense update",
-    ranks_start="a scheduler and server (`dist_sync`) or one process (`device`)",
+    ranks_start="one process per rank over Horovod (gloo on a CPU, NCCL on GPUs), or a "
+                "scheduler and server (`dist_sync`), or one process (`device`)",
     refuse_more=kvstore_rules)

@@ -1,11 +1,16 @@
 """The distributed layout of one MXNet worker process, and its collectives.
 
-The launcher (``launch.py``) chooses one of three layouts and says which through the environment:
+The launcher (``launch.py``) chooses one of four layouts and says which through the environment:
 
 - ``TRAINPERF_KVSTORE=local``: one process, one context, one rank.
 - ``TRAINPERF_KVSTORE=device``: one process driving ``TRAINPERF_CONTEXTS`` contexts, gradients
   summed by kvstore ``device`` (as insightface's MXNet ArcFace and gluon-cv trained on one
   machine). Context ``i`` is rank ``i``; data parallel only (no sharded head).
+- ``TRAINPERF_KVSTORE=horovod`` (the default): one process per rank whose collectives are
+  Horovod's (``horovod.mxnet``; NCCL on GPUs, gloo on a CPU), as the seeds' MXNet ran
+  (DLPerf's gluon-cv ResNet50 and insightface's partial_fc). The launcher sets the
+  ``HOROVOD_*`` variables (rank, size, the gloo rendezvous) that ``hvd.init()`` reads; the rank
+  is Horovod's, which is the launcher's numbering. See "Horovod" below.
 - ``TRAINPERF_KVSTORE=dist_sync``: one process per rank, talking through parameter servers
   (the launcher runs the scheduler and the servers and sets the ``DMLC_*`` variables), on one
   node or several. The rank is ``TRAINPERF_RANK``, the launcher's (node rank * ranks per node +
@@ -37,6 +42,19 @@ The server only sums (no optimizer runs on it: ``update_on_kvstore`` is off in T
 so the worker decides exactly how gradients are scaled and clipped (``step.py``). The server
 accepts floating-point arrays only: integers (labels) travel as float64, exact up to 2**53.
 
+Horovod. Every collective is one of horovod.mxnet's, pushed to MXNet's engine like any
+operator (``MXEnginePushAsync``): it runs when the arrays it reads are ready and returns at once.
+Horovod matches the ranks' operations by name, whatever order each rank's engine reaches them
+in, so every call names its operation, and every rank makes the same calls. A name is never in
+flight twice: each one's next use depends, through its data, on its last (the same chains as
+the rounds below). Sums are ``allreduce_(op=Sum)`` in place (Horovod averages unless told);
+the gradients go one array at a time with the priority Horovod's own ``DistributedTrainer``
+gives them, and Horovod fuses them into its buffer. All-gather is the same zero-padded sum as in
+``dist_sync`` (insightface's partial_fc did it so with Horovod): ``hvd.allgather`` waits for its
+result on the host, which would put a sync inside the step. Max is ``allreduce(op=Max)``.
+Registration broadcasts rank 0's values (``broadcast_``). float64 travels as float64: gloo
+sums it natively, and NCCL does on GPUs.
+
 float64 through the server. MXNet 1.9.1's ``KVStoreDistServer`` never initialises its
 ``multi_precision_`` flag (``src/kvstore/kvstore_dist_server.h``: only the optimizer's
 ``kSetMultiPrecision`` command sets it). Where the heap leaves it nonzero, the server keeps a
@@ -55,6 +73,8 @@ copies where a sum would push one array: float64 runs are alignment runs, not ti
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -63,7 +83,9 @@ import numpy as np
 
 from ..workerkit import device_kind_for
 
-KVSTORES = ("local", "device", "dist_sync")
+KVSTORES = ("local", "device", "dist_sync", "horovod")
+PER_RANK = ("dist_sync", "horovod")
+"""The layouts with one process per rank."""
 FLOAT64_PIECES = 3
 """float32 pieces that carry one float64 value (module doc)."""
 
@@ -113,11 +135,11 @@ class Comm:
     """The layout of this process and the collectives between ranks."""
 
     mode: str = "local"
-    """``local``, ``device`` or ``dist_sync``."""
+    """``local``, ``device``, ``dist_sync`` or ``horovod``."""
     rank: int = 0
     """Global rank of this process (``device``: 0, the rank of its first context)."""
     world_size: int = 1
-    """Ranks in the run: processes in ``dist_sync``, contexts in ``device``."""
+    """Ranks in the run: processes in ``dist_sync`` and ``horovod``, contexts in ``device``."""
     local_rank: int = 0
     device_type: str = "cpu"
     """``gpu`` or ``cpu``."""
@@ -125,6 +147,8 @@ class Comm:
     """The contexts this process drives, one per rank it holds (``device``: all of them)."""
     kv: object | None = None
     """The kvstore that sums gradients (``device`` and ``dist_sync``), else None."""
+    hvd: object | None = None
+    """``horovod.mxnet``, initialised (``horovod``), else None."""
     _keys: dict = field(default_factory=dict)
     _next_key: int = 0
 
@@ -140,7 +164,7 @@ class Comm:
     @property
     def distributed(self) -> bool:
         """Whether ranks live in other processes (then the collectives below talk)."""
-        return self.mode == "dist_sync" and self.world_size > 1
+        return self.mode in PER_RANK and self.world_size > 1
 
     @property
     def device(self) -> str:
@@ -167,6 +191,11 @@ class Comm:
         (module doc). Call at set-up, on every rank, in the same order. Returns the keys, to
         pass to :meth:`sum_`."""
         keys = [self.new_key() for _ in arrays]
+        if self.hvd is not None:
+            if self.distributed:
+                for key, copies in zip(keys, arrays):
+                    self.hvd.broadcast_(copies[0], root_rank=0, name=f"register.{key}")
+            return keys
         if self.kv is None or not keys:
             return keys
         if self.mode != "dist_sync":  # device: copy context 0's value to the others
@@ -189,6 +218,12 @@ class Comm:
     def sum_(self, keys: Sequence[int], arrays: Sequence[Sequence[mx.nd.NDArray]]) -> None:
         """Replace every copy of each entry by the sum over all ranks and contexts (in place,
         asynchronous). Nothing to do with one rank in total."""
+        if self.hvd is not None:
+            if self.distributed:
+                for i, (key, copies) in enumerate(zip(keys, arrays)):
+                    self.hvd.allreduce_(copies[0], op=self.hvd.Sum, name=f"grad.{key}",
+                                        priority=-i)
+            return
         if self.kv is None or self.world_size == 1 or not keys:
             return
         pairs = list(zip(keys, arrays))
@@ -220,6 +255,8 @@ class Comm:
         gathered exactly and added here, in rank order (module doc)."""
         if not self.distributed:
             return x
+        if self.hvd is not None:
+            return self.hvd.allreduce_(x, op=self.hvd.Sum, name=name)
         if _is_float64(x):
             ranks = self._gather_float64(name, x)
             total = ranks[0]
@@ -234,7 +271,7 @@ class Comm:
         """Every rank's ``x`` (same shape on each) concatenated along axis 0 in rank order."""
         if not self.distributed:
             return x
-        if _is_float64(x):
+        if _is_float64(x) and self.hvd is None:
             return self._gather_float64(name, x).reshape((-1, *x.shape[1:]))
         return self._gather_rows(name, x)
 
@@ -245,12 +282,14 @@ class Comm:
         return join_float64(pieces.reshape((self.world_size, FLOAT64_PIECES, -1)))
 
     def _gather_rows(self, name: str, x: mx.nd.NDArray) -> mx.nd.NDArray:
-        """``all_gather`` through the server in ``x``'s own dtype."""
+        """``all_gather`` as a sum of zero-padded buffers, in ``x``'s own dtype."""
         rows = x.shape[0]
         # A fresh zeroed buffer each call: on a CPU context the dist kvstore sends the pushed
         # array itself and receives the sum into it, so last call's buffer holds every row.
         pad = mx.nd.zeros((self.world_size * rows, *x.shape[1:]), ctx=x.context, dtype=x.dtype)
         pad[self.rank * rows:(self.rank + 1) * rows] = x
+        if self.hvd is not None:
+            return self.hvd.allreduce_(pad, op=self.hvd.Sum, name=name)
         self.kv.pushpull(self._key(name, pad), pad, out=pad)
         return pad
 
@@ -258,19 +297,47 @@ class Comm:
         """Elementwise max of ``x`` over ranks."""
         if not self.distributed:
             return x
+        if self.hvd is not None:
+            return self.hvd.allreduce(x, op=self.hvd.Max, name=name)
         gathered = self.all_gather(name, x.expand_dims(0))
         return mx.nd.max(gathered, axis=0)
 
     def barrier(self) -> None:
         """Block until every rank got here (and, before it, finished pushing): a one-number
-        pushpull that every rank waits for. Deliberate host sync: call only at the edges."""
+        sum that every rank waits for. Deliberate host sync: call only at the edges."""
         if not self.distributed:
             return
         self.allreduce_sum_("barrier", mx.nd.ones((1,), ctx=mx.cpu())).wait_to_read()
 
 
+RENDEZVOUS_POLL_S = 0.2
+
+
+def wait_for_rendezvous() -> None:
+    """Wait until the gloo rendezvous (``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``, served by
+    node 0's launcher) accepts connections, for as long as gloo itself would wait
+    (``HOROVOD_GLOO_TIMEOUT_SECONDS``). Horovod's own client gives up after three tries in
+    1.5 s, and a rank (another node's, or one that imports faster) may be ready before the
+    server is. TimeoutError naming the address after that."""
+    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    if not addr:
+        return  # one process alone: Horovod needs no rendezvous
+    port = int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+    deadline = time.monotonic() + float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30"))
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=RENDEZVOUS_POLL_S * 5).close()
+            return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Horovod's gloo rendezvous at {addr}:{port} did not answer "
+                                   f"({exc})") from None
+            time.sleep(RENDEZVOUS_POLL_S)
+
+
 def comm_from_env(device_kind: str) -> Comm:
-    """The layout the launcher set up through ``TRAINPERF_*`` (and ``DMLC_*``) variables."""
+    """The layout the launcher set up through ``TRAINPERF_*`` (and ``DMLC_*`` or
+    ``HOROVOD_*``) variables."""
     mode = os.environ.get("TRAINPERF_KVSTORE", "local")
     if mode not in KVSTORES:
         raise ValueError(f"TRAINPERF_KVSTORE must be one of {KVSTORES}, got {mode!r}")
@@ -288,6 +355,16 @@ def comm_from_env(device_kind: str) -> Comm:
     contexts = [_context(device_type, index)]
     if mode == "local":
         return Comm("local", 0, 1, local_rank, device_type, contexts, None)
+    if mode == "horovod":
+        import horovod.mxnet as hvd  # in the environment's recipe (backend.HOROVOD)
+
+        wait_for_rendezvous()
+        hvd.init()
+        told = int(os.environ.get("TRAINPERF_RANK", hvd.rank()))
+        if told != hvd.rank():
+            raise ValueError(f"TRAINPERF_RANK {told} but Horovod's rank is {hvd.rank()}")
+        return Comm("horovod", hvd.rank(), hvd.size(), local_rank, device_type, contexts,
+                    hvd=hvd)
     kv = mx.kv.create("dist_sync")
     rank = int(os.environ.get("TRAINPERF_RANK", kv.rank))
     if not 0 <= rank < kv.num_workers:

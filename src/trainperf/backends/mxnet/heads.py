@@ -185,8 +185,8 @@ class MarginSoftmaxHead:
                  update: str = "sparse") -> None:
         check_fc(mode)
         if mode != "dp" and comm.mode == "device":
-            raise ValueError(f"kvstore device runs data parallel only (--fc dp); use dist_sync "
-                             f"for --fc {mode}")
+            raise ValueError(f"kvstore device runs data parallel only (--fc dp); use horovod "
+                             f"(the default) for --fc {mode}")
         if update not in PFC_UPDATES:
             raise ValueError(f"pfc update must be one of {PFC_UPDATES}, got {update!r}")
         if not 0.0 < sample_ratio <= 1.0:
@@ -260,6 +260,10 @@ class MarginSoftmaxHead:
 
     def _mm(self, a: mx.nd.NDArray, b: mx.nd.NDArray, **kwargs) -> mx.nd.NDArray:
         if self.mm_dtype == self.dtype:
+            if self.dtype == "float32" and self.ctx.device_type == "gpu":
+                # MXNet 1.9.1's dot leaves cuBLAS in its default math (full fp32); its linalg
+                # GEMM runs TF32 where the device has it, as Dense does (Tuning.tf32's rule).
+                return mx.nd.linalg.gemm2(a, b, **kwargs)
             return mx.nd.dot(a, b, **kwargs)
         return mx.nd.dot(a.astype(self.mm_dtype), b.astype(self.mm_dtype),
                          **kwargs).astype(self.dtype)

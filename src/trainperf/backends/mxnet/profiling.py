@@ -2,7 +2,7 @@
 the host clock (the default stamp: MXNet queues every operation on its engine, so only a fence
 says that a phase's work is done), each phase a ``Task`` of MXNet's profiler in the domain
 ``trainperf``, and that profiler around the profiled steps. Its Chrome trace (one file per rank:
-each process has its own profiler) tells which kvstore operations ran inside which phase, and
+each process has its own profiler) tells which collectives ran inside which phase, and
 ``--trace`` keeps it."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import mxnet as mx
 from ..phases import chrome_trace_hint, matmul_rate as timed_matmul_rate, ops_by_phase
 
 DOMAIN = "trainperf"
-KVSTORE_PREFIX = "KVStore"
-"""How the profiler names the dist kvstore's operations (``KVStoreDistDefaultStoragePushPull``):
-the collectives of ``dist_sync``."""
+COLLECTIVE_PREFIXES = ("KVStore", "horovod_")
+"""How the profiler names the collectives: the dist kvstore's operations
+(``KVStoreDistDefaultStoragePushPull``, ``dist_sync``), and Horovod's, which horovod.mxnet pushes
+to the engine under its operation's name (``horovod_allreduce``, ``horovod_broadcast``)."""
 
 
 class Ranges:
@@ -49,10 +50,11 @@ def method(sums_gradients: bool, face: bool) -> str:
         parts.append("the face head is written by hand with its backward to the embeddings, "
                      "which runs in head")
     if sums_gradients:
-        parts.append("the kvstore's gradient pushpull is queued right after the backward, as in "
-                     "the timed step (the engine pushes each gradient once it is written), and "
-                     "timed with it; gradient communication not hidden = backward less backward "
-                     "without the pushpull, alternate steps")
+        parts.append("the gradient sum (Horovod's allreduce or the kvstore's pushpull) is "
+                     "queued right after the backward, as in the timed step (the engine starts "
+                     "each gradient's once it is written), and timed with it; gradient "
+                     "communication not hidden = backward less backward without the sum, "
+                     "alternate steps")
     return "; ".join(parts)
 
 
@@ -111,7 +113,7 @@ class Profiler:
 
 
 def collectives_by_phase(events: list[dict]) -> dict[str, list[str]]:
-    """{phase: names of the kvstore operations that started inside one of its ranges}."""
+    """{phase: names of the collectives that started inside one of its ranges}."""
     opened: dict[str, float] = {}
     ranges = []
     ops = []
@@ -122,6 +124,6 @@ def collectives_by_phase(events: list[dict]) -> dict[str, list[str]]:
             elif e["name"] in opened:
                 ranges.append((opened.pop(e["name"]), e["ts"], e["name"]))
         elif e.get("cat") == "operator" and e.get("ph") == "B" and e["name"].startswith(
-                KVSTORE_PREFIX):
+                COLLECTIVE_PREFIXES):
             ops.append((e["ts"], e["name"]))
     return ops_by_phase(ranges, ops)

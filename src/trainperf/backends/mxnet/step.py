@@ -1,8 +1,8 @@
 """The training step that trainperf measures in MXNet, equal to torch's ``TrainStep``.
 
 Backbone (a Gluon block recorded by autograd), head (``heads.py``, forward and backward by
-hand, its embedding gradient injected with ``backward(out_grad)``), gradient all-reduce over the
-kvstore, clipping, SGD with momentum and weight decay.
+hand, its embedding gradient injected with ``backward(out_grad)``), gradient all-reduce
+(``comm.py``: Horovod's, or a kvstore's), clipping, SGD with momentum and weight decay.
 
 Modes (``backend.MODES``): ``hybrid`` (the default, the seeds' MXNet) hybridizes the backbone
 with ``static_alloc`` and ``static_shape``: Gluon traces it into one graph at the first step and
@@ -21,7 +21,7 @@ sampling ``pfc`` head the count of positives when it could exceed the sample
 Gradients, as torch's DDP set-up:
 
 - ``dp`` and classification: every gradient (backbone and the whole class matrix) is the mean
-  over ranks: the kvstore sums, the update divides by the world size (``rescale_grad``).
+  over ranks: the collective sums, the update divides by the world size (``rescale_grad``).
 - ``mp`` and ``pfc``: the loss is the mean over the gathered global batch and the same on every
   rank, so each rank's backbone gradient is one partial of the true gradient: they are summed,
   not averaged. The class-matrix shard's gradient stays local.
@@ -157,7 +157,7 @@ def check_alignment(workload: Workload, comm: Comm, dtype: str) -> None:
         raise ValueError(f"an alignment run computes in {dtype} throughout: --precision fp32, "
                          f"not {workload.precision}")
     if len(comm.contexts) > 1:
-        raise ValueError("an alignment run dumps one rank per process: kvstore dist_sync, "
+        raise ValueError("an alignment run dumps one rank per process: horovod or dist_sync, "
                          "not device")
 
 

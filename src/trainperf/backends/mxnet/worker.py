@@ -32,14 +32,14 @@ import os
 
 import mxnet as mx
 
-from ...config import Tuning
-from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, environment,
-                         cudnn_version, leave, load_init, memory_fields, rss_now_bytes,
-                         rss_peak_bytes, worker_entry)
+from ...config import MXNET_KVSTORES, Tuning
+from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, device_used_bytes,
+                         environment, cudnn_version, leave, load_init, memory_fields,
+                         rss_now_bytes, rss_peak_bytes, tf32_wanted, worker_entry)
 from ..phases import NO_COMM, PhaseClock
 from . import models, profiling
 from .alignment import step_state
-from .backend import BACKEND
+from .backend import BACKEND, TF32_OFF
 from .comm import Comm, comm_from_env
 from .step import TrainStep, init_batch, label_dtype, synthetic_batch
 
@@ -59,22 +59,29 @@ def current_memory(comm: Comm) -> int:
     return rss_now_bytes()
 
 
-def peak_memory(comm: Comm) -> list[tuple[int, int]]:
-    """(peak, reserved) per context of this process. CPU: the process's peak resident set.
-    GPU: MXNet 1.9 keeps no allocation peak; its pool holds on to freed blocks, so the device
-    memory in use after the run (cudaMemGetInfo: the pool's high-water mark plus the CUDA
-    context) is the figure for both."""
+def peak_memory(comm: Comm) -> list[tuple[int, ...]]:
+    """Per context of this process: on a CPU (peak,), the process's peak resident set; on a
+    GPU (peak, reserved, device used). MXNet 1.9 keeps no allocation peak; its pool holds on
+    to freed blocks, so the device memory in use after the run (``device_used``: MXNet's
+    cudaMemGetInfo, the pool's high-water mark plus the CUDA contexts) is the figure for peak
+    and reserved; device used is the CUDA driver's figure for the same device
+    (``workerkit.device_used_bytes``, -1 where it cannot say)."""
     if comm.device_type == "gpu":
-        return [(_gpu_used(ctx), _gpu_used(ctx)) for ctx in comm.contexts]
-    rss = rss_peak_bytes()
-    return [(rss, rss)]
+        rows = []
+        for ctx in comm.contexts:
+            used = _gpu_used(ctx)
+            driver = device_used_bytes(ctx.device_id)
+            rows.append((used, used, -1 if driver is None else driver))
+        return rows
+    return [(rss_peak_bytes(),)]
 
 
 def memory_over_ranks(comm: Comm) -> dict:
     """The largest figures over ranks, and every rank's peak (a collective call)."""
     values = mx.nd.array(peak_memory(comm), ctx=mx.cpu(), dtype="float64")
     per_rank = comm.all_gather("worker/memory", values).asnumpy()
-    return memory_fields(per_rank, with_reserved=comm.device_type == "gpu")
+    gpu = comm.device_type == "gpu"
+    return memory_fields(per_rank, with_reserved=gpu, with_device_used=gpu)
 
 
 # ---------------------------------------------------------------------------- environment
@@ -96,24 +103,89 @@ def _cudnn_version() -> int | None:
     return cudnn_version(os.path.join(libdir, "libcudnn*.so*"))
 
 
+def _nccl_version(comm: Comm) -> str | None:
+    """The NCCL Horovod was built with, where Horovod runs the collectives: its
+    ``NCCL_VERSION_CODE`` (major * 10000 + minor * 100 + patch since 2.9, major * 1000 + minor
+    * 100 + patch before)."""
+    code = int(comm.hvd.nccl_built()) if comm.hvd is not None else 0
+    if not code:
+        return None
+    major, rest = divmod(code, 10000 if code >= 10000 else 1000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def _compute_capability(ordinal: int) -> int | None:
+    """Compute capability x10 of CUDA device ``ordinal`` (after CUDA_VISIBLE_DEVICES), from
+    the driver (``libcuda.so.1``: ``mx.util.get_cuda_compute_capability`` opens the unversioned
+    name, which only a driver's development files install); None where it cannot say."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR (cuda.h)
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
+            or cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)
+            or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)):
+        return None
+    return major.value * 10 + minor.value
+
+
+TF32_UNITS_FROM = 80
+"""Compute capability (x10) from which a GPU has TF32 units (Ampere)."""
+TF32_SWITCH = {
+    True: "none: MXNet 1.9.1's own math (cuDNN's CUDNN_DEFAULT_MATH for convolutions; "
+          "CUBLAS_TF32_TENSOR_OP_MATH, set by its linalg GEMMs, for Dense and the head)",
+    False: "NVIDIA_TF32_OVERRIDE=0 (MXNet 1.9.1 has no TF32 switch of its own)",
+}
+
+
+def tf32_ran(comm: Comm) -> bool | None:
+    """Whether fp32 convolutions and matrix products run in TF32 here: the device has TF32
+    units and ``NVIDIA_TF32_OVERRIDE`` (the launcher's, ``backend.TF32_OFF``) leaves it on;
+    None on a CPU, or where the driver does not say what the device is."""
+    if comm.device_type != "gpu":
+        return None
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return False
+    capability = _compute_capability(comm.contexts[0].device_id)
+    return None if capability is None else capability >= TF32_UNITS_FROM
+
+
 def framework_env(comm: Comm, threads: int | None) -> dict:
     gpu = comm.device_type == "gpu"
+    tf32 = tf32_ran(comm)
     return environment(
         "mxnet", mx.__version__, gpu,
         "device memory in use after the run (MXNet keeps no allocation peak; its pool keeps its "
-        "high-water mark)",
+        "high-water mark)", memory_kind="device_used",
+        tf32_cudnn=tf32, tf32_matmul=tf32,
+        tf32_switch=TF32_SWITCH[os.environ.get("NVIDIA_TF32_OVERRIDE") != "0"],
         device_count=mx.context.num_gpus() if gpu else 0,
         cuda_version=_cuda_version() if gpu else None,
         cudnn_version=_cudnn_version() if gpu else None,
+        nccl_version=_nccl_version(comm) if gpu else None,
+        horovod_version=_horovod_version(comm),
         kvstore=comm.mode, omp_threads=threads or os.environ.get("OMP_NUM_THREADS"),
         cpu_worker_threads=os.environ.get("MXNET_CPU_WORKER_NTHREADS", "1"),
         cudnn_autotune=os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT") if gpu else None)
 
 
-def configure(tuning: Tuning, threads: int | None) -> None:
+def _horovod_version(comm: Comm) -> str | None:
+    if comm.hvd is None:
+        return None
+    import horovod
+    return horovod.__version__
+
+
+def configure(tuning: Tuning, threads: int | None, gpu: bool) -> None:
     """Speed settings, before any network is built."""
     # 1: MXNet's default autotuning within its workspace limit; 0: none.
     os.environ["MXNET_CUDNN_AUTOTUNE_DEFAULT"] = "1" if tuning.cudnn_benchmark else "0"
+    if tf32_wanted(tuning, gpu) is False:
+        # The launcher set it for the whole process already; this covers a worker started on
+        # its own, before cuBLAS and cuDNN make their first handles.
+        os.environ.update(TF32_OFF)
     if threads:
         mx.base.check_call(mx.base._LIB.MXSetNumOMPThreads(ctypes.c_int(int(threads))))
 
@@ -133,7 +205,7 @@ class MXNetRun(FrameworkRun):
 
     def build(self) -> None:
         spec, comm = self.spec, self.comm
-        configure(spec.tuning, spec.threads)
+        configure(spec.tuning, spec.threads, comm.device_type == "gpu")
         init = load_init(spec)
         self.train_step = TrainStep(spec.workload, comm, spec.tuning, init=init,
                                     align=spec.align, mode=self.mode)
@@ -163,6 +235,24 @@ class MXNetRun(FrameworkRun):
         return {"env": framework_env(comm, self.spec.threads), "settings": settings,
                 "backbone_params": models.param_count(step.net),
                 "pfc_update": step.pfc_update}
+
+    def applied_tuning(self) -> dict:
+        out: dict = {}
+        if self.comm.mode in MXNET_KVSTORES:  # one rank on one node talks to no one (local)
+            out["mxnet_kvstore"] = self.comm.mode
+        if self.comm.device_type == "gpu":
+            out["cudnn_benchmark"] = os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT") != "0"
+            out["tf32"] = "off" if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0" else "on"
+        return out
+
+    def close(self) -> None:
+        # Every rank is past the run's last collective. Horovod's shutdown is agreed by all
+        # ranks in one cycle of its background threads; a rank leaving without it would cut
+        # the gloo connections its peers' background threads still read.
+        comm = getattr(self, "comm", None)
+        if comm is not None and comm.hvd is not None and comm.distributed:
+            mx.nd.waitall()
+            comm.hvd.shutdown()
 
     def compile_count(self) -> int | None:
         return self.train_step.compile_count()
@@ -247,5 +337,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Once its events are written the worker leaves without the interpreter's teardown: that
     # would finalize ps-lite (a last barrier with the scheduler and servers, which the launcher
-    # stops once the workers are done) while MXNet's engine threads still run.
+    # stops once the workers are done) while MXNet's engine threads still run. Horovod is
+    # shut down before (``MXNetRun.close``).
     leave(main())
