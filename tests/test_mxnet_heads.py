@@ -76,6 +76,15 @@ for name in sys.argv[2:]:
                  grad_emb=grad.asnumpy(), grad_weight=head.grad.asnumpy(),
                  logits=head.logits.asnumpy(), dtypes=[np.dtype(a.dtype).name for a in
                                                        (loss, grad, head.grad, head.logits)])
+    # The GPU's float32 products (linalg.gemm2, for TF32), run here on the CPU's BLAS.
+    head = MarginSoftmaxHead(c, d, tuple(x["margins"]), float(x["scale"]), Comm(), mx.cpu())
+    head.linalg_products = True
+    head.set_weight(x["weight"])
+    loss, grad = head.forward_backward(mx.nd.array(x["emb"]),
+                                       mx.nd.array(x["labels"], dtype="float64"),
+                                       keep_logits=True)
+    np.savez(f"{folder}/{name}_gemm2_out.npz", loss=loss.asnumpy(), grad_emb=grad.asnumpy(),
+             grad_weight=head.grad.asnumpy(), logits=head.logits.asnumpy())
 
 # pfc: the sampling rule on its own, then one-rank pfc heads on 20 classes with given negative
 # scores: ratio 1.0 (no sampling), 0.4 with either update, 0.2 (more positives than the sample).
@@ -133,6 +142,16 @@ def test_dp_head_equals_the_oracle(dp_heads, loss):
     np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-4)
     close_to_max(got["grad_emb"], ref["grad_emb"])
     close_to_max(got["grad_weight"], ref["grad_weight"])
+
+
+@pytest.mark.parametrize("loss", list(MARGINS))
+def test_the_gpus_linalg_products_are_the_same_products(dp_heads, loss):
+    """On a GPU the head's float32 products go through ``linalg.gemm2`` (TF32 as ``Dense``):
+    the same call forms (transposes included) give what ``dot`` gives, on the CPU's BLAS."""
+    dot = np.load(dp_heads / f"{loss}_float32_out.npz")
+    gemm = np.load(dp_heads / f"{loss}_gemm2_out.npz")
+    for key in ("loss", "grad_emb", "grad_weight", "logits"):
+        np.testing.assert_allclose(gemm[key], dot[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("loss", list(MARGINS))

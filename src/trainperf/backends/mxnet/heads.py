@@ -212,6 +212,10 @@ class MarginSoftmaxHead:
         """What the class matrix, its gradient and all of the head's arithmetic are in."""
         self.mm_dtype = mm_dtype or dtype
         """``float16`` runs the three class-matrix products in half precision (AMP)."""
+        self.linalg_products = dtype == self.mm_dtype == "float32" and ctx.device_type == "gpu"
+        """Run the class-matrix products as ``linalg.gemm2``: MXNet 1.9.1's ``dot`` leaves
+        cuBLAS in its default math (full fp32), its linalg GEMM runs TF32 where the device has
+        it, as ``Dense`` does (``Tuning.tf32``'s rule). The same products either way."""
         self.straight_through = straight_through
         """Give the margin the derivative 1 (an alignment run's negative control only)."""
         # Throughput runs: N(0, 0.01), as torch's head; dp ranks draw the same matrix (torch's
@@ -259,11 +263,9 @@ class MarginSoftmaxHead:
         return rows
 
     def _mm(self, a: mx.nd.NDArray, b: mx.nd.NDArray, **kwargs) -> mx.nd.NDArray:
+        if self.linalg_products:
+            return mx.nd.linalg.gemm2(a, b, **kwargs)
         if self.mm_dtype == self.dtype:
-            if self.dtype == "float32" and self.ctx.device_type == "gpu":
-                # MXNet 1.9.1's dot leaves cuBLAS in its default math (full fp32); its linalg
-                # GEMM runs TF32 where the device has it, as Dense does (Tuning.tf32's rule).
-                return mx.nd.linalg.gemm2(a, b, **kwargs)
             return mx.nd.dot(a, b, **kwargs)
         return mx.nd.dot(a.astype(self.mm_dtype), b.astype(self.mm_dtype),
                          **kwargs).astype(self.dtype)
