@@ -18,7 +18,7 @@ FRAMEWORKS = (("torch", "torch"), ("jax", "JAX"), ("mxnet", "MXNet"), ("paddle",
 LENT = ("torch", "jax")
 """What a lent GPU machine can run (the other frameworks' GPU builds are too large to carry)."""
 ROWS = (
-    ("fp32", "training step, fp32 (TF32 convolutions)", (1, 4)),
+    ("fp32", "training step, fp32 (its TF32 as the run records it)", (1, 4)),
     ("bf16", "training step, bf16", (1, 1)),
     ("fp16", "training step, fp16 with loss scaling", (2, None)),
     ("dp", "face head: data parallel (`dp`)", (2, 1)),
