@@ -22,8 +22,9 @@ def count_params(model: nn.Module) -> int:
 
 def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int]:
     """FLOPs of one forward pass for one sample of ``input_shape`` (C, H, W), by the engine that
-    runs them: ``conv`` (cuDNN) and ``matmul`` (cuBLAS). In fp32 the two can run at different
-    peaks (TF32 convolutions, fp32 matrix products), so MFU needs them apart."""
+    runs them: ``conv`` (cuDNN) and ``matmul`` (cuBLAS). In fp32 each runs in TF32 or in full
+    fp32 as its own flag says (``tf32_cudnn``, ``tf32_matmul``), at peaks 7x apart, so MFU needs
+    them apart."""
     total = {"conv": 0, "matmul": 0}
 
     def on_conv(mod: nn.Conv2d, _inp, out: torch.Tensor) -> None:
