@@ -23,16 +23,15 @@ One TensorFlow process for the first three."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from trainperf.backends.tf.backend import BACKEND, tuning_env, xla_autotunes
 from trainperf.config import Tuning
 
-ROOT = Path(__file__).resolve().parents[1]
+from test_tf_models_heads import tf_env
+
 
 TF_SIDE = r"""
 import json, sys
@@ -113,11 +112,8 @@ json.dump(report, open(sys.argv[1], "w"))
 @pytest.fixture(scope="module")
 def tf_report(tmp_path_factory, tf_python):
     out = tmp_path_factory.mktemp("tf_device_ops") / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="2",
-               TF_ENABLE_ONEDNN_OPTS="0")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([tf_python, "-c", TF_SIDE, str(out)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([tf_python, "-c", TF_SIDE, str(out)], env=tf_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -52,6 +52,18 @@ from trainperf.backends.torch.backbones import build_backbone
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def tf_env(*extra: Path) -> dict[str, str]:
+    """A TensorFlow side's environment: trainperf (and ``extra``) on the path, TF quiet, and
+    oneDNN's custom ops off as runs have them by default (``Tuning.tf_onednn``: they corrupt
+    memory in the backward of these nets' 1x1 stride-2 convolutions on AVX-512 CPUs); no
+    cluster or fault of the calling process's."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *map(str, extra)]),
+               TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
+    for name in ("TF_CONFIG", "TRAINPERF_FAULT"):
+        env.pop(name, None)
+    return env
 MARGINS = {"arcface": (1.0, 0.5, 0.0), "cosface": (1.0, 0.0, 0.4), "combined": (1.2, 0.3, 0.1)}
 SCALE = 64.0
 # Parameter names, shapes and counts: tiny-arcface's and rn50-v1b-imagenet's backbones, the tiny
@@ -394,13 +406,8 @@ def tf_side(tmp_path_factory, tf_python):
                                  lr_scales=list(v[0]["lr_scales"])), v[1], v[2])
                         for k, v in UPDATES.items()}}
     (work / "spec.json").write_text(json.dumps(spec))
-    # As runs do by default (``Tuning.tf_onednn``): oneDNN's custom ops corrupt memory in
-    # the backward of these nets' 1x1 stride-2 convolutions on AVX-512 CPUs.
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="2",
-               TF_ENABLE_ONEDNN_OPTS="0")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([tf_python, "-c", TF_SIDE, str(work)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([tf_python, "-c", TF_SIDE, str(work)], env=tf_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return work, torch_side, json.loads((work / "report.json").read_text())
 
@@ -794,10 +801,7 @@ def two_ranks(tmp_path_factory, tf_python):
              **shard_scores(rng),
              step_head=(rng.randn(37, 8) * 0.01).astype(np.float32))
     (folder / "tf_rank_check.py").write_text(RANK)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(folder)]),
-               TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
-    for name in ("TF_CONFIG", "TRAINPERF_FAULT"):
-        env.pop(name, None)
+    env = tf_env(folder)
     proc = subprocess.run([tf_python, "-m", "trainperf.backends.spawn", "--backend", "tf",
                            "--nproc", "2", "--module", "tf_rank_check", "--", str(folder)],
                           env=env, capture_output=True, text=True, timeout=300)

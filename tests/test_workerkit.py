@@ -17,8 +17,8 @@ import pytest
 from trainperf.backends.base import Backend, Capabilities, Launch
 from trainperf import results
 from trainperf.backends.workerkit import (FrameworkRun, device_used_bytes, environment,
-                                         memory_fields, process_start_time, tf32_wanted,
-                                         worker_entry)
+                                         memory_fields, process_start_time, tf32_setting,
+                                         tf32_wanted, worker_entry)
 from trainperf.config import TUNING_SETTINGS, Measure, Tuning
 from trainperf.protocol import LAUNCHED_AT_ENV, RunSpec, decode
 from trainperf.recipes import get_recipe
@@ -304,3 +304,9 @@ def test_device_used_memory_without_a_cuda_driver_is_none():
     if ctypes.util.find_library("cuda"):
         pytest.skip("a CUDA driver is installed here; the figure would be real")
     assert device_used_bytes(0) is None
+
+
+def test_the_tf32_a_run_applied_is_what_both_engines_ran_in():
+    assert tf32_setting(True, True) == "on" and tf32_setting(False, False) == "off"
+    assert tf32_setting(False, True) == "mixed" and tf32_setting(True, None) == "mixed"
+    assert tf32_setting(None, None) is None

@@ -94,10 +94,11 @@ def tuning_table() -> str:
     lines = ["| setting | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
     for name in TUNING_SETTINGS:
         value = getattr(default, name)
-        flag = (f"`{tuning_flag(name, not value)}`" if isinstance(value, bool) else
-                f"`{tuning_flag(name, value).split()[0]}` (default {value:g})"
-                if isinstance(value, float) else
-                f"`{tuning_flag(name, value).split()[0]}` (default {value})")
+        if isinstance(value, bool):  # the flag turns the default around
+            flag = f"`{tuning_flag(name, not value)}`"
+        else:
+            shown = f"{value:g}" if isinstance(value, float) else value
+            flag = f"`{tuning_flag(name, value).split()[0]}` (default {shown})"
         where = " (GPU)" if name in GPU_SETTINGS else ""
         cells = [tuning_cell(b, name).replace("|", "\\|") for b in BACKENDS.values()]
         lines.append(f"| {flag}{where} | " + " | ".join(cells) + " |")

@@ -96,6 +96,17 @@ def tf32_wanted(tuning: Tuning, gpu: bool) -> bool | None:
     return tuning.tf32 == "on" if gpu else None
 
 
+def tf32_setting(conv: bool | None, matmul: bool | None) -> str | None:
+    """``Tuning.tf32`` as a run applied it, from what its convolutions and matrix products ran
+    in: ``on``, ``off``, or ``mixed`` where a framework read them back different; None where
+    neither is known."""
+    if conv is None and matmul is None:
+        return None
+    if conv != matmul:
+        return "mixed"
+    return "on" if conv else "off"
+
+
 def process_env(name: str) -> str | None:
     """A variable as this process's C environment holds it now: what a framework's C++ side
     reads, which ``os.environ`` does not see change when the library sets it itself."""

@@ -24,7 +24,7 @@ from typing import Any
 import oneflow as flow
 
 from ...config import Tuning
-from ..workerkit import process_env
+from ..workerkit import process_env, tf32_setting
 from .backend import TF32_MATMUL_VAR, TF32_OVERRIDE
 
 TRUE_WORDS = ("1", "true", "yes", "on", "y")
@@ -81,7 +81,6 @@ def applied(tuning: Tuning, gpu: bool, graph: bool, ddp: bool) -> dict[str, Any]
         out["ddp_broadcast_buffers"] = tuning.ddp_broadcast_buffers
     if gpu:
         fields = tf32_fields(True)
-        both = {fields["tf32_cudnn"], fields["tf32_matmul"]}
-        out["tf32"] = "mixed" if len(both) > 1 else ("on" if both.pop() else "off")
+        out["tf32"] = tf32_setting(fields["tf32_cudnn"], fields["tf32_matmul"])
         out["cudnn_benchmark"] = graph and not heuristic_search()
     return out

@@ -27,7 +27,7 @@ from typing import Any
 import paddle
 
 from ...config import Tuning
-from ..workerkit import process_env, tf32_wanted
+from ..workerkit import process_env, tf32_setting, tf32_wanted
 from .backend import CUDNN_SEARCH_FLAG, TF32_OVERRIDE
 
 TF32_FLAGS = {"matmul": "FLAGS_cublas_allow_tf32", "conv": "FLAGS_cudnn_allow_tf32"}
@@ -95,7 +95,6 @@ def applied(tuning: Tuning, gpu: bool, distributed: bool) -> dict[str, Any]:
         out["ddp_bucket_mb"] = tuning.ddp_bucket_mb
     if gpu:
         fields = tf32_fields(True)
-        both = {fields["tf32_cudnn"], fields["tf32_matmul"]}
-        out["tf32"] = "mixed" if len(both) > 1 else ("on" if both.pop() else "off")
+        out["tf32"] = tf32_setting(fields["tf32_cudnn"], fields["tf32_matmul"])
         out["cudnn_benchmark"] = exhaustive_search()
     return out

@@ -10,7 +10,7 @@ import torch
 from ...config import Tuning, Workload
 from ...protocol import EventWriter, Start
 from ..workerkit import is_oom as reads_as_oom
-from ..workerkit import rss_now_bytes, rss_peak_bytes, tf32_wanted
+from ..workerkit import rss_now_bytes, rss_peak_bytes, tf32_setting, tf32_wanted
 from .dist import DistContext, all_gather
 from .env import framework_env
 from .flops import backbone_profile, train_flops_per_sample
@@ -102,7 +102,8 @@ def applied_tuning(tuning: Tuning, device: torch.device, step: TrainStep) -> dic
     out: dict = {}
     if device.type == "cuda":
         out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
-        out["tf32"] = "on" if torch.backends.cuda.matmul.allow_tf32 else "off"
+        out["tf32"] = tf32_setting(torch.backends.cudnn.allow_tf32,
+                                   torch.backends.cuda.matmul.allow_tf32)
     ddp = step.ddp_settings
     if ddp is not None:
         out.update(ddp_bucket_mb=ddp["bucket_cap_mb"], ddp_static_graph=ddp["static_graph"],
