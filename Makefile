@@ -16,8 +16,9 @@ endif
 STAMP := .stamp-install-$(subst /,_,$(PY))
 
 # The frameworks the suite runs beside torch, each in its own cached environment, built before
-# the suite. OneFlow's (3.9 GB) needs Python 3.8-3.10: where none is found it is skipped with a
-# line saying so, and so are its tests.
+# the suite. --cpu: a CPU build is enough, so a CUDA build already there is kept. OneFlow's
+# (about 4 GB: `trainperf env list`) needs Python 3.8-3.10: where none is found it is skipped
+# with a line saying so, and so are its tests.
 TEST_ENVS ?= mxnet paddle jax tf oneflow
 
 .PHONY: install envs slurm browser bench test clean gpu-check docs

@@ -50,7 +50,7 @@ def test_unfinished_and_outdated_environments_are_not_used(env_root):
     assert envs.interpreter("mxnet") == str(python)
 
 
-def test_an_environment_built_without_bytecode_is_compiled_once(env_root, monkeypatch):
+def test_an_environment_built_without_bytecode_is_compiled_once(env_root, monkeypatch, gpus):
     """Environments built before they were compiled get their modules' bytecode the next time
     they are asked for, once: with ``PYTHONDONTWRITEBYTECODE`` set nothing else writes it. A
     file that does not compile is left as it is."""
@@ -222,3 +222,196 @@ def test_the_frameworks_environments_hold_their_own_numpy(paddle_python, jax_pyt
                               ".cache_from_source(numpy.__file__))"], capture_output=True,
                              text=True, check=True).stdout
         assert Path(out.strip()).is_file(), (python, out)
+
+
+def fake_env(root: Path, name: str, cuda: bool, **manifest) -> Path:
+    """A finished environment of ``name`` built for CUDA or the CPU: its manifest and an
+    interpreter that leaves a mark each time it starts (a run that launched a worker)."""
+    folder = root / name
+    (folder / "bin").mkdir(parents=True)
+    python = folder / "bin" / "python"
+    python.write_text(f"#!/bin/sh\ntouch {folder / 'started'}\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    doc = {"packages": envs.wanted_packages(get_backend(name), cuda), "cuda": cuda,
+           "versions": {name: "1.0"}, "bytecode": True, **manifest}
+    (folder / envs.MANIFEST).write_text(json.dumps(doc))
+    return folder
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Sets how many GPUs this machine has, as the environments see it."""
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(envs, "gpu_count", lambda: n)
+
+    set_count(0)
+    return set_count
+
+
+def test_a_cpu_build_is_outdated_on_a_machine_with_gpus(env_root, gpus):
+    """Nothing but the GPUs changed: the CPU build is ready without them and outdated with
+    them, saying why in one line, yet it still runs CPU runs; a CUDA build is ready on both."""
+    fake_env(env_root, "paddle", cuda=False)
+    st = envs.state("paddle")
+    assert (st.state, st.cuda, st.runs, st.detail) == ("ready", False, ("cpu",), "")
+    gpus(8)
+    st = envs.state("paddle")
+    assert (st.state, st.runs) == ("outdated", ("cpu",))
+    assert st.detail == "built for the CPU; this machine has 8 GPUs"
+    fake_env(env_root, "jax", cuda=True)
+    assert (envs.state("jax").state, envs.state("jax").runs) == ("ready", ("cpu", "cuda"))
+    gpus(0)
+    assert envs.state("jax").state == "ready"  # a CUDA build runs on the CPU too
+
+
+def test_oneflows_one_build_serves_cuda_and_mxnets_cpu_build_does_not(env_root, gpus):
+    """OneFlow builds one way (its PyPI wheel is the CUDA build): a manifest saying ``cuda:
+    false`` is as good as CUDA. MXNet's CPU manifest is not, its Horovod compiling otherwise."""
+    assert envs.same_on_cuda(get_backend("oneflow"))
+    assert not envs.same_on_cuda(get_backend("mxnet"))
+    assert envs.serves_cuda(get_backend("oneflow"), {"cuda": False})
+    assert not envs.serves_cuda(get_backend("mxnet"), {"cuda": False})
+    gpus(8)
+    folder = fake_env(env_root, "oneflow", cuda=False)
+    assert envs.state("oneflow").state == "ready"
+    assert envs.interpreter("oneflow", "cuda") == str(folder / "bin" / "python")
+    fake_env(env_root, "mxnet", cuda=False)
+    assert envs.state("mxnet").state == "outdated"
+
+
+def test_a_cuda_run_with_a_cpu_build_is_refused_before_anything_starts(env_root, tmp_path,
+                                                                      gpus, capsys):
+    """Every plan's environment is checked before the first run: torch's plan, checked first,
+    starts nothing either, no results folder is written, and Paddle's interpreter never
+    starts. The line names the command that fixes it. A machine without GPUs does not refuse
+    ``--device cuda`` earlier (the worker would, once started): the same check refuses it."""
+    folder = fake_env(env_root, "paddle", cuda=False)
+    for count, fix in ((8, "run `trainperf env create paddle` (it rebuilds it for this "
+                           "machine's 8 GPUs)"),
+                       (0, "`trainperf env create paddle` builds it on a machine with an "
+                           "NVIDIA GPU (this one has none)")):
+        gpus(count)
+        out = tmp_path / f"out{count}"
+        code = main(["run", "tiny-arcface", "--framework", "torch,paddle", "--device", "cuda",
+                     "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err == [
+            "trainperf: error: the paddle environment is built for the CPU, and a CUDA run "
+            f"(--device cuda, or auto on a GPU machine) needs its CUDA build: {fix}"]
+        assert not out.exists() and not (folder / "started").exists()
+
+
+def test_a_cpu_run_takes_the_cpu_build_on_a_machine_with_gpus(env_root, tmp_path, gpus):
+    """Outdated only for want of CUDA, the build still runs CPU runs: the runner takes it (and
+    starts nothing on being made)."""
+    from trainperf.config import Measure, Topology, Tuning
+    from trainperf.plans import throughput_plans
+    from trainperf.runner import Runner
+
+    folder = fake_env(env_root, "paddle", cuda=False)
+    gpus(8)
+    python = str(folder / "bin" / "python")
+    assert envs.interpreter("paddle", "cpu") == python
+    assert envs.interpreter("paddle") == python  # a CPU run unless told
+    (plan,) = throughput_plans("tiny-arcface", {}, None, [1], Measure(), Tuning(),
+                               Topology(1, device="cpu"), ["paddle"], tmp_path / "out")
+    assert Runner(plan).launcher.python == python
+    assert not (folder / "started").exists()
+
+
+def test_create_rebuilds_a_cpu_build_for_the_gpus_and_cpu_enough_keeps_any(env_root, gpus,
+                                                                            monkeypatch):
+    """On a GPU machine `trainperf env create` rebuilds a CPU build for CUDA; ``--cpu`` (a CPU
+    build is enough) keeps it, and never replaces a CUDA build with a CPU one."""
+    built = []
+
+    def build(path, python, packages, no_deps, log):
+        built.append(packages)
+        raise RuntimeError("stop: the decision is what is tested")
+
+    monkeypatch.setattr(envs, "_build", build)
+    monkeypatch.setattr(envs, "base_python", lambda backend: sys.executable)
+    monkeypatch.setattr(envs, "_pip_index_args", lambda: [])
+    fake_env(env_root, "paddle", cuda=False)
+    fake_env(env_root, "jax", cuda=True)
+    gpus(8)
+    assert envs.needs_build(envs.state("paddle"), cuda=True)
+    assert not envs.needs_build(envs.state("paddle"), cuda=False)
+    assert not envs.needs_build(envs.state("jax"), cuda=False)
+    assert envs.needs_build(envs.state("jax"), cuda=False, force=True)
+    assert envs.create("paddle", cuda=False).state == "outdated"  # kept: it runs CPU runs
+    assert envs.create("jax", cuda=False).state == "ready"  # the CUDA build stays
+    assert envs.create("jax").state == "ready"
+    assert built == []
+    with pytest.raises(RuntimeError, match="stop"):
+        envs.create("paddle")
+    assert built == [list(get_backend("paddle").env.cuda_packages)]
+    gpus(0)
+    fake_env(env_root / "elsewhere", "paddle", cuda=False)
+    monkeypatch.setenv("TRAINPERF_ENV_DIR", str(env_root / "elsewhere"))
+    assert envs.create("paddle").state == "ready"  # no GPU: the CPU build is this machine's
+
+
+def test_the_manifest_records_the_indexes_the_build_used(monkeypatch):
+    """pip's configured indexes and those in the requirements (Paddle's CUDA wheels come from
+    Paddle's own index), the main index first."""
+    monkeypatch.setattr(envs, "_pip_index_args", lambda: [
+        "--find-links", "/opt/wheels", "--extra-index-url", "file:///opt/pypi/simple",
+        "--index-strategy", "unsafe-best-match"])
+    monkeypatch.delenv("UV_DEFAULT_INDEX", raising=False)
+    monkeypatch.delenv("UV_INDEX_URL", raising=False)
+    paddle = get_backend("paddle").env
+    assert envs.package_indexes(paddle.packages) == [
+        envs.PYPI, "/opt/wheels (find-links)", "file:///opt/pypi/simple"]
+    assert envs.package_indexes(paddle.cuda_packages) == [
+        envs.PYPI, "/opt/wheels (find-links)", "file:///opt/pypi/simple",
+        "https://www.paddlepaddle.org.cn/packages/stable/cu126/"]
+    monkeypatch.setattr(envs, "_pip_index_args",
+                        lambda: ["--index-url", "https://mirror.example/simple"])
+    assert envs.package_indexes(paddle.packages) == ["https://mirror.example/simple"]
+
+
+def test_env_list_shows_each_build_its_packages_indexes_and_size(env_root, gpus, capsys,
+                                                                 monkeypatch):
+    """A row per environment: CPU or CUDA, the packages (an index option among them shows as
+    an index), where they came from ("not recorded" for a manifest older than that), the
+    folder's size on disk, and why it is outdated."""
+    paddle_index = "https://www.paddlepaddle.org.cn/packages/stable/cu126/"
+    paddle = fake_env(env_root, "paddle", cuda=True, indexes=[envs.PYPI, paddle_index])
+    (paddle / "lib").mkdir()
+    (paddle / "lib" / "big.bin").write_bytes(b"\1" * 3_000_000)
+    (paddle / "lib" / "again.bin").hardlink_to(paddle / "lib" / "big.bin")  # counted once
+    (paddle / "lib" / "python").symlink_to(Path(sys.executable).resolve().parent)
+    fake_env(env_root, "jax", cuda=False)
+    gpus(8)
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["env", "list"]) == 0
+    rows: dict[str, list[list[str]]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("│"):  # a cell of several lines continues under an empty name
+            name, *cells = (c.strip() for c in line.split("│")[1:-1])
+            if name:
+                rows[name] = [[c] if c else [] for c in cells]
+            else:
+                for lines, c in zip(rows[list(rows)[-1]], cells):
+                    lines += [c] if c else []
+    state, build, versions, packages, indexes, size, detail = rows["paddle"]
+    assert (state, build, versions) == (["ready"], ["CUDA"], ["paddle 1.0"])
+    assert packages == ["paddlepaddle-gpu==3.3.1", "numpy>=1.26,<3"]
+    assert indexes == [envs.PYPI, paddle_index]
+    assert size == ["3.0 MB"] and detail == []
+    state, build, _, packages, indexes, size, detail = rows["jax"]
+    assert (state, build, indexes) == (["outdated"], ["CPU"], ["not recorded"])
+    assert packages == ["jax==0.10.2", "flax==0.12.8", "optax==0.2.8"]
+    assert detail == ["built for the CPU; this machine has 8 GPUs"]
+    assert rows["tf"][:2] == [["missing"], ["-"]] and rows["tf"][-1] == ["not created"]
+    assert rows["torch"][:2] == [["built-in"], ["-"]]
+    assert "".join(rows["torch"][-1]).endswith(sys.executable)  # not in the folder of builds
+
+
+def test_the_users_own_interpreter_is_taken_for_either_device(env_root, gpus, monkeypatch):
+    """What ``TRAINPERF_<NAME>_PYTHON`` holds is the user's to say: no build of trainperf's is
+    asked of it, on a machine with GPUs or without."""
+    monkeypatch.setenv(envs.python_override_var("paddle"), sys.executable)
+    gpus(8)
+    assert envs.interpreter("paddle", "cuda") == envs.interpreter("paddle") == sys.executable

@@ -6,7 +6,8 @@ holds only the framework and numpy. trainperf's own code is not installed there:
 folder holding a link to the running ``trainperf`` package on the worker's ``PYTHONPATH``, so a
 worker always runs the same trainperf as the runner that started it, never a stale copy, and
 sees nothing else of the runner's environment. ``trainperf-env.json`` in the folder records
-what was installed; it is written last, so a folder without it is an unfinished build.
+what was installed, for the CPU or for CUDA, and from which package indexes; it is written
+last, so a folder without it is an unfinished build.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .backends import BACKENDS, get_backend
-from .backends.base import Backend, SourceBuild
+from .backends.base import DEVICE_KINDS, Backend, SourceBuild
 from .env import gpu_count
 
 MANIFEST = "trainperf-env.json"
@@ -61,16 +63,58 @@ def _pip_packages(backend: Backend, cuda: bool) -> list[str]:
     return list(backend.env.cuda_packages if cuda else backend.env.packages)
 
 
+def same_on_cuda(backend: Backend) -> bool:
+    """The backend's CPU and CUDA builds are one and the same: the same requirements, and no
+    source build that compiles otherwise where there is CUDA. OneFlow's is (its PyPI wheel is
+    the CUDA 11.7 build, which runs on a CPU too); MXNet's is not, even apart from its wheels,
+    since Horovod compiles NCCL in only on a CUDA build (``SourceBuild.cuda_env``)."""
+    assert backend.env is not None
+    spec = backend.env
+    return spec.packages == spec.cuda_packages and not any(
+        b.cuda_env or b.cuda_links or b.cuda_home_var for b in spec.source_builds)
+
+
+def serves_cuda(backend: Backend, manifest: dict) -> bool:
+    """Whether the build a manifest records runs CUDA runs: it was built for CUDA, or the
+    backend builds one way only (``same_on_cuda``). The one answer the environment's state,
+    ``create`` and ``interpreter`` all go by."""
+    return bool(manifest.get("cuda")) or same_on_cuda(backend)
+
+
+def _gpus_text(n: int) -> str:
+    return f"{n} GPU{'s' if n != 1 else ''}"
+
+
 @dataclass(frozen=True)
 class EnvState:
     name: str
     state: str
     """``built-in`` (trainperf's own interpreter), ``ready``, ``external`` (the interpreter
     ``TRAINPERF_<NAME>_PYTHON`` names), ``missing``, ``outdated`` (built for other packages
-    than this trainperf asks for) or ``broken``."""
+    than this trainperf asks for, or for the CPU on a machine with GPUs) or ``broken``."""
     path: str
     versions: dict
     detail: str = ""
+    runs: tuple[str, ...] = ()
+    """The device kinds (``cpu``, ``cuda``) a run may take this interpreter for as it is: both
+    for trainperf's own and the user's; for a build of trainperf's, the CPU where it is ready
+    or only lacks the CUDA this machine's GPUs want, and CUDA where it serves CUDA."""
+    cuda: bool | None = None
+    """The build serves CUDA (``serves_cuda``); None where trainperf built none (``built-in``,
+    ``external``, nothing finished)."""
+    packages: tuple[str, ...] = ()
+    """What the manifest says was installed (``wanted_packages`` at build time)."""
+    indexes: tuple[str, ...] | None = None
+    """Where the packages came from (``package_indexes`` at build time); None where the
+    manifest predates its recording them."""
+
+    @property
+    def python(self) -> str:
+        """The interpreter itself (``path`` is the environment's folder for a build of
+        trainperf's)."""
+        if self.state in ("built-in", "external"):
+            return self.path
+        return str(Path(self.path) / "bin" / "python")
 
 
 def _read_manifest(path: Path) -> dict | None:
@@ -92,39 +136,61 @@ def _own_versions(backend: Backend) -> dict:
 
 
 def state(name: str) -> EnvState:
+    """Where the backend's interpreter stands. On a machine with GPUs a build without CUDA is
+    ``outdated``: `trainperf env create NAME` rebuilds it, though it still runs CPU runs."""
     backend = get_backend(name)
     if backend.env is None:
         return EnvState(name, "built-in", sys.executable, _own_versions(backend),
-                        "trainperf's own interpreter")
+                        "trainperf's own interpreter", runs=DEVICE_KINDS)
     external = os.environ.get(python_override_var(name))
     if external:
         if not (os.path.isfile(external) and os.access(external, os.X_OK)):
             return EnvState(name, "broken", external, {},
                             f"{python_override_var(name)} names no interpreter")
-        return EnvState(name, "external", external, {}, f"from {python_override_var(name)}")
+        return EnvState(name, "external", external, {}, f"from {python_override_var(name)}",
+                        runs=DEVICE_KINDS)
     path = env_dir(name)
     manifest = _read_manifest(path)
     if manifest is None:
         what = "unfinished build" if path.exists() else "not created"
         return EnvState(name, "missing", str(path), {}, what)
-    python = path / "bin" / "python"
-    if not os.access(python, os.X_OK):
-        return EnvState(name, "broken", str(path), {}, "no interpreter in the folder")
+    cuda = serves_cuda(backend, manifest)
+    indexes = manifest.get("indexes")
+    built = {"cuda": cuda, "packages": tuple(manifest.get("packages") or ()),
+             "indexes": None if indexes is None else tuple(indexes)}
+    if not os.access(path / "bin" / "python", os.X_OK):
+        return EnvState(name, "broken", str(path), {}, "no interpreter in the folder", **built)
     versions = manifest.get("versions", {})
     if manifest.get("packages") != wanted_packages(backend, manifest.get("cuda", False)):
         return EnvState(name, "outdated", str(path), versions,
-                        f"built with {manifest.get('packages')}")
-    return EnvState(name, "ready", str(path), versions)
+                        f"built with {manifest.get('packages')}", **built)
+    gpus = gpu_count()
+    if gpus and not cuda:
+        return EnvState(name, "outdated", str(path), versions,
+                        f"built for the CPU; this machine has {_gpus_text(gpus)}", runs=("cpu",),
+                        **built)
+    return EnvState(name, "ready", str(path), versions, runs=DEVICE_KINDS if cuda else ("cpu",),
+                    **built)
 
 
-def interpreter(name: str) -> str:
-    """The Python that runs this backend's workers; a clear one-line ValueError if there is
-    none yet."""
+def interpreter(name: str, device_kind: str = "cpu") -> str:
+    """The Python that runs this backend's workers on ``device_kind`` (``cpu`` or ``cuda``,
+    as ``plan_model.device_kind`` resolves it): a CPU run takes any finished build of the
+    packages asked for, a CUDA run only one that serves CUDA, so that no GPU run goes on with
+    a CPU build. The user's own interpreter (``TRAINPERF_<NAME>_PYTHON``) is taken for either:
+    what it holds is theirs to say, and its worker refuses a device it has no build for. A
+    one-line ValueError naming the command that fixes it otherwise, before any run starts."""
     st = state(name)
-    if st.state == "external":
-        return st.path
-    if st.state in ("built-in", "ready"):
-        return sys.executable if st.state == "built-in" else str(Path(st.path) / "bin/python")
+    if device_kind in st.runs:
+        return st.python
+    if st.runs:  # a CPU build asked for a CUDA run
+        gpus = gpu_count()
+        fix = (f"run `trainperf env create {name}` (it rebuilds it for this machine's "
+               f"{_gpus_text(gpus)})" if gpus else
+               f"`trainperf env create {name}` builds it on a machine with an NVIDIA GPU (this "
+               "one has none)")
+        raise ValueError(f"the {name} environment is built for the CPU, and a CUDA run "
+                         f"(--device cuda, or auto on a GPU machine) needs its CUDA build: {fix}")
     raise ValueError(f"the {name} environment is {st.state} ({st.detail}); create it with "
                      f"`trainperf env create {name}`")
 
@@ -147,6 +213,61 @@ def _pip_index_args() -> list[str]:
         # first index that has the package at all.
         args += ["--index-strategy", "unsafe-best-match"]
     return args
+
+
+INDEX_OPTIONS = ("--index-url", "--extra-index-url", "--find-links")
+PYPI = "https://pypi.org/simple"
+
+
+def package_indexes(packages: Sequence[str]) -> list[str]:
+    """Where a build's packages come from, as its manifest records them: the indexes of pip's
+    configuration (``_pip_index_args``, what uv is given) and those the requirements name
+    themselves (Paddle's CUDA wheels are on Paddle's own index), the main index first: PyPI
+    unless one replaces it. A find-links folder is written ``PATH (find-links)``."""
+    given = _pip_index_args()
+    pairs = list(zip(given[::2], given[1::2]))
+    for item in packages:
+        option, eq, value = item.partition("=")
+        if eq and option in INDEX_OPTIONS:
+            pairs.append((option, value))
+    main = [v for o, v in pairs if o == "--index-url"][-1:]
+    if not main and _uv():
+        # uv's own variables name its main index where pip's configuration does not.
+        main = [v for v in (os.environ.get("UV_DEFAULT_INDEX"), os.environ.get("UV_INDEX_URL"))
+                if v][:1]
+    out = main or [PYPI]
+    for option, value in pairs:
+        shown = f"{value} (find-links)" if option == "--find-links" else value
+        if option in INDEX_OPTIONS[1:] and shown not in out:
+            out.append(shown)
+    return out
+
+
+def disk_bytes(path: Path) -> int:
+    """What the folder takes on disk: every file's allocated blocks, links not followed, a
+    file hard-linked more than once within it counted once. (uv may hard-link a venv's files
+    from its cache: those count in full here, though deleting the folder alone frees none.)"""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(entry.path)
+            elif st.st_nlink > 1:
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
 
 
 def base_python(backend: Backend) -> str:
@@ -320,9 +441,20 @@ def _write_manifest(path: Path, manifest: dict) -> None:
     os.replace(tmp, path / MANIFEST)
 
 
+def needs_build(current: EnvState, cuda: bool, force: bool = False) -> bool:
+    """Whether ``create`` builds over ``current``: when forced, or when it does not run what the
+    build is for, CUDA runs where ``cuda`` and CPU runs otherwise. Any ready build runs CPU
+    runs, a CUDA one too: a CPU build asked for (``--cpu``, as `make test` does) never
+    replaces a user's CUDA build."""
+    return force or ("cuda" if cuda else "cpu") not in current.runs
+
+
 def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -> EnvState:
-    """Build (or rebuild) the environment of backend ``name``; returns its state. Several
-    processes asking at once build it once (a lock file beside it)."""
+    """Build (or rebuild) the environment of backend ``name``; returns its state. ``cuda``:
+    None builds for this machine (CUDA where it has a GPU, and a CPU build there is rebuilt);
+    False asks for no more than a CPU build and keeps any build that runs CPU runs; True asks
+    for CUDA (``needs_build``). Several processes asking at once build it once (a lock file
+    beside it)."""
     backend = get_backend(name)
     if backend.env is None or os.environ.get(python_override_var(name)):
         return state(name)  # nothing for trainperf to build
@@ -336,7 +468,7 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
         fcntl.flock(lock, fcntl.LOCK_EX)
         current = state(name)
         path = env_dir(name)
-        if current.state == "ready" and not force:
+        if not needs_build(current, cuda, force):
             manifest = _read_manifest(path)
             if not manifest.get("bytecode"):  # built before environments were compiled
                 print(f"compiling the {name} environment's modules (once)", file=log, flush=True)
@@ -345,6 +477,7 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
             return current
         for build in backend.env.source_builds:
             check_tools(build, cuda)
+        indexes = package_indexes(packages)
         shutil.rmtree(path, ignore_errors=True)
         started = time.monotonic()
         print(f"creating the {name} environment in {path}: {' '.join(packages)}", file=log,
@@ -361,7 +494,7 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
                              f"with {exc.returncode}): {(exc.stderr or '').strip()[-300:]}"
                              ) from None
         manifest = {"backend": name, "packages": wanted_packages(backend, cuda), "cuda": cuda,
-                    "python": python,
+                    "indexes": indexes, "python": python,
                     "versions": json.loads(probe.stdout.strip().splitlines()[-1]),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bytecode": True,
                     "build_s": round(time.monotonic() - started)}

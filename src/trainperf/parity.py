@@ -32,7 +32,7 @@ from .config import MODE_DEFAULT, Measure, Topology, Tuning, Workload
 from .env import cpu_model
 from .progress import QuietProgress
 from .recipes import get_recipe
-from .runner import Case as RunnerCase, Plan, Runner, check_plan
+from .runner import Case as RunnerCase, Plan, Runner, check_plan, device_kind
 
 SCHEMA = "trainperf.native_parity/v1"
 RECIPES = {"rn50": "rn50-v1b-imagenet", "face": "r50-arcface-plsc"}
@@ -146,12 +146,13 @@ def last_line(proc: subprocess.CompletedProcess) -> str:
     return ((proc.stderr or proc.stdout or "").strip().splitlines() or ["no output"])[-1]
 
 
-def ensure_zoo(framework: str) -> None:
-    """Install the framework's model zoo into its environment where it is not importable."""
+def ensure_zoo(framework: str, device: str = "cpu") -> None:
+    """Install the framework's model zoo into its environment (the one that runs on
+    ``device``) where it is not importable."""
     if framework not in ZOOS:
         return
     module, packages = ZOOS[framework]
-    python = envs.interpreter(framework)
+    python = envs.interpreter(framework, device_kind(device))
     probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
     if probe.returncode == 0:
         return
@@ -169,8 +170,9 @@ def ensure_zoo(framework: str) -> None:
 
 
 def run_native(row: Row, s: Settings) -> dict:
-    ensure_zoo(row.framework)
-    cmd = [envs.interpreter(row.framework), str(native_script(row.framework)),
+    ensure_zoo(row.framework, s.device)
+    python = envs.interpreter(row.framework, device_kind(s.device))
+    cmd = [python, str(native_script(row.framework)),
            "--case", row.model, "--batch", str(row.batch), "--iters", str(s.iters),
            "--warmup", str(s.warmup), "--device", s.device, "--precision", s.precision]
     if s.threads:

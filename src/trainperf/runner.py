@@ -71,8 +71,11 @@ class Runner:
         check_plan(plan)
         self.modes = PlanModes(plan, self.backend, shared)
         self.nodes = Nodes(plan)
-        self.launcher = RunLauncher(self.backend, envs.interpreter(plan.framework), self.nodes,
-                                    self.out, self._append_event, self.progress)
+        # The environment is checked here, with the plan, before any plan's run starts: a
+        # CUDA run never goes on with a CPU build.
+        python = envs.interpreter(plan.framework, device_kind(plan.cases[0].topology.device))
+        self.launcher = RunLauncher(self.backend, python, self.nodes, self.out,
+                                    self._append_event, self.progress)
 
     @property
     def is_follower(self) -> bool:

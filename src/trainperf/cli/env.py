@@ -17,13 +17,17 @@ def register(sub) -> None:
     create.add_argument("names", nargs="+", metavar="FRAMEWORK")
     create.add_argument("--force", action="store_true", help="rebuild even if it is ready")
     create.add_argument("--cpu", action="store_true",
-                        help="install the CPU build even on a machine with a GPU")
+                        help="a CPU build is enough: keep any ready build, a CUDA one too (it "
+                             "runs on the CPU), and build the CPU one only where there is none "
+                             "or it is outdated for another reason than this machine's GPUs")
     create.add_argument("--where-possible", action="store_true",
                         help="skip, with a line saying why, a framework whose wheels exist "
                              "for no Python this machine has (any other failure still fails)")
     create.set_defaults(handler=cmd_create)
-    env_sub.add_parser("list", help="each framework's environment and versions (`trainperf "
-                                    "list --frameworks`: what each runs)"
+    env_sub.add_parser("list", help="each framework's environment: its state, CPU or CUDA "
+                                    "build, versions, packages, the package indexes they came "
+                                    "from and its size on disk (`trainperf list --frameworks`: "
+                                    "what each runs)"
                        ).set_defaults(handler=cmd_list)
 
     align = sub.add_parser("align", help="check that a framework trains the same numbers as "
@@ -68,7 +72,11 @@ def cmd_create(args: argparse.Namespace) -> int:
             print(f"{name}: skipped: {exc}")
             continue
         versions = ", ".join(f"{k} {v}" for k, v in st.versions.items())
-        print(f"{name}: {st.state} at {st.path} ({versions or st.detail})")
+        line = f"{name}: {st.state} at {st.path} ({versions or st.detail})"
+        if st.state == "outdated" and st.runs:
+            line += (f"; {st.detail}: it runs CPU runs, all --cpu asks for (`trainperf env "
+                     f"create {name}` builds it for the GPUs)")
+        print(line)
     return EXIT_OK
 
 
@@ -78,14 +86,36 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     from .. import envs
 
-    tbl = Table(title="trainperf framework environments")
-    for col in ("framework", "state", "versions", "where"):
-        tbl.add_column(col, overflow="fold")
+    tbl = Table(title="trainperf framework environments",
+                caption=f"each built in {envs.env_root()}/FRAMEWORK")
+    for col in ("framework", "state", "build", "versions", "packages", "indexes", "size",
+                "detail"):
+        # Short words stay whole on a narrow terminal; the long cells fold instead.
+        tbl.add_column(col, overflow="fold",
+                       no_wrap=col in ("framework", "state", "build", "size"))
     for st in envs.states():
-        versions = ", ".join(f"{k} {v}" for k, v in st.versions.items()) or st.detail
-        tbl.add_row(st.name, st.state, versions, st.path)
+        versions = "\n".join(f"{k} {v}" for k, v in st.versions.items()) or "-"
+        ours = st.state not in ("built-in", "external")
+        build = "-" if st.cuda is None else "CUDA" if st.cuda else "CPU"
+        # An index option in the requirements shows with the indexes, not as a package.
+        packages = "\n".join(p for p in st.packages if not p.startswith("-")) or "-"
+        indexes = ("-" if not st.packages else "not recorded" if st.indexes is None
+                   else "\n".join(st.indexes))
+        folder = Path(st.path)
+        size = size_text(envs.disk_bytes(folder)) if ours and folder.is_dir() else "-"
+        # An interpreter of another folder's is named; a build lies where the caption says.
+        detail = st.detail if ours else f"{st.detail}: {st.path}"
+        tbl.add_row(st.name, st.state, build, versions, packages, indexes, size, detail)
     Console().print(tbl)
     return EXIT_OK
+
+
+def size_text(n: int) -> str:
+    """Bytes in decimal units, as ``du --si`` and pip write them (``2.1 GB``)."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def cmd_align(args: argparse.Namespace) -> int:

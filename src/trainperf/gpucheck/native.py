@@ -52,7 +52,7 @@ def run(log: StageLog, mode: str, work: Path, stage_id: str) -> None:
             log.not_run(f"native parity: {fw} {model} b{batch}", str(exc))
         return
     if fw == "jax":
-        python, where = jax_interpreter()
+        python, where = jax_interpreter(mode)
         if python is None:
             for model, batch in ROWS[mode]:
                 log.not_run(f"native parity: jax {model} b{batch}", f"no JAX here ({where})")

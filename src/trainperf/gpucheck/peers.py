@@ -98,19 +98,20 @@ def run_timm(log: StageLog, mode: str) -> None:
         print(f"timm {label}: {got['samples_per_s']:.1f} samples/s", flush=True)
 
 
-def jax_interpreter() -> tuple[str | None, str]:
-    """The Python that runs the JAX worker, and where it came from."""
+def jax_interpreter(mode: str) -> tuple[str | None, str]:
+    """The Python that runs the JAX worker in the check's ``mode`` (a CUDA build for the GPU
+    mode), and where it came from."""
     if not missing("jax", "flax", "optax"):
         os.environ[envs.python_override_var("jax")] = sys.executable
         return sys.executable, "this Python"
     try:
-        return envs.interpreter("jax"), "trainperf's JAX environment"
+        return envs.interpreter("jax", cases.device(mode)), "trainperf's JAX environment"
     except ValueError as exc:
         return None, str(exc)
 
 
 def run_jax(log: StageLog, mode: str, work: Path) -> None:
-    python, where = jax_interpreter()
+    python, where = jax_interpreter(mode)
     if python is None:
         for case in JAX_CASES:
             log.not_run(f"JAX worker: {case.label}", f"no JAX here ({where})")
