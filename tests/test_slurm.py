@@ -1,6 +1,7 @@
 """`trainperf slurm`: the script (valid bash, the asked #SBATCH lines, run's options carried
-over, what each task runs), usage errors, following a job through a fake Slurm, and a real
-single-host Slurm running a job of two tasks acting as two nodes."""
+over, what each task runs, a job that resumes an earlier one's node folders), usage errors,
+following a job through a fake Slurm, and a real single-host Slurm running a job of two tasks
+acting as two nodes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from slurm_host import slurm_cluster  # noqa: F401  (the fixture, imported to be
 from trainperf import results
 from trainperf.cli import build_parser, main
 from trainperf.cli import slurm as slurm_cli
-from trainperf.scale import slurm
+from trainperf.scale import commbench, slurm
 
 BASIC = ["tiny-arcface", "--nodes", "2"]
 
@@ -139,6 +141,150 @@ def test_placement_options_are_the_scripts(flag, capsys):
     assert "set by the job script" in capsys.readouterr().err
 
 
+def sample_words(action) -> list[str]:
+    """A value of a run option other than its default, as a command line gives it."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [next(c for c in action.choices if c != action.default)]
+    return ["3"]  # an int, a float or a string alike
+
+
+def test_every_run_option_is_carried_or_refused(capsys):
+    """An option of `trainperf run` that slurm neither passes on to the nodes nor refuses with
+    its reason is one a cluster's runs silently lack: each one of run's is one or the other,
+    or slurm's own (the job's folder, the processes per node)."""
+    run = slurm_cli.run_parser()
+    seen = set()
+    for action in run._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag, dest = action.option_strings[-1], action.dest
+        seen.add(dest)
+        if dest in slurm_cli.SET_BY_SCRIPT:
+            with pytest.raises(SystemExit):
+                main(["slurm", *BASIC, flag, "2"])
+            last = capsys.readouterr().err.strip().splitlines()[-1]
+            assert last.endswith(f"{flag} is set by the job script: "
+                                 f"{slurm_cli.SET_BY_SCRIPT[dest]}"), last
+            continue
+        if dest in slurm_cli.OWN_DESTS:
+            continue  # the tests of --out, --devices and --resume below
+        words = [flag, *sample_words(action)]
+        carried = slurm_cli.run_argv(slurm_namespace(*BASIC, *words))
+        assert flag in carried, flag
+        wanted = getattr(run.parse_args(["tiny-arcface", *words]), dest)
+        if dest in slurm_cli.PATH_DESTS:
+            wanted = ([str(Path(w).absolute()) for w in wanted] if isinstance(wanted, list)
+                      else str(Path(wanted).absolute()))
+        assert getattr(run.parse_args(["tiny-arcface", *carried]), dest) == wanted, flag
+    assert slurm_cli.OWN_DESTS <= seen and set(slurm_cli.SET_BY_SCRIPT) <= seen
+
+
+def test_data_breakdown_and_trace_reach_every_node(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["data", "synth", "--identities", "2", "--images-per-identity", "2",
+                 "--size", "16", "--val-pairs", "0", "--out", "faces"]) == 0
+    Path("fabric.json").write_text(json.dumps({"schema": commbench.SCHEMA, "ops": []}))
+    out = tmp_path / "out"
+    # Relative paths, as typed: the script holds them absolute.
+    args = slurm_namespace(*BASIC, "--data", "faces", "--loader-workers", "1",
+                           "--no-synthetic-baseline", "--breakdown", "--breakdown-steps", "4",
+                           "--trace", "--fabric", "fabric.json", "--out", str(out))
+    job = replace(slurm_cli.job_from_args(args), python=str(tmp_path / "bin" / "python"))
+    calls = run_script_with_fakes(tmp_path, job)
+    for task, call in enumerate(calls[:2]):
+        node = slurm_cli.run_parser().parse_args(call[3:])  # run's own parser takes it
+        assert (node.data, node.loader_workers, node.no_synthetic_baseline) == \
+            (str(tmp_path / "faces"), 1, True)
+        assert (node.breakdown, node.breakdown_steps, node.trace) == (True, 4, True)
+        assert node.fabric == [str(tmp_path / "fabric.json")]
+        assert node.out == str(out / f"node-{task}") and node.resume is None
+    # The report at the top of the job's folder sets the communication against it too.
+    assert calls[2] == ["-m", "trainperf.scale.slurm", str(out),
+                        "--fabric", str(tmp_path / "fabric.json")]
+
+
+def test_a_bad_data_path_is_refused_before_submitting(tmp_path, capsys):
+    assert main(["slurm", *BASIC, "--data", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "o"), "--submit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "none.rec" in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+# -- resuming an earlier job's node folders ---------------------------------------------------
+
+def earlier_job(out: Path, roles: list[str | None]) -> None:
+    """Node folders as a job leaves them: a results.json by role (None: none, the job ended
+    before that node recorded a run)."""
+    for i, role in enumerate(roles):
+        folder = out / f"node-{i}"
+        folder.mkdir(parents=True)
+        if role is not None:
+            doc = {"role": "follower"} if role == "follower" else {}
+            (folder / "results.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("roles,leader", [
+    (["follower", "leader", "follower"], 1),
+    ([None, None, None], 0),  # nothing recorded anywhere: any folder will do
+    (["follower", "follower", None], 2),  # node 0 ended before it recorded the run
+])
+def test_the_folder_with_the_measurements_is_resumed_as_node_0(tmp_path, roles, leader):
+    earlier_job(tmp_path, roles)
+    assert slurm.resume_leader(tmp_path, 3) == leader
+
+
+def test_a_resumed_job_resumes_each_node_folder(tmp_path):
+    out = tmp_path / "out"
+    earlier_job(out, ["follower", "leader"])
+    plans = slurm_cli.check_with_run(slurm.SlurmJob("tiny-arcface", ("--devices", "1"), out,
+                                                    nodes=2))
+    settings = plans[0].settings()
+    # The layout --memory-format auto picks follows the host's GPUs, which a login node
+    # may lack: a node folder planned on a GPU node is still this plan's.
+    settings["workload"]["channels_last"] = True
+    for folder in slurm.node_dirs(out):
+        (folder / "plan.json").write_text(json.dumps(settings))
+    args = slurm_namespace(*BASIC, "--breakdown", "--resume", str(out))
+    job = replace(slurm_cli.job_from_args(args), python=str(tmp_path / "bin" / "python"))
+    assert job.resume_from == 1
+    calls = run_script_with_fakes(tmp_path, job)
+    run = ["-m", "trainperf.cli", "run", "tiny-arcface", "--devices", "1", "--breakdown",
+           "--nnodes", "2"]
+    # Task 0 runs on the first host: node 0, hosting the meeting, in the measurements' folder.
+    meet = ["--master-addr", "gpu-a17", "--master-port", "29634"]
+    assert calls == [run + ["--node-rank", "0", *meet, "--resume", str(out / "node-1")],
+                     run + ["--node-rank", "1", *meet, "--resume", str(out / "node-0")],
+                     ["-m", "trainperf.scale.slurm", str(out)]]
+    for call in calls[:2]:
+        assert slurm_cli.run_parser().parse_args(call[3:]).resume
+    assert "# This job finishes an earlier one" in (out / slurm.SCRIPT_NAME).read_text()
+
+
+@pytest.mark.parametrize("setup,argv,needle", [
+    (None, [], "no node folders"),
+    (["leader", "follower", "follower"], [], "give the --nodes"),
+    (["leader", "leader"], [], "each hold measurements"),
+    (["follower", "follower"], [], "no node folder holds the measurements"),
+    (["leader", "follower"], ["--out", "elsewhere"], "drop --out"),
+    (["leader", "follower"], ["--runs", "3"], "another plan (differs in measure)"),
+    (["leader", "follower"], ["--framework", "torch,jax"], "a plan this job does not make"),
+])
+def test_a_resume_that_cannot_work_is_refused(tmp_path, setup, argv, needle, capsys):
+    out = tmp_path / "out"
+    if setup is not None:
+        earlier_job(out, setup)
+        plans = slurm_cli.check_with_run(slurm.SlurmJob("tiny-arcface", ("--devices", "1"),
+                                                        out, nodes=2))
+        (out / "node-0" / "plan.json").write_text(json.dumps(plans[0].settings()))
+    assert main(["slurm", *BASIC, *argv, "--resume", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and err.startswith("trainperf: error:") and "\n" not in err
+    assert not (out / slurm.SCRIPT_NAME).exists()  # nothing written
+
+
 def test_a_percent_in_the_output_folder_is_refused(tmp_path, capsys):
     assert main(["slurm", *BASIC, "--out", str(tmp_path / "100%")]) == 2
     assert "pattern" in capsys.readouterr().err
@@ -147,7 +293,8 @@ def test_a_percent_in_the_output_folder_is_refused(tmp_path, capsys):
 def test_an_earlier_jobs_folder_is_refused(tmp_path, capsys):
     (tmp_path / "node-0").mkdir()
     assert main(["slurm", *BASIC, "--out", str(tmp_path)]) == 2
-    assert "already holds" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already holds" in err and "--resume" in err
 
 
 def test_submit_without_sbatch_is_a_usage_error(tmp_path, monkeypatch, capsys):

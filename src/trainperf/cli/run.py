@@ -188,10 +188,9 @@ def _report_and_exit(plans: list, docs: list[dict], out: Path, with_references: 
     return EXIT_OK if all_runs_ok(docs) else EXIT_RUN_FAILED
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from ..plans import report_dir, run_plans
-    from ..results import all_runs_ok
-
+def run_plans_of(args: argparse.Namespace) -> list:
+    """The plans of `trainperf run` with every option checked (``slurm`` checks a node's
+    command with it before the queue)."""
     plans = plan_from_args(args)
     if args.fabric:
         from ..scale.commbench import load_fabric
@@ -203,6 +202,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ValueError(f"--breakdown-steps must be >= 2, got {args.breakdown_steps}")
         for plan in plans:
             plan.profile_steps, plan.trace = args.breakdown_steps, args.trace
+    return plans
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..plans import report_dir, run_plans
+    from ..results import all_runs_ok
+
+    plans = run_plans_of(args)
     # With --data the real-data runs and their synthetic twin take turns.
     docs = run_plans(plans, bool(args.resume), take_turns=bool(args.data))
     if docs and all(doc.get("role") == "follower" for doc in docs):

@@ -8,12 +8,18 @@ node ranks; the task that ends up node rank 0 keeps the measurements, the others
 folders ``"role": "follower"``. OUT must be on a filesystem every node sees. The script is meant
 to be read and resubmitted by hand: it holds absolute paths only and explains every step.
 
-``python -m trainperf.scale.slurm OUT`` writes ``OUT/report.md`` from whichever node folder holds
-the measurements; the script ends with it.
+A job that resumes an earlier one (``SlurmJob.resume_from``) runs ``trainperf run --resume`` on
+the node folders already in OUT instead. The ranks are then fixed rather than met for: the
+folder that kept the measurements must be node 0's again, or its runs would be taken back by a
+follower and the new measurements land beside runs without figures.
+
+``python -m trainperf.scale.slurm OUT [--fabric COMMBENCH]`` writes ``OUT/report.md`` from
+whichever node folder holds the measurements; the script ends with it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import subprocess
@@ -65,6 +71,13 @@ class SlurmJob:
     rdzv_port: int | None = None
     """None: ``RDZV_PORT_BASE`` + job id mod ``RDZV_PORT_SPAN``, so jobs that share a first
     host rarely share a port."""
+    resume_from: int | None = None
+    """None: a new job, whose OUT holds no node folders yet. Otherwise the job finishes the
+    node folders an earlier job left in OUT, and this is the one of them that kept the
+    measurements (``resume_leader``): task 0, on the first host, resumes it as node 0."""
+    fabric: tuple[str, ...] = ()
+    """commbench results the report at the top of OUT sets the exposed communication
+    against (run's ``--fabric``, which the tasks get in ``run_argv``)."""
     python: str = field(default_factory=lambda: sys.executable)
     """The interpreter every node runs: the one that wrote the script, so a virtual environment
     on the shared filesystem serves every node."""
@@ -97,6 +110,14 @@ class SlurmJob:
                              f"pattern (%j: the job id); choose a path without")
         if not Path(self.python).is_absolute():
             raise ValueError(f"the interpreter must be an absolute path, got {self.python!r}")
+        if self.resume_from is not None and not 0 <= self.resume_from < self.ntasks:
+            raise ValueError(f"node folder {self.resume_from} is not one of the job's "
+                             f"{self.ntasks}")
+
+    @property
+    def ntasks(self) -> int:
+        """The nodes of the benchmark: one per task."""
+        return self.nodes * self.tasks_per_node
 
     @property
     def script_path(self) -> Path:
@@ -150,6 +171,21 @@ def _wrap(words: list[str], indent: str = "    ") -> list[str]:
 # stops its runs and keeps what they measured.
 TASK_SNIPPET = ('exec "$@" --nnodes "$SLURM_NTASKS" --rdzv "$RDZV_HOST:$RDZV_PORT" '
                 '--out "$OUT/node-$SLURM_PROCID"')
+# Resuming: task 0 runs on the first host, so it can host the nodes' store there as node 0
+# (run's --node-rank/--master-addr); the folders turn with it so that it gets the one that
+# kept the measurements, and every other task a follower's.
+RESUME_SNIPPET = ('exec "$@" --nnodes "$SLURM_NTASKS" --node-rank "$SLURM_PROCID" '
+                  '--master-addr "$RDZV_HOST" --master-port "$RDZV_PORT" '
+                  '--resume "$OUT/node-$(( (SLURM_PROCID + MEASURED) % SLURM_NTASKS ))"')
+
+
+FRESH_HEAD = [
+    "# Every task below runs one `trainperf run` acting as one node; the nodes meet through",
+    "# torch's c10d rendezvous on the allocation's first host and get their node ranks there.",
+    "# The node that becomes node rank 0 keeps the measurements (its results.json); the others",
+    "# mark theirs as followers. Results: one folder per task under the output folder, which",
+    "# every node must see (a shared filesystem).",
+]
 
 
 def render_script(job: SlurmJob, command_line: str | None = None) -> str:
@@ -157,7 +193,9 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
     q = shlex.quote
     port = (str(job.rdzv_port) if job.rdzv_port is not None
             else f"$(( {RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN} ))")
-    total = job.nodes * job.tasks_per_node
+    total = job.ntasks
+    resuming = job.resume_from is not None
+    measured = NODE_DIR.format(job.resume_from) if resuming else None
     layout = (f"{job.nodes} node(s)" if job.tasks_per_node == 1 else
               f"{job.nodes} host(s) x {job.tasks_per_node} tasks, each task acting as a node")
     run_words = [q(w) for w in ("-m", "trainperf.cli", "run", job.recipe, *job.run_argv)]
@@ -167,11 +205,15 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         f"# Written by: {command_line}" if command_line else None,
         f"# Submit it (again) with: sbatch {q(str(job.script_path))}",
         "#",
-        "# Every task below runs one `trainperf run` acting as one node; the nodes meet through",
-        "# torch's c10d rendezvous on the allocation's first host and get their node ranks there.",
-        "# The node that becomes node rank 0 keeps the measurements (its results.json); the others",
-        "# mark theirs as followers. Results: one folder per task under the output folder, which",
-        "# every node must see (a shared filesystem).",
+        *(FRESH_HEAD if not resuming else [
+            "# This job finishes an earlier one: every task below runs one `trainperf run",
+            "# --resume` acting as one node, on a node folder that job left in the output folder,",
+            "# and runs only what did not end there. Node 0 must resume the folder that kept the",
+            f"# measurements, {measured}, so the node ranks are fixed rather than handed out:",
+            "# task 0, on the allocation's first host, is node 0, resumes that folder and hosts",
+            "# the nodes' meeting; the others resume the followers' folders. Every node must see",
+            "# the output folder (a shared filesystem).",
+        ]),
         "#",
         "# --exclusive and --mem=0: whole nodes with all their memory, so nothing else running on",
         "# them takes a share of what is measured.",
@@ -182,7 +224,8 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         "",
         "# The interpreter that wrote this script; on a shared filesystem every node runs it.",
         f"PY={q(job.python)}",
-        "# Each task writes into OUT/node-<its task id>.",
+        ("# Each task writes into OUT/node-<its task id>." if not resuming else
+         "# The node folders the tasks resume."),
         f"OUT={q(str(job.out_dir))}",
         "",
         'if [ ! -x "$PY" ]; then',
@@ -206,6 +249,10 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         "# happens rather than when a buffer fills.",
         "export OUT RDZV_HOST RDZV_PORT PYTHONUNBUFFERED=1",
         "",
+        *(["# Task 0 resumes OUT/node-$MEASURED, the folder with the measurements; task i the",
+           "# one i places after it.",
+           f"MEASURED={job.resume_from}",
+           "export MEASURED"] if resuming else []),
         f'echo "trainperf: {total} nodes meet at $RDZV_HOST:$RDZV_PORT; results under $OUT"',
         "",
         ("# One task per node." if job.tasks_per_node == 1 else
@@ -216,13 +263,15 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         "status=0",
         f"srun --ntasks-per-node={job.tasks_per_node} --cpus-per-task=\"$CPUS_PER_TASK\" "
         f"--wait={STRAGGLER_S} --label \\",
-        f"    bash -c {q(TASK_SNIPPET)} trainperf-node \\",
+        f"    bash -c {q(RESUME_SNIPPET if resuming else TASK_SNIPPET)} trainperf-node \\",
         *[ln + " \\" for ln in _wrap(['"$PY"', *run_words])],
         "    || status=$?",
         "",
         "# Whichever task became node rank 0 holds the measurements: put its report at the top",
         "# of the output folder (also after a failure, for the runs that did finish).",
-        'if ! "$PY" -m trainperf.scale.slurm "$OUT" && [ "$status" -eq 0 ]; then',
+        'if ! "$PY" -m trainperf.scale.slurm "$OUT"'
+        + "".join(f" --fabric {q(path)}" for path in job.fabric)
+        + ' && [ "$status" -eq 0 ]; then',
         "    status=1",
         "fi",
         'exit "$status"',
@@ -354,6 +403,48 @@ def node_dirs(out_dir: Path) -> list[Path]:
     return sorted(p for p in Path(out_dir).glob(NODE_DIR.format("*")) if p.is_dir())
 
 
+def _role(folder: Path) -> str | None:
+    """"leader" or "follower" as the folder's results.json says; None without one."""
+    try:
+        doc = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return "follower" if doc.get("role") == "follower" else "leader"
+
+
+def resume_leader(out_dir: Path, ntasks: int) -> int:
+    """The node folder that kept the measurements of the earlier job in ``out_dir``, for a job
+    of ``ntasks`` tasks to resume; ValueError, in one line, where there is no such job to
+    resume."""
+    folders = node_dirs(out_dir)
+    if not folders:
+        raise ValueError(f"--resume {out_dir}: no node folders of an earlier job there; "
+                         f"drop --resume to start one")
+    names = sorted(p.name for p in folders)
+    if names != sorted(NODE_DIR.format(i) for i in range(ntasks)):
+        raise ValueError(f"--resume {out_dir}: the earlier job's node folders are "
+                         f"{', '.join(names)}, this job's would be node-0..node-{ntasks - 1}: "
+                         f"give the --nodes and --tasks-per-node it had")
+    roles = [_role(out_dir / NODE_DIR.format(i)) for i in range(ntasks)]
+    leaders = [i for i, role in enumerate(roles) if role == "leader"]
+    unknown = [i for i, role in enumerate(roles) if role is None]
+    if len(leaders) == 1:
+        return leaders[0]
+    if leaders:
+        raise ValueError(f"--resume {out_dir}: node folders "
+                         f"{', '.join(NODE_DIR.format(i) for i in leaders)} each hold "
+                         f"measurements (one job's have exactly one)")
+    if len(unknown) == ntasks:
+        return 0  # no run ended anywhere: any folder can be node 0's
+    if len(unknown) == 1:
+        # Node 0 ended before it recorded a run its followers did: its folder is the one
+        # without results.
+        return unknown[0]
+    rest = f"; {len(unknown)} have no results" if unknown else ""
+    raise ValueError(f"--resume {out_dir}: no node folder holds the measurements (those with "
+                     f"results are followers'{rest})")
+
+
 def find_leader(out_dir: Path) -> Path:
     """The node folder with the measurements (its results.json has no follower role);
     ValueError when there is none or more than one."""
@@ -379,23 +470,26 @@ def all_runs_ok(folder: Path) -> bool:
     return bool(runs) and all(r["status"] == "ok" for r in runs)
 
 
-def collect(out_dir: Path) -> tuple[Path, Path]:
-    """Write ``out_dir/report.md`` from the leader's folder: (leader folder, report path)."""
+def collect(out_dir: Path, fabric: Sequence[str] = ()) -> tuple[Path, Path]:
+    """Write ``out_dir/report.md`` from the leader's folder: (leader folder, report path).
+    ``fabric``: commbench results to set the exposed communication against, as run's."""
     from ..report.assemble import write_report
     from .bottleneck import analyser
 
     leader = find_leader(out_dir)
-    return leader, write_report([str(leader)], Path(out_dir), False, analyser())
+    return leader, write_report([str(leader)], Path(out_dir), False,
+                                analyser(list(fabric) or None))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m trainperf.scale.slurm OUT  (a finished job's output folder)",
-              file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m trainperf.scale.slurm",
+                                     description="write a finished job's report")
+    parser.add_argument("out", metavar="OUT", help="the job's output folder")
+    parser.add_argument("--fabric", action="append", default=[], metavar="COMMBENCH",
+                        help="as for run")
+    args = parser.parse_args(argv)
     try:
-        leader, path = collect(Path(args[0]))
+        leader, path = collect(Path(args.out), args.fabric)
     except ValueError as exc:
         print(f"trainperf: error: {exc}", file=sys.stderr)
         return 1
