@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from declarations import assert_runs_as_declared
 from run_util import ports_taken_first, reserved_ports
 from trainperf import results
 from trainperf.cli import main
@@ -50,6 +51,7 @@ def test_results_follow_the_schema(e2e):
     assert doc["tuning"] == {**dataclasses.asdict(Tuning()), "mode": "default"}
     assert Tuning().tf32 == "on"
     assert doc["framework"] == "torch"
+    assert_runs_as_declared(doc)
     assert doc["model"] == "iresnet_tiny"  # no DLPerf key for the tiny recipe
     env = doc["env"]
     for key in ("framework_version", "python", "host", "cpu_model", "trainperf_version",

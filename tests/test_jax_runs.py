@@ -29,6 +29,7 @@ from trainperf.config import TUNING_SETTINGS
 from trainperf.envs import state
 from trainperf.outcome import names_bind_failure
 from align_checks import align, assert_one_rank_with_controls, assert_strictly_aligned
+from declarations import assert_runs_as_declared
 from run_util import (BREAKDOWN, assert_a_suspended_rank_is_named, assert_delay_lands,
                       assert_started_again, assert_timed_runs_unprofiled, left_behind,
                       ports_taken_first)
@@ -91,6 +92,7 @@ def test_mp_on_one_and_two_ranks_gives_results(mp_run):
     assert code == 0
     doc = results.load(out)
     assert doc["framework"] == "jax"
+    assert_runs_as_declared(doc)
     env = doc["env"]
     assert env["framework"] == "jax"
     assert env["framework_version"] == state("jax").versions["jax"]
@@ -124,6 +126,8 @@ def test_mp_on_one_and_two_ranks_gives_results(mp_run):
     # test_jax_threads.py), and the gradients were reduced as one buffer across the processes.
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     starts = [e for e in events if e.get("event") == "start"]
+    # Each worker's own record too: NHWC is the one layout JAX's backbones have.
+    assert all(s["workload"]["channels_last"] for s in starts)
     # Every timed step ran the one executable compiled before the loop.
     for case in doc["cases"]:
         compiles = [e.get("compiles") for e in events if e.get("event") == "step"

@@ -11,6 +11,7 @@ import pytest
 from trainperf import results
 from trainperf.backends.phases import DELAY_ENV
 from trainperf.cli import main
+from declarations import assert_runs_as_declared
 from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
                       assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
                       left_behind, ports_taken_first)
@@ -36,6 +37,7 @@ def test_torch_and_mxnet_run_side_by_side(side_by_side):
     docs = {name: results.load(out / name) for name in ("torch", "mxnet")}
     for name, doc in docs.items():
         assert doc["framework"] == name
+        assert_runs_as_declared(doc)
         assert [c["world_size"] for c in doc["cases"]] == [1, 2]
         assert all(c["median_samples_per_s"] > 0 for c in doc["cases"])
         assert doc["cases"][1]["speedup"] is not None

@@ -14,6 +14,7 @@ from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
 from trainperf.config import TUNING_SETTINGS
 from align_checks import align, assert_strictly_aligned
+from declarations import assert_runs_as_declared
 from run_util import (BREAKDOWN, assert_a_suspended_rank_is_named, assert_delay_lands,
                       assert_started_again, assert_timed_runs_unprofiled, left_behind,
                       ports_taken_first)
@@ -50,6 +51,7 @@ def test_a_sharded_run_on_one_and_two_ranks(mp_run):
     assert code == 0
     doc = results.load(out)
     assert doc["framework"] == "oneflow" and doc["workload"]["fc"] == "mp"
+    assert_runs_as_declared(doc)
     assert doc["env"]["framework"] == "oneflow" and doc["env"]["framework_version"] == "0.9.0"
     assert doc["env"]["device_type"] == "cpu"
     assert [c["world_size"] for c in doc["cases"]] == [1, 2]

@@ -25,6 +25,7 @@ from trainperf.backends.torch.backbones import build_backbone
 from trainperf.cli import main
 from trainperf.config import TUNING_SETTINGS
 from align_checks import align, assert_strictly_aligned
+from declarations import assert_runs_as_declared
 from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
                       assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
                       left_behind, ports_taken_first)
@@ -58,6 +59,7 @@ def test_a_measured_run_on_one_and_two_ranks(measured):
     assert code == 0
     doc = results.load(out)
     assert doc["framework"] == "paddle"
+    assert_runs_as_declared(doc)
     assert [c["world_size"] for c in doc["cases"]] == [1, 2]
     env = doc["env"]
     manifest = json.loads((Path(envs.env_dir("paddle")) / "trainperf-env.json").read_text())

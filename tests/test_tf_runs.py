@@ -18,6 +18,7 @@ from trainperf import results
 from trainperf.cli import main
 from trainperf.outcome import names_bind_failure
 from align_checks import align, assert_strictly_aligned
+from declarations import assert_runs_as_declared
 from mode_runs import step_compiles
 from run_util import (BREAKDOWN, PHASE_DELAY_S, assert_a_suspended_rank_is_named,
                       assert_delay_lands, assert_started_again, assert_timed_runs_unprofiled,
@@ -58,6 +59,7 @@ def test_run_on_one_and_two_ranks(tiny_run, tf_python):
     assert code == 0
     doc = results.load(out)
     assert doc["framework"] == "tf"
+    assert_runs_as_declared(doc)
     assert [c["world_size"] for c in doc["cases"]] == [1, 2]
     for case in doc["cases"]:
         run = case["runs"][0]

@@ -138,6 +138,11 @@ class Runner:
         if self.start_events:
             env.update(next(iter(self.start_events.values())).env)
         workload = self.plan.workload.to_dict()
+        # The layout the workers ran, where a backbone has one layout only (JAX's) and the
+        # plan was made without its declaration (an alignment, a check's own plan).
+        layouts = {e.workload.get("channels_last") for e in self.start_events.values()}
+        if len(layouts) == 1 and None not in layouts:
+            workload["channels_last"] = layouts.pop()
         pfc_updates = {e.pfc_update for e in self.start_events.values()}
         if len(pfc_updates) == 1:
             workload["pfc_update_ran"] = pfc_updates.pop()

@@ -171,6 +171,10 @@ class Capabilities:
     float32 instead)."""
     channels_last: bool = False
     """Its backbones can run channels-last (``--memory-format channels_last``)."""
+    channels_first: bool = True
+    """Its backbones can run channels-first (``--memory-format channels_first``). False where
+    NHWC is the only layout they are written in (TensorFlow's, JAX's): a run asked for NCHW is
+    refused, and the worker records the NHWC it runs (``FrameworkRun.__init__``)."""
     layouts: dict[str, str] = field(default_factory=dict)
     """Per device kind, the memory format ``--memory-format auto`` runs its backbones in
     (``channels_last`` or ``channels_first``); a kind not named: channels-first."""
@@ -334,7 +338,8 @@ class Backend:
         the case's layout (nodes, and the backend's own rules)."""
         why = (self.work_refusal(workload, device_kind, train, real_data)
                or self.mode_refusal(tuning.mode, device_kind)
-               or self.tuning_refusal(tuning, device_kind))
+               or self.tuning_refusal(tuning, device_kind)
+               or self.layout_refusal(tuning))
         if why:
             return why
         if topology.nnodes > 1 and not self.capabilities.several_nodes:
@@ -344,6 +349,15 @@ class Backend:
                 # The hook sees the device the run goes to, never ``auto``.
                 or (self.refuse_more(workload, replace(topology, device=device_kind), tuning)
                     if self.refuse_more else None))
+
+    def layout_refusal(self, tuning: Tuning) -> str | None:
+        """Why ``--memory-format channels_first`` is refused: the backbones have no NCHW to
+        run, and running NHWC under it would make the results say NCHW ran. Only the request
+        is refused: a plan made without one (an alignment, a check) runs the layout there is."""
+        if tuning.memory_format != "channels_first" or self.capabilities.channels_first:
+            return None
+        return (f"the {self.name} backend's backbones are NHWC only: use --memory-format auto "
+                "or channels_last")
 
     def check(self, workload: Workload, topology: Topology, tuning: Tuning,
               device_kind: str, train: bool = False, real_data: bool = False) -> None:

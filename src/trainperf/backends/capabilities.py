@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from ..config import GPU_SETTINGS, SETTING_OWNER, TUNING_SETTINGS, tuning_flag
 from . import BACKENDS, catalog
-from .base import Backend
+from .base import DEVICE_KINDS, Backend
 
+LAYOUT_COLUMN = "layout (CPU / GPU)"
 COLUMNS = ("framework", "version", "heads", "precisions on a CPU", "precisions on a GPU",
-           "backbones", "modes on a CPU", "modes on a GPU", "layout on a GPU",
-           "channels-last", "real data (`--data`)", "trains to a target",
+           "backbones", "modes on a CPU", "modes on a GPU", LAYOUT_COLUMN,
+           "layouts it runs", "real data (`--data`)", "trains to a target",
            "several nodes", "speed settings", "written as", "ranks start through")
 FAMILY_NAMES = {"iresnet": "IResNet", "mobilefacenet": "MobileFaceNet",
                 "resnet_v1b": "ResNet v1b"}
@@ -39,6 +40,12 @@ def layout_text(backend: Backend, kind: str) -> str:
     return "NHWC" if backend.default_layout(kind) == "channels_last" else "NCHW"
 
 
+def layouts_text(backend: Backend) -> str:
+    """What ``--memory-format auto`` runs on each device kind, the CPU's first: a framework's
+    layout may differ between the two (torch's does)."""
+    return " / ".join(layout_text(backend, kind) for kind in DEVICE_KINDS)
+
+
 def row(backend: Backend) -> dict[str, str]:
     caps = backend.capabilities
     families = [f for f in catalog.FAMILIES if f in caps.families]
@@ -51,8 +58,10 @@ def row(backend: Backend) -> dict[str, str]:
         "backbones": ", ".join(FAMILY_NAMES[f] for f in families),
         "modes on a CPU": modes_text(backend, "cpu"),
         "modes on a GPU": modes_text(backend, "cuda"),
-        "layout on a GPU": layout_text(backend, "cuda"),
-        "channels-last": _yes(caps.channels_last),
+        LAYOUT_COLUMN: layouts_text(backend),
+        "layouts it runs": ", ".join(name for name, runs in (("NCHW", caps.channels_first),
+                                                             ("NHWC", caps.channels_last))
+                                     if runs),
         "real data (`--data`)": _yes(caps.real_data),
         "trains to a target": _yes(caps.trains),
         "several nodes": _yes(caps.several_nodes),

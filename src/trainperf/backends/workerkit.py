@@ -14,7 +14,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NoReturn, Sequence
 
 from ..config import TUNING_SETTINGS, AlignSpec, Measure, Tuning, Workload
@@ -213,6 +213,11 @@ class FrameworkRun:
     """Real data (``RunSpec.data``): the feed ``build`` opened; None: synthetic batches."""
 
     def __init__(self, spec: RunSpec) -> None:
+        if not self.backend.capabilities.channels_first and not spec.workload.channels_last:
+            # The start event records the spec's workload: it says the one layout the
+            # backbones have, whatever a spec made outside `trainperf run` (an alignment, a
+            # check) left there.
+            spec = replace(spec, workload=spec.workload.replace(channels_last=True))
         self.spec = spec
 
     @classmethod

@@ -149,7 +149,7 @@ def print_frameworks(markdown: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..backends.capabilities import markdown_table, rows
+    from ..backends.capabilities import LAYOUT_COLUMN, markdown_table, rows
 
     if markdown:
         print(markdown_table())
@@ -158,7 +158,8 @@ def print_frameworks(markdown: bool) -> int:
     short = {"framework": "framework", "version": "version", "heads": "heads",
              "precisions on a CPU": "precisions CPU", "precisions on a GPU": "precisions GPU",
              "modes on a CPU": "modes CPU", "modes on a GPU": "modes GPU",
-             "backbones": "backbones", "channels-last": "channels-last",
+             "backbones": "backbones", LAYOUT_COLUMN: "layout (auto)",
+             "layouts it runs": "layouts",
              "real data (`--data`)": "--data", "trains to a target": "train",
              "several nodes": "nodes"}
     tbl = Table(title="what each framework runs (anything else is refused before a run)",

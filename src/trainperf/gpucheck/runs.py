@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..config import DataSpec, Measure, Topology, Tuning
+from ..plans import layout_for
 from ..progress import QuietProgress
 from .. import results
 from ..recipes import get_recipe
@@ -22,7 +23,10 @@ def plan_for(case: Case, work: Path, measure: Measure, device: str, tuning: Tuni
              framework: str = "torch", data: DataSpec | None = None,
              folder: str | None = None) -> Plan:
     recipe = get_recipe(case.recipe)
-    workload = recipe.workload.replace(**case.changes)
+    # Each framework's own layout on the device (`--memory-format auto`, as `trainperf run`
+    # plans it): channels-last for torch on a GPU, where it ran 1.5-2x NCHW on the H200.
+    layout = layout_for(framework, tuning.memory_format, device)
+    workload = recipe.workload.replace(**{"channels_last": layout, **case.changes})
     cases = [RunnerCase(Topology(1, device=device), workload.batch_size)]
     out = work / "runs" / (folder or case.name)
     return Plan(recipe.name, workload, measure, cases, out, tuning, recipe.reference_model,

@@ -37,7 +37,14 @@ TUNING = {
 """The speed settings JAX honours, by its own switches (``tuning.py`` says how each works)."""
 
 
-# NHWC throughout: XLA picks its layouts, so --channels-last changes nothing it runs.
+LAYOUT = "channels_last"
+"""The only layout its backbones have (``models.py``: NHWC activations, HWIO kernels), on
+every device: the step is written in it, and XLA's CPU client runs its convolutions in it. On a
+GPU, XLA's layout assignment still chooses each cuDNN convolution's own layout (its
+``HeuristicLayoutAssignment``): NHWC on Hopper and later, NCHW in float32 on older GPUs; no flag
+of trainperf's changes that."""
+
+
 BACKEND = Backend(
     name="jax", framework="jax", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
     capabilities=Capabilities(
@@ -46,7 +53,8 @@ BACKEND = Backend(
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32", "bf16"),
                     "cuda": ("fp32", "fp16", "bf16")},
-        families=FAMILIES, channels_last=True, real_data=True, tuning=TUNING),
+        families=FAMILIES, channels_last=True, channels_first=False,
+        layouts={"cpu": LAYOUT, "cuda": LAYOUT}, real_data=True, tuning=TUNING),
     runs_as="flax linen, optax; one jitted `shard_map` step; pfc's global batch up to the "
             "per-shard sample",
     ranks_start="one process per rank, `jax.distributed` coordinator")

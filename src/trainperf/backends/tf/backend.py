@@ -116,6 +116,7 @@ BACKEND = Backend(
         heads=("dp", "mp", "pfc"),
         precisions={"cpu": ("fp32",), "cuda": ("fp32", "fp16")},
         families=("iresnet", "mobilefacenet", "resnet_v1b"), channels_last=True,
+        channels_first=False,
         # NHWC is the only layout its backbones have (models.py), on every device.
         layouts={"cpu": "channels_last", "cuda": "channels_last"},
         real_data=True,
