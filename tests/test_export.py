@@ -248,13 +248,6 @@ def test_stdout_holds_the_data_only(capsys):
     assert len(table) == len(export.rows(SMALL)) and got.err == ""
 
 
-def test_the_docs_page_shows_the_declared_columns():
-    text = (REPO / "docs" / "exports.md").read_text(encoding="utf-8")
-    block = text.split("<!-- export-columns:begin -->\n", 1)[1].split(
-        "<!-- export-columns:end -->", 1)[0]
-    assert block == export.columns_markdown()
-
-
 def test_columns_are_declared_once_with_known_types():
     assert len({c.name for c in export.COLUMNS}) == len(export.COLUMNS)
     assert {c.type for c in export.COLUMNS} <= set(export.TYPES)

@@ -12,7 +12,8 @@ import pytest
 
 from trainperf.backends.torch.memory_model import (
     CONSTANTS, DeviceConstants, combine, constants_for)
-from trainperf.gpucheck import budget, matrix, memfit, readme
+from trainperf.cli import pages
+from trainperf.gpucheck import budget, cases, coverage, matrix, memfit
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -76,10 +77,10 @@ def test_the_fp32_workspace_fills_only_what_is_free():
 
 def test_made_tables_are_what_the_plan_and_the_records_say(capsys):
     front = (REPO / "README.md").read_text()
-    assert readme.block_of(front, "gpu-matrix") == matrix.render(RESULTS)
+    assert pages.block_of(front, "gpu-matrix") == matrix.render(RESULTS)
     plan_page = (REPO / "docs" / "gpu-check.md").read_text()
-    assert readme.block_of(plan_page, "gpu-plan") == budget.plan_table()
-    assert readme.main(["--root", str(REPO), "--check"]) == 0
+    assert pages.block_of(plan_page, "gpu-plan") == budget.plan_table()
+    assert pages.main(["--root", str(REPO), "--check", "--only", "gpu-matrix,gpu-plan"]) == 0
     from trainperf.cli import main
 
     assert main(["gpucheck", "--plan"]) == 0
@@ -121,25 +122,25 @@ def test_matrix_takes_each_paths_latest_gpu(tmp_path, capsys):
     root = tmp_path / "repo"
     (root / "docs").mkdir(parents=True)
     front, plan_page = root / "README.md", root / "docs" / "gpu-check.md"
-    (m_begin, m_end), (p_begin, p_end) = readme.markers("gpu-matrix"), readme.markers("gpu-plan")
+    (m_begin, m_end), (p_begin, p_end) = pages.markers("gpu-matrix"), pages.markers("gpu-plan")
     front.write_text(f"x\n{m_begin}\nold\n{m_end}\ny\n")
     plan_page.write_text(f"p\n{p_begin}\n{budget.plan_table()}{p_end}\nq\n")
-    argv = ["--root", str(root), "--results", str(tmp_path)]
-    assert readme.main([*argv, "--check"]) == 1
+    argv = ["--root", str(root), "--results", str(tmp_path), "--only", "gpu-matrix,gpu-plan"]
+    assert pages.main([*argv, "--check"]) == 1
     err = capsys.readouterr().err
     assert "README.md: gpu-matrix out of date" in err and "gpu-plan" not in err
     assert err.count("\n") == 1 and "--write --root" in err
-    assert readme.main([*argv, "--write"]) == 0
-    assert readme.main([*argv, "--check"]) == 0
+    assert pages.main([*argv, "--write"]) == 0
+    assert pages.main([*argv, "--check"]) == 0
     written = front.read_text()
     assert written.startswith("x\n") and written.endswith(f"{m_end}\ny\n")
-    assert readme.block_of(written, "gpu-matrix") == text
+    assert pages.block_of(written, "gpu-matrix") == text
     assert plan_page.read_text() == f"p\n{p_begin}\n{budget.plan_table()}{p_end}\nq\n"
     # A page that lost its markers is named, not passed over.
     plan_page.write_text("p\n")
-    assert readme.main([*argv, "--check"]) == 1
+    assert pages.main([*argv, "--check"]) == 1
     assert "docs/gpu-check.md: gpu-plan out of date" in capsys.readouterr().err
-    assert readme.main([*argv, "--write"]) == 2
+    assert pages.main([*argv, "--write"]) == 2
     assert "docs/gpu-check.md: no <!-- gpu-plan:begin -->" in capsys.readouterr().err
 
 
@@ -174,3 +175,36 @@ def test_a_gpu_run_keeps_its_windows_own_peak(monkeypatch):
     cpu = torch.device("cpu")
     assert runtime.start_window_peak(cpu) is None
     assert set(runtime.peak_memory(cpu, None)) == {"peak_memory_bytes"}
+
+
+def test_the_matrix_part_column_is_read_from_the_stages(monkeypatch, tmp_path):
+    """Which part runs a path comes from what each stage runs: JAX's parity stage moved from
+    part 1 to part 5, and its rows (parity, bf16, dp) moved with it; moved again, they follow."""
+    from dataclasses import replace as moved
+
+    from trainperf.gpucheck import native, plan
+
+    jax_parity = next(s for s in plan.STAGES if native.FRAMEWORK.get(s.id) == "jax")
+    first = coverage.first_parts()
+    assert {first[("jax", k)] for k in ("parity", "bf16", "dp")} == {jax_parity.part}
+    # torch's fp32 first runs in part 2's RN50 fp32 case, not in part 5's headline
+    assert first[("torch", "fp32")] == 2 and ("jax", "pfc") not in first
+    assert first[("torch", "breakdown")] == next(s.part for s in plan.STAGES if any(
+        c.label in cases.BREAKDOWN_CASES for c in cases.CASES_GPU.get(s.id, [])))
+    stages = tuple(moved(s, part=3) if s is jax_parity else s for s in plan.STAGES)
+    monkeypatch.setattr(coverage, "STAGES", stages)
+    text = matrix.render(tmp_path)
+    parity_row = next(line for line in text.splitlines() if line.startswith("| native parity"))
+    assert parity_row.endswith(f"| {coverage.first_parts()[('torch', 'parity')]} / 3 |")
+
+
+def test_the_gpu_status_line_says_which_frameworks_ran_from_the_records(tmp_path):
+    record = tmp_path / "gpu-h100-2026-12-03" / "a"
+    record.mkdir(parents=True)
+    (record / "results.json").write_text(json.dumps(_results("paddle", "fp16", "mp")))
+    text = matrix.status(tmp_path)
+    assert "Paddle (2 of the 13 paths; latest on H100 80GB HBM3, 2026-12-03)" in text
+    assert "Not yet run on a GPU: torch, JAX, MXNet, TensorFlow and OneFlow." in text
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert matrix.status(empty).startswith("Not yet run on a GPU: torch, JAX, MXNet, Paddle,")

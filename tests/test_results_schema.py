@@ -22,7 +22,6 @@ from trainperf.protocol import End, Eval, Start, Step
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDS = REPO / "benchmarks" / "results"
-DOC_PAGE = REPO / "docs" / "results-format.md"
 SAMPLE = RECORDS / "compare-cpu" / "torch-a"
 
 
@@ -176,15 +175,6 @@ def test_report_compare_and_export_refuse_it_in_one_line(command, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "results.json" in err[0] and "cases[0].runs[1].status" in err[0], err
-
-
-def test_the_docs_field_tables_are_the_schemas():
-    text = DOC_PAGE.read_text(encoding="utf-8")
-    begin, end = "<!-- results-fields:begin -->", "<!-- results-fields:end -->"
-    block = text[text.index(begin) + len(begin):text.index(end)].strip("\n")
-    assert block == results_schema.fields_markdown().strip("\n"), (
-        "run python -m trainperf.results_schema --fields and paste it into "
-        "docs/results-format.md")
 
 
 def test_compacting_keeps_one_copy_and_reads_compressed_streams(tmp_path):

@@ -170,3 +170,19 @@ def plan_table() -> str:
                      f"the summary ({SUMMARY_S:.0f} s): budget {PART_BUDGET_S[part]:.0f} s | "
                      f"**{part_cap_s(part):.0f} s** | **{part_estimate_s(part):.0f} s** |")
     return "\n".join(lines) + "\n"
+
+
+def parts_list() -> str:
+    """Every part with its stages, what each runs (a case stage: its cases) and the part's
+    budget, as a markdown list: the GPU check's page holds it."""
+    from .plan import PART_BUDGET_S, PARTS
+
+    lines = []
+    for part in PARTS:
+        lines.append(f"- **Part {part}**, one call of at most {PART_BUDGET_S[part] / 60:g} "
+                     f"minutes:")
+        for s in stages_of(part):
+            what = s.about or "its cases " + ", ".join(
+                f"`{c.label}`" for c in cases.CASES_GPU.get(s.id, []))
+            lines.append(f"    - stage {s.id}, *{s.title}*: {what}.")
+    return "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
 """The GPU support matrix: for every GPU path, the device and date it last ran on a GPU, made
 from the records under ``benchmarks/results/gpu-*`` (every ``results.json`` and ``parity.json``,
 unpacked or in a part's archive, and the parts' ``summary.json`` checks). The README holds it
-(``gpucheck.readme``). A record's folder is named ``gpu-<device>-<YYYY-MM-DD>``: its date is
+(``cli.pages``). A record's folder is named ``gpu-<device>-<YYYY-MM-DD>``: its date is
 every path's date in it.
 """
 
@@ -12,28 +12,30 @@ import re
 from pathlib import Path
 
 from ..result_files import json_files
+from .coverage import first_parts
 
 FRAMEWORKS = (("torch", "torch"), ("jax", "JAX"), ("mxnet", "MXNet"), ("paddle", "Paddle"),
               ("tf", "TensorFlow"), ("oneflow", "OneFlow"))
 LENT = ("torch", "jax")
 """What a lent GPU machine can run (the other frameworks' GPU builds are too large to carry)."""
 ROWS = (
-    ("fp32", "training step, fp32 (its TF32 as the run records it)", (1, 4)),
-    ("bf16", "training step, bf16", (1, 1)),
-    ("fp16", "training step, fp16 with loss scaling", (2, None)),
-    ("dp", "face head: data parallel (`dp`)", (2, 1)),
-    ("mp", "face head: model-parallel FC (`mp`)", (1, 4)),
-    ("pfc", "face head: Partial FC (`pfc`)", (1, None)),
-    ("classification", "ResNet50 v1b (classification)", (1, 1)),
-    ("correctness", "losses on CUDA against the CPU's", (1, None)),
-    ("parity", "native parity against the framework's own step", (2, 1)),
-    ("capacity", "capacity search (max batch, max classes)", (3, None)),
-    ("breakdown", "step breakdown (`--breakdown`)", (3, None)),
-    ("realdata", "real data through the input pipeline", (4, None)),
-    ("multiprocess", "several processes (2+ GPUs)", (None, None)),
+    ("fp32", "training step, fp32 (its TF32 as the run records it)"),
+    ("bf16", "training step, bf16"),
+    ("fp16", "training step, fp16 with loss scaling"),
+    ("dp", "face head: data parallel (`dp`)"),
+    ("mp", "face head: model-parallel FC (`mp`)"),
+    ("pfc", "face head: Partial FC (`pfc`)"),
+    ("classification", "ResNet50 v1b (classification)"),
+    ("correctness", "losses on CUDA against the CPU's"),
+    ("parity", "native parity against the framework's own step"),
+    ("capacity", "capacity search (max batch, max classes)"),
+    ("breakdown", "step breakdown (`--breakdown`)"),
+    ("realdata", "real data through the input pipeline"),
+    ("multiprocess", "several processes (2+ GPUs)"),
 )
-"""(key, what it is, the gpu-check part that runs it for torch and for JAX; None: no part
-does, as no lent machine has 2 GPUs)."""
+"""(key, what it is). Which gpu-check part runs a row for torch and for JAX is read from the
+stages (``coverage.first_parts``); none runs several processes, as no lent machine has 2
+GPUs."""
 NOT_YET = "not yet run on a GPU"
 
 
@@ -141,8 +143,10 @@ def next_part(last: dict[tuple[str, str], dict]) -> tuple[int, str] | None:
     ran longest ago."""
     missing: dict[int, int] = {}
     oldest: dict[int, str] = {}
-    for key, _, parts in ROWS:
-        for fw, part in zip(LENT, parts):
+    first = first_parts()
+    for key, _ in ROWS:
+        for fw in LENT:
+            part = first.get((fw, key))
             if part in (None, 1):
                 continue
             o = last.get((fw, key))
@@ -164,15 +168,46 @@ def render(results: Path) -> str:
     last = latest(observations(results))
     head = ["GPU path", *[label for _, label in FRAMEWORKS], "gpu-check part (torch / JAX)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for key, what, parts in ROWS:
+    first = first_parts()
+    for key, what in ROWS:
         cells = []
         for fw, _ in FRAMEWORKS:
             o = last.get((fw, key))
             cells.append(f"{o['device']}, {o['date']}" if o else NOT_YET)
-        which = " / ".join(str(p) if p else "-" for p in parts)
+        which = " / ".join(str(first.get((fw, key), "-")) for fw in LENT)
         lines.append(f"| {what} | " + " | ".join(cells) + f" | {which} |")
     chosen = next_part(last)
     if chosen:
         lines += ["", "On a lent GPU, part 1 runs first (it proves the code as it is now); "
                       f"then `make gpu-check PART={chosen[0]}`: {chosen[1]}."]
     return "\n".join(lines) + "\n"
+
+
+def listed(names: list[str]) -> str:
+    """``a, b and c``."""
+    return "".join(names) if len(names) <= 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def status(results: Path) -> str:
+    """One paragraph: which frameworks have run on a GPU (and how many of the matrix's paths),
+    which have not, from the same records as the matrix. The front page and the frameworks
+    page hold it, so that neither says what the records do not."""
+    last = latest(observations(results))
+    ran, never = [], []
+    for fw, label in FRAMEWORKS:
+        seen = [o for (f, _), o in last.items() if f == fw]
+        if not seen:
+            never.append(label)
+            continue
+        newest = max(seen, key=lambda o: (o["date"], o["device"]))
+        ran.append(f"{label} ({len(seen)} of the {len(ROWS)} paths; latest on "
+                   f"{newest['device']}, {newest['date']})")
+    parts = []
+    if ran:
+        parts.append(f"Run on a GPU, as the records under `benchmarks/results/gpu-*` show: "
+                     f"{listed(ran)}.")
+    if never:
+        parts.append(f"Not yet run on a GPU: {listed(never)}. Their GPU paths are written to "
+                     "each framework's documented API for its version and checked against its "
+                     "source; every test a CPU allows runs them.")
+    return " ".join(parts) + "\n"

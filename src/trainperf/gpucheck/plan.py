@@ -38,6 +38,9 @@ class Stage:
     is kept."""
     cpu_cap_s: float
     """The same for the CPU mode's tiny sizes."""
+    about: str = ""
+    """What it runs, for the GPU check's page, where its title does not say it all (a case
+    stage's cases are listed from ``cases.py`` instead)."""
 
     def cap(self, mode: str, scale: float = 1.0) -> float:
         return (self.cap_s if mode == "gpu" else self.cpu_cap_s) * scale
@@ -45,23 +48,37 @@ class Stage:
 
 STAGES: tuple[Stage, ...] = (
     # Part 1: what no GPU has proven yet, the headline in each framework's best mode first.
-    Stage("1", "Machine ceiling", 1, "ceiling", 15, 30),
-    Stage("2", "GPU correctness", 1, "correctness", 75, 90),
+    Stage("1", "Machine ceiling", 1, "ceiling", 15, 30,
+          "bf16, fp16, TF32 and fp32 matmul and the copy rate: the measured ceiling that MFU "
+          "is also given against"),
+    Stage("2", "GPU correctness", 1, "correctness", 75, 90,
+          "`dp`, `mp` and `pfc` 1.0 on CUDA against the CPU's losses, fp16 and bf16 finite, "
+          "CUDA events against the host clock"),
     Stage("4", "Headline cases: R100 pfc 0.1 and mp, RN50, bf16, eager", 1, "cases", 95, 90),
     Stage("11", "Execution modes: torch.compile on R100 pfc 0.1 and RN50, bf16", 1, "cases",
           160, 60),
     # Part 2: torch's parity (proven on the H200) and the rest of the seeds' table.
-    Stage("5", "Native parity: torch, bf16", 2, "parity", 70, 120),
+    Stage("5", "Native parity: torch, bf16", 2, "parity", 70, 120,
+          "trainperf's worker against torchvision's ResNet50 and a plain IResNet-50 ArcFace "
+          "step, interleaved"),
     Stage("6", "The rest of the seeds' table: fp16, Y1, glint360k, RN50 fp32", 2, "cases",
           215, 120),
     # Part 3: memory.
-    Stage("7", "Capacity", 3, "capacity", 200, 120),
+    Stage("7", "Capacity", 3, "capacity", 200, 120,
+          "max batch of R100 `mp` fp32, max classes of R100 `pfc 0.1` fp16, the memory "
+          "model's error and its refit"),
     Stage("8", "cuDNN autotuning: its memory and its speed, R100 fp32", 3, "cases", 85, 60),
     # Part 4: against other implementations, and real data.
-    Stage("9", "Peers: timm, JAX on R100 and ResNet50", 4, "peers", 110, 120),
-    Stage("10", "Real data", 4, "realdata", 110, 60),
+    Stage("9", "Peers: timm, JAX on R100 and ResNet50", 4, "peers", 110, 120,
+          "timm's ResNet50 step timed as trainperf times its own; trainperf's JAX worker on "
+          "R100 `mp` fp32 and RN50 fp32"),
+    Stage("10", "Real data", 4, "realdata", 110, 60,
+          "`data synth`, then R100 `dp` fp32 on it and on its synthetic twin, DALI's nvJPEG "
+          "where installed"),
     # Part 5: JAX's parity in bf16 and the headline in fp32, moved out of part 1 for the modes.
-    Stage("3", "Native parity: JAX, bf16", 5, "parity", 105, 30),
+    Stage("3", "Native parity: JAX, bf16", 5, "parity", 105, 30,
+          "trainperf's JAX worker against flax modules in the ImageNet example's layout, "
+          "ResNet50 v1b and IResNet-50 ArcFace, with its committed BatchNorm"),
     Stage("12", "Headline cases in fp32: R100 pfc 0.1 and mp, eager", 5, "cases", 70, 45),
 )
 

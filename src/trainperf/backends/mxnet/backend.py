@@ -11,6 +11,9 @@ from ..catalog import FAMILIES
 PACKAGES = ("mxnet==1.9.1", "numpy<1.24")
 CUDA_PACKAGES = ("mxnet-cu117==1.9.1", "numpy<1.24", "nvidia-nccl-cu11==2.21.5")
 NCCL_LIB = "{site}/nvidia/nccl/lib"
+# numpy<1.24 has wheels up to Python 3.11 (pip finds none for 3.12 or 3.13): on a newer
+# trainperf Python the environment is made from one of these, found on PATH or in pyenv.
+PYTHONS = ("3.11", "3.10", "3.9")
 HOROVOD = SourceBuild(
     # The last release; it has no wheels, and its MXNet extension compiles against the
     # headers and libmxnet.so of the MXNet it is built beside. setup.py imports packaging;
@@ -94,7 +97,7 @@ def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str
 
 BACKEND = Backend(
     name="mxnet", framework="mxnet", launch=launch,
-    env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE, source_builds=(HOROVOD,)),
+    env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE, pythons=PYTHONS, source_builds=(HOROVOD,)),
     capabilities=Capabilities(
         modes={"cpu": MODES, "cuda": MODES},
         mode_words=MODE_WORDS,

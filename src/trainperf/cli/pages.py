@@ -1,0 +1,267 @@
+"""The documentation's passages that are made, not written: every table or status statement
+that the code's declarations or the records can say, each between ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->`` in the pages that hold it.
+
+    python -m trainperf.cli.pages [--root .] [--write | --check]
+
+The suite runs ``--check``: a passage that no longer says what the code or the records say
+fails there, naming the command that remakes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Block:
+    files: tuple[str, ...]
+    """The pages that hold it, relative to the repository root."""
+    make: Callable[[Path], str]
+    """Its text from the GPU records' folder (most blocks need only the code)."""
+
+
+def _frameworks(_: Path) -> str:
+    from ..backends.capabilities import markdown_table
+
+    return markdown_table() + "\n"
+
+
+def _tuning(_: Path) -> str:
+    from ..backends.capabilities import tuning_table
+
+    return tuning_table() + "\n"
+
+
+def _results_fields(_: Path) -> str:
+    from ..results_schema import fields_markdown
+
+    return fields_markdown()
+
+
+def _export_columns(_: Path) -> str:
+    from ..export import columns_markdown
+
+    return columns_markdown()
+
+
+def _gpu_plan(_: Path) -> str:
+    from ..gpucheck.budget import plan_table
+
+    return plan_table()
+
+
+def _gpu_parts(_: Path) -> str:
+    from ..gpucheck.budget import parts_list
+
+    return parts_list()
+
+
+def _gpu_matrix(results: Path) -> str:
+    from ..gpucheck.matrix import render
+
+    return render(results)
+
+
+def _gpu_status(results: Path) -> str:
+    from ..gpucheck.matrix import status
+
+    return status(results)
+
+
+def _pythons(results: Path) -> str:
+    """Which Python each part runs in: trainperf's (its package's ``Requires-Python``) and each
+    framework environment's (``EnvSpec.pythons``), and the Python the records ran on."""
+    from ..backends import BACKENDS
+
+    own = metadata.metadata("trainperf")["Requires-Python"] or "any"
+    if own.startswith(">=") and "," not in own:
+        own = f"{own[2:]} or later"
+    lines = ["| what | its Python |", "|---|---|", f"| trainperf, torch and the suite | {own} |"]
+    for backend in BACKENDS.values():
+        if backend.env is None:
+            continue
+        wanted = backend.env.pythons
+        which = (", ".join(wanted[:-1]) + " or " * (len(wanted) > 1) + wanted[-1] + " (trainperf's own where it is one of them, else the "
+                 "first found on PATH or in pyenv)") if wanted else f"trainperf's own ({own})"
+        lines.append(f"| the {backend.name} environment | {which} |")
+    return "\n".join(lines) + "\n\n" + _recorded_pythons(results) + "\n"
+
+
+def _recorded_pythons(results: Path) -> str:
+    """The runner's Python of every recorded run, by device kind (each results file's
+    ``env.python``)."""
+    import json
+
+    seen: dict[str, set[str]] = {}
+    for path in sorted(results.rglob("results.json")):
+        try:
+            env = json.loads(path.read_text(encoding="utf-8")).get("env") or {}
+        except (OSError, ValueError):
+            continue
+        if env.get("python"):
+            seen.setdefault(env.get("device_type") or "cpu", set()).add(env["python"])
+    kinds = [f"{', '.join(sorted(v))} on {'a GPU' if k == 'cuda' else 'a CPU'}"
+             for k, v in sorted(seen.items())]
+    return (f"The recorded runs under `benchmarks/results/` ran trainperf on Python "
+            f"{'; '.join(kinds) or 'none'} (each results file's `env.python`).")
+
+
+def _cuda_builds(_: Path) -> str:
+    """What `trainperf env create` installs for each framework on a GPU machine (its
+    ``EnvSpec.cuda_packages`` and source builds), and what a build needs besides pip."""
+    from ..backends import BACKENDS
+
+    lines = ["| framework | on a GPU machine it installs | it also needs |", "|---|---|---|"]
+    for name, backend in BACKENDS.items():
+        if backend.env is None:
+            lines.append(f"| {name} | nothing: trainperf's own Python, with its torch | "
+                         "torch's CUDA build in that Python |")
+            continue
+        spec = backend.env
+        shown = [f"`{p}`" for p in (*spec.cuda_packages, *spec.no_deps_packages)
+                 if not p.startswith("-")]
+        indexes = [p.split("=", 1)[1] for p in spec.cuda_packages if p.startswith("--")]
+        where = f" from {', '.join(indexes)} and pip's index" if indexes else " from pip's index"
+        if spec.packages == spec.cuda_packages:
+            where += " (one build for the CPU and GPUs)"
+        built = "".join(f"; `{b.requirement}` compiled in it" for b in spec.source_builds)
+        needs = [tool for b in spec.source_builds
+                 for tool in (*b.tools, *(["a CUDA toolkit's nvcc"] if b.cuda_env else []))]
+        if spec.pythons:
+            needs.insert(0, f"Python {', '.join(spec.pythons[:-1])} or {spec.pythons[-1]}")
+        lines.append(f"| {name} | {', '.join(shown)}{where}{built} | "
+                     f"{', '.join(needs) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _real_data(_: Path) -> str:
+    """Which frameworks read real data and which train to a target, as declared."""
+    from ..backends import BACKENDS
+    from ..gpucheck.matrix import listed
+
+    caps = {name: b.capabilities for name, b in BACKENDS.items()}
+    reads = [n for n, c in caps.items() if c.real_data]
+    trains = [n for n, c in caps.items() if c.trains]
+    not_trains = [n for n in caps if n not in trains]
+    line = (f"Real data (`run --data`) runs in {listed(reads)}; `trainperf train` (to a "
+            f"verification accuracy) in {listed(trains) or 'none'}")
+    if not_trains:
+        line += f", not yet in {listed(not_trains)}"
+    return line + " (`trainperf list --frameworks`).\n"
+
+
+BLOCKS: dict[str, Block] = {
+    "frameworks": Block(("README.md", "docs/frameworks.md"), _frameworks),
+    "tuning": Block(("docs/frameworks.md",), _tuning),
+    "gpu-status": Block(("README.md", "docs/frameworks.md", "docs/on-your-gpus.md"),
+                        _gpu_status),
+    "gpu-matrix": Block(("README.md",), _gpu_matrix),
+    "gpu-parts": Block(("docs/gpu-check.md",), _gpu_parts),
+    "gpu-plan": Block(("docs/gpu-check.md",), _gpu_plan),
+    "pythons": Block(("docs/install.md",), _pythons),
+    "cuda-builds": Block(("docs/on-your-gpus.md",), _cuda_builds),
+    "real-data": Block(("docs/real-data.md", "docs/time-to-accuracy.md"), _real_data),
+    "results-fields": Block(("docs/results-format.md",), _results_fields),
+    "export-columns": Block(("docs/exports.md",), _export_columns),
+}
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def _span(text: str, name: str) -> tuple[int, int]:
+    begin, end = markers(name)
+    if begin not in text or end not in text:
+        raise ValueError(f"no {begin} ... {end} markers")
+    return text.index(begin) + len(begin), text.index(end)
+
+
+def block_of(text: str, name: str) -> str:
+    start, stop = _span(text, name)
+    return text[start:stop].lstrip("\n")
+
+
+def replace_block(text: str, name: str, block: str) -> str:
+    start, stop = _span(text, name)
+    return text[:start] + "\n" + block + text[stop:]
+
+
+def made(results: Path, names: list[str] | None = None) -> dict[str, str]:
+    return {name: BLOCKS[name].make(results) for name in names or BLOCKS}
+
+
+def stale(root: Path, texts: dict[str, str]) -> list[str]:
+    """``FILE: NAME`` for each block a page says otherwise (or lacks the markers of)."""
+    out = []
+    for name, block in texts.items():
+        for file in BLOCKS[name].files:
+            try:
+                same = block_of((root / file).read_text(encoding="utf-8"), name) == block
+            except (OSError, ValueError):
+                same = False
+            if not same:
+                out.append(f"{file}: {name}")
+    return out
+
+
+def write(root: Path, texts: dict[str, str]) -> None:
+    # Every page is made before any is written, so a page without its markers changes none.
+    pages: dict[Path, str] = {}
+    for name, block in texts.items():
+        for file in BLOCKS[name].files:
+            path = root / file
+            try:
+                pages[path] = replace_block(
+                    pages.get(path) or path.read_text(encoding="utf-8"), name, block)
+            except ValueError as exc:
+                raise ValueError(f"{file}: {exc}") from None
+    for path, text in pages.items():
+        path.write_text(text, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainperf.cli.pages", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=Path("."),
+                   help="the repository root, which holds README.md and docs/ (default: .)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the GPU records' folder (default: ROOT/benchmarks/results)")
+    p.add_argument("--only", help="these blocks (comma-separated) instead of all: "
+                                  + ", ".join(BLOCKS))
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--write", action="store_true", help="replace the blocks in their pages")
+    group.add_argument("--check", action="store_true",
+                       help="exit 1 where a page's block differs from what is made now")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",")] if args.only else None
+    unknown = [n for n in names or () if n not in BLOCKS]
+    if unknown:
+        p.error(f"no block {', '.join(unknown)}; the blocks: {', '.join(BLOCKS)}")
+    texts = made(args.results or args.root / "benchmarks" / "results", names)
+    if args.write:
+        try:
+            write(args.root, texts)
+        except ValueError as exc:
+            print(f"trainperf.cli.pages: {exc}", file=sys.stderr)
+            return 2
+    elif args.check:
+        old = stale(args.root, texts)
+        if old:
+            root = "" if args.root == Path(".") else f" --root {args.root}"
+            print(f"{', '.join(old)} out of date; run python -m trainperf.cli.pages "
+                  f"--write{root}", file=sys.stderr)
+            return 1
+    else:
+        print("\n".join(texts.values()), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
