@@ -195,6 +195,9 @@ class Comm:
             if self.distributed:
                 for key, copies in zip(keys, arrays):
                     self.hvd.broadcast_(copies[0], root_rank=0, name=f"register.{key}")
+                # As horovod.mxnet's broadcast_parameters does: every broadcast pushed to the
+                # engine is done before the first step queues work on the same arrays.
+                mx.nd.waitall()
             return keys
         if self.kv is None or not keys:
             return keys
