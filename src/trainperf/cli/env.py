@@ -106,7 +106,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         # An interpreter of another folder's is named; a build lies where the caption says.
         detail = st.detail if ours else f"{st.detail}: {st.path}"
         tbl.add_row(st.name, st.state, build, versions, packages, indexes, size, detail)
-    Console().print(tbl)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: keep every cell whole, as `list` does
+        console = Console(width=200)
+    console.print(tbl)
     return EXIT_OK
 
 
