@@ -448,15 +448,9 @@ def resume_leader(out_dir: Path, ntasks: int) -> int:
 def find_leader(out_dir: Path) -> Path:
     """The node folder with the measurements (its results.json has no follower role);
     ValueError when there is none or more than one."""
-    leaders, seen = [], 0
-    for folder in node_dirs(out_dir):
-        try:
-            doc = json.loads((folder / "results.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        seen += 1
-        if doc.get("role") != "follower":
-            leaders.append(folder)
+    roles = {folder: _role(folder) for folder in node_dirs(out_dir)}
+    leaders = [folder for folder, role in roles.items() if role == "leader"]
+    seen = sum(role is not None for role in roles.values())
     if len(leaders) != 1:
         what = "none" if not leaders else ", ".join(p.name for p in leaders)
         raise ValueError(f"{out_dir}: {seen} node folder(s) with results, and {what} holding "
