@@ -16,6 +16,7 @@ import pytest
 
 import page_commands
 from trainperf.cli import build_parser, main
+from trainperf.cli.reference import subcommands
 
 COMMANDS = page_commands.commands()
 BLOCKS = [c for c in COMMANDS if not c.inline]
@@ -23,18 +24,14 @@ PLANNED = {"run", "slurm"}
 """Commands the test plans through run's own planning (the backends' declarations)."""
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
 def command_parser(words: tuple[str, ...]) -> tuple[argparse.ArgumentParser, int]:
     """The parser of the (sub)command ``words`` starts with, and how many words named it."""
     parser, used = build_parser(), 0
-    while used < len(words) and words[used] in _subparsers(parser):
-        parser = _subparsers(parser)[words[used]]
+    while used < len(words):
+        subs = {name: sub for name, _, sub in subcommands(parser)}
+        if words[used] not in subs:
+            break
+        parser = subs[words[used]]
         used += 1
     return parser, used
 
