@@ -78,6 +78,7 @@ def _pythons(results: Path) -> str:
     """Which Python each part runs in: trainperf's (its package's ``Requires-Python``) and each
     framework environment's (``EnvSpec.pythons``), and the Python the records ran on."""
     from ..backends import BACKENDS
+    from ..gpucheck.matrix import listed
 
     own = metadata.metadata("trainperf")["Requires-Python"] or "any"
     if own.startswith(">=") and "," not in own:
@@ -87,7 +88,7 @@ def _pythons(results: Path) -> str:
         if backend.env is None:
             continue
         wanted = backend.env.pythons
-        which = (", ".join(wanted[:-1]) + " or " * (len(wanted) > 1) + wanted[-1] + " (trainperf's own where it is one of them, else the "
+        which = (f"{listed(wanted, 'or')} (trainperf's own where it is one of them, else the "
                  "first found on PATH or in pyenv)") if wanted else f"trainperf's own ({own})"
         lines.append(f"| the {backend.name} environment | {which} |")
     return "\n".join(lines) + "\n\n" + _recorded_pythons(results) + "\n"
@@ -116,6 +117,7 @@ def _cuda_builds(_: Path) -> str:
     """What `trainperf env create` installs for each framework on a GPU machine (its
     ``EnvSpec.cuda_packages`` and source builds), and what a build needs besides pip."""
     from ..backends import BACKENDS
+    from ..gpucheck.matrix import listed
 
     lines = ["| framework | on a GPU machine it installs | it also needs |", "|---|---|---|"]
     for name, backend in BACKENDS.items():
@@ -134,7 +136,7 @@ def _cuda_builds(_: Path) -> str:
         needs = [tool for b in spec.source_builds
                  for tool in (*b.tools, *(["a CUDA toolkit's nvcc"] if b.cuda_env else []))]
         if spec.pythons:
-            needs.insert(0, f"Python {', '.join(spec.pythons[:-1])} or {spec.pythons[-1]}")
+            needs.insert(0, f"Python {listed(spec.pythons, 'or')}")
         lines.append(f"| {name} | {', '.join(shown)}{where}{built} | "
                      f"{', '.join(needs) or '-'} |")
     return "\n".join(lines) + "\n"

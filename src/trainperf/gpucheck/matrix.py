@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Sequence
 
 from ..result_files import json_files
 from .coverage import first_parts
@@ -183,9 +184,11 @@ def render(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def listed(names: list[str]) -> str:
-    """``a, b and c``."""
-    return "".join(names) if len(names) <= 1 else ", ".join(names[:-1]) + " and " + names[-1]
+def listed(names: Sequence[str], last: str = "and") -> str:
+    """``a, b and c`` (or ``a, b or c``)."""
+    if len(names) <= 1:
+        return "".join(names)
+    return f"{', '.join(names[:-1])} {last} {names[-1]}"
 
 
 def status(results: Path) -> str:
