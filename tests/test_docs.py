@@ -146,6 +146,10 @@ def test_a_stale_or_missing_passage_is_named_with_the_command_that_remakes_it(tm
     assert page.read_text(encoding="utf-8") == "no markers\n"
 
 
+def all_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
 PATH_TOKEN = re.compile(r"`([^`\s]+)`|\]\(([^)\s#]+)")
 
 
@@ -157,7 +161,7 @@ def named_paths() -> list[tuple[str, str, list[str]]]:
              "src/trainperf/backends/": REPO / "src/trainperf/backends"}
     tops = {base: {p.name for p in folder.iterdir()} for base, folder in bases.items()}
     out = []
-    for page in [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]:
+    for page in all_pages():
         for m in PATH_TOKEN.finditer(page.read_text(encoding="utf-8")):
             written = m.group(1) or m.group(2)
             if written.startswith(("http:", "https:", "mailto:")):
@@ -187,7 +191,7 @@ def test_every_path_a_page_names_exists():
 def test_the_pages_name_run_folders_as_the_runner_makes_them():
     """A run's folder is ``runs/<case>_b<batch>_run<N>/``: every page that shows one says so, and
     the recorded results' folders are named that way."""
-    shown = {m.group(0) for page in [REPO / "README.md", *DOCS.rglob("*.md")]
+    shown = {m.group(0) for page in all_pages()
              for m in re.finditer(r"runs/<[^`/]*>/", page.read_text(encoding="utf-8"))}
     assert shown and all(re.fullmatch(r"runs/<case>_b<batch>_run<[nN]>/", s) for s in shown), \
         shown
