@@ -155,3 +155,24 @@ def dali_site() -> str:
         sys.path.append(str(target))
         importlib.invalidate_caches()
     return str(target)
+
+
+@pytest.fixture
+def emulated_nodes():
+    """Make emulated nodes: ``emulated_nodes(2, rate_bps=10**9)`` -> a made
+    ``trainperf.emulated_nodes.EmulatedNodes``, removed when the test ends. Skips, saying why,
+    where this machine cannot make network namespaces (no root, no iproute2)."""
+    from trainperf.emulated_nodes import EmulatedNodes, missing_privilege
+
+    why = missing_privilege()
+    if why:
+        pytest.skip(why)
+    made = []
+
+    def make(nodes: int = 2, rate_bps: int | None = None) -> EmulatedNodes:
+        made.append(EmulatedNodes(nodes, rate_bps))
+        return made[-1].make()
+
+    yield make
+    for nodes in made:
+        nodes.remove()

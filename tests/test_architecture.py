@@ -31,7 +31,7 @@ FLOORS: list[tuple[str, set[str]]] = [
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
     ("launch", {"envs", "rendezvous", "runner", "progress", "breakdown", "plan_model",
-                "run_kinds", "attempts", "node_agreement", "mode_probe"}),
+                "run_kinds", "attempts", "node_agreement", "mode_probe", "emulated_nodes"}),
     ("report", {"report", "ingest", "export"}),
     ("scenarios", {"plans", "search", "align", "train", "scale", "gpucheck", "parity"}),
     ("cli", {"cli"}),

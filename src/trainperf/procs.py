@@ -18,9 +18,15 @@ POLL_S = 0.2
 """How often a supervisor looks at the processes it started and the files they append to."""
 
 
+def node_cores() -> int:
+    """The cores this node may run on: those the process is allowed (a Slurm task's, an
+    emulated node's share), not every core of the machine."""
+    return len(os.sched_getaffinity(0)) or os.cpu_count() or 1
+
+
 def cpu_threads_per_process(devices_per_node: int) -> int:
     # Several ranks with several threads each oversubscribe the cores and run slower.
-    return max(1, (os.cpu_count() or 1) // devices_per_node)
+    return max(1, node_cores() // devices_per_node)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

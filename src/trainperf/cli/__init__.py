@@ -5,7 +5,7 @@ handler parses, calls the module that owns the work, and prints:
 - ``data``: data pack, synth, bench
 - ``env``: env create, list; align
 - ``reports``: report, compare, history, export, ingest, references
-- ``scale``: commbench, project; ``slurm``: slurm
+- ``scale``: commbench, project; ``emulate``: emulate; ``slurm``: slurm
 - ``gpucheck``: gpucheck
 
 ``common`` holds the option groups several commands share and the conversion of options into
@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import data, env, gpucheck, reports, run, scale, slurm
+from . import data, emulate, env, gpucheck, reports, run, scale, slurm
 from .common import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_RUN_FAILED", "EXIT_USAGE", "build_parser", "main"]
 
-FAMILIES = (run, reports, env, data, scale, slurm, gpucheck)
+FAMILIES = (run, reports, env, data, scale, emulate, slurm, gpucheck)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,5 +18,5 @@ def mean_std(task: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 def default_workers(local_ranks: int, cpus: int | None = None) -> int:
     """The host's cores per rank less one (the training process keeps a core), 1 to 8."""
-    per_rank = (cpus or os.cpu_count() or 1) // max(1, local_ranks)
+    per_rank = (cpus or len(os.sched_getaffinity(0)) or 1) // max(1, local_ranks)
     return max(1, min(8, per_rank - 1))

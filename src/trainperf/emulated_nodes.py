@@ -1,0 +1,367 @@
+"""Several nodes on one machine: each node a network namespace with its own address on a bridge,
+joined to it by a veth pair whose two ends are shaped to a chosen rate (``tc ... tbf``), its own
+share of the cores and, on a GPU machine, its own GPUs, which NCCL is told belong to another
+host. The nodes then run exactly what they would run on a cluster, over links that can be slowed
+or cut while they run.
+
+Everything made is written down before it is made, in a file of ``STATE_DIR`` named by the
+set's tag and holding the owner's process id and start time. ``remove`` takes it all down
+(the processes left in the namespaces first); ``clean_leftovers``, called before a new set is
+made, takes down every set whose owner is gone (a kill -9, a crash), so nothing outlives the
+next start. Standard library and psutil only; root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and
+iproute2 are needed, and their absence is said in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+STATE_DIR = Path(os.environ.get("TRAINPERF_EMULATED_STATE", "/run/trainperf/emulated"))
+PREFIX = "tpe"
+"""Every namespace, bridge and link a set makes is named ``tpe<tag>...`` (15 characters at
+most, the kernel's limit for a link's name)."""
+RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+BURST_S = 0.002
+"""A token bucket holds this much of its rate: deep enough for a 64 KiB segment at 100
+Mbit/s, shallow enough that a long message moves at the rate."""
+MIN_BURST_BYTES = 128 * 1024
+QUEUE_S = 0.1
+"""How long a packet may wait in a link's queue before it is dropped (tbf's latency)."""
+NCCL_SEPARATE_HOSTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                       "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_MNNVL_ENABLE": "0",
+                       "NCCL_NVLS_ENABLE": "0"}
+"""What NCCL is told so that ranks of two emulated nodes talk as ranks of two hosts do, over
+the node's link: another host id (``NCCL_HOSTID``, set per node), no peer-to-peer copies or
+shared memory between them, its socket transport rather than InfiniBand (NCCL's documented
+environment variables)."""
+
+
+class EmulationError(RuntimeError):
+    """Emulated nodes cannot be made or run here; the message is one line."""
+
+
+def parse_rate(text: str) -> int:
+    """``100mbit``, ``1gbit``, ``5Gbit`` or a plain number of bits per second -> bit/s."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?bit)?\s*", text.lower())
+    if not m:
+        raise ValueError(f"a link rate is a number with kbit, mbit or gbit, e.g. 1gbit; "
+                         f"got {text!r}")
+    rate = float(m.group(1)) * RATE_UNITS[m.group(2) or "bit"]
+    if rate < 10**5:
+        raise ValueError(f"a link rate below 100kbit is not a network; got {text!r}")
+    return int(rate)
+
+
+def rate_text(bps: int | None) -> str:
+    if bps is None:
+        return "unlimited"
+    for unit in ("gbit", "mbit", "kbit"):
+        if bps >= RATE_UNITS[unit]:
+            return f"{bps / RATE_UNITS[unit]:g}{unit}"
+    return f"{bps}bit"
+
+
+def missing_privilege() -> str | None:
+    """What stops this process from making namespaces and links, or None."""
+    if shutil.which("ip") is None:
+        return "emulated nodes need iproute2's `ip` (Debian: apt install iproute2)"
+    if shutil.which("tc") is None:
+        return "emulated nodes need iproute2's `tc` to shape their links"
+    if os.geteuid() != 0:
+        return ("emulated nodes need root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to make network "
+                "namespaces and links; run as root")
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(list(args), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise EmulationError(f"`{' '.join(args)}` failed: "
+                             f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return done
+
+
+def _set_pdeathsig() -> None:
+    # A node's process goes when the process that made the set goes, even by kill -9.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class EmulatedNodes:
+    """``nodes`` namespaces on one bridge. ``rate_bps``: each link's rate, both ways (None:
+    unshaped). ``gpus``: the GPU indices handed out, ``len(gpus) // nodes`` to each node."""
+
+    nodes: int
+    rate_bps: int | None = None
+    gpus: tuple[int, ...] = ()
+    tag: str = ""
+    subnet: str = ""
+    cores: tuple[int, ...] = ()
+    made: bool = field(default=False, repr=False)
+    _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        if self.gpus and len(self.gpus) < self.nodes:
+            raise ValueError(f"{len(self.gpus)} GPU(s) cannot give each of {self.nodes} nodes "
+                             f"its own")
+        self.tag = self.tag or f"{os.getpid() % 100000:05d}{random.randrange(10)}"
+        self.cores = self.cores or tuple(sorted(os.sched_getaffinity(0)))
+
+    # ------------------------------------------------------------------------- names
+
+    @property
+    def bridge(self) -> str:
+        return f"{PREFIX}{self.tag}br"
+
+    def namespace(self, node: int) -> str:
+        return f"{PREFIX}{self.tag}n{node}"
+
+    def host_link(self, node: int) -> str:
+        """The bridge's end of node ``node``'s link."""
+        return f"{PREFIX}{self.tag}h{node}"
+
+    def node_link(self, node: int) -> str:
+        """The node's own interface, inside its namespace."""
+        return f"{PREFIX}{self.tag}e{node}"
+
+    def addr(self, node: int) -> str:
+        return f"{self.subnet}.{node + 1}"
+
+    @property
+    def state_file(self) -> Path:
+        return STATE_DIR / f"{PREFIX}{self.tag}.json"
+
+    def node_cores(self, node: int) -> list[int]:
+        """The cores node ``node`` runs on: an equal share, or all of them where there are
+        fewer cores than nodes."""
+        share = len(self.cores) // self.nodes
+        if share == 0:
+            return list(self.cores)
+        return list(self.cores[node * share:(node + 1) * share])
+
+    def node_gpus(self, node: int) -> list[int]:
+        share = len(self.gpus) // self.nodes
+        return list(self.gpus[node * share:(node + 1) * share])
+
+    # ---------------------------------------------------------------- making, removing
+
+    def make(self) -> "EmulatedNodes":
+        why = missing_privilege()
+        if why:
+            raise EmulationError(why)
+        clean_leftovers()
+        self.subnet = self.subnet or free_subnet()
+        self._write_state()
+        try:
+            _ip("ip", "link", "add", self.bridge, "type", "bridge")
+            _ip("ip", "link", "set", self.bridge, "up")
+            for node in range(self.nodes):
+                self._make_node(node)
+            self.made = True
+            self._check_reachable()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def _make_node(self, node: int) -> None:
+        ns, host, inner = self.namespace(node), self.host_link(node), self.node_link(node)
+        _ip("ip", "netns", "add", ns)
+        _ip("ip", "link", "add", host, "type", "veth", "peer", "name", inner)
+        _ip("ip", "link", "set", inner, "netns", ns)
+        _ip("ip", "link", "set", host, "master", self.bridge)
+        _ip("ip", "link", "set", host, "up")
+        _ip("ip", "-n", ns, "addr", "add", f"{self.addr(node)}/24", "dev", inner)
+        _ip("ip", "-n", ns, "link", "set", inner, "up")
+        _ip("ip", "-n", ns, "link", "set", "lo", "up")
+        if self.rate_bps is not None:
+            self.set_rate(node, self.rate_bps)
+
+    def _check_reachable(self) -> None:
+        """Node 1 knocks on node 0's address: a refused connection proves the bridge carries
+        their packets; silence means something on the host filters bridged traffic."""
+        if self.nodes < 2:
+            return
+        probe = ("import socket, sys\ns = socket.socket(); s.settimeout(3)\n"
+                 f"try: s.connect(({self.addr(0)!r}, 9))\n"
+                 "except ConnectionRefusedError: sys.exit(0)\n"
+                 "except OSError as e: sys.exit(str(e))\n")
+        done = subprocess.run(["ip", "netns", "exec", self.namespace(1), sys.executable, "-c",
+                               probe], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise EmulationError(
+                f"node 1 cannot reach node 0 across bridge {self.bridge} "
+                f"({done.stderr.strip() or 'no answer'}); a firewall on this host may filter "
+                "bridged traffic (net.bridge.bridge-nf-call-iptables)")
+
+    def _write_state(self) -> None:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        me = psutil.Process()
+        self.state_file.write_text(json.dumps({
+            "owner": me.pid, "owner_started": me.create_time(), "tag": self.tag,
+            "bridge": self.bridge, "namespaces": [self.namespace(n) for n in range(self.nodes)],
+            "links": [self.host_link(n) for n in range(self.nodes)], "subnet": self.subnet}))
+
+    def remove(self) -> None:
+        """Stop every process of the set and take down its namespaces, links and bridge."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 5
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        remove_set(json.loads(self.state_file.read_text()) if self.state_file.exists() else
+                   {"bridge": self.bridge, "namespaces": [self.namespace(n)
+                                                          for n in range(self.nodes)],
+                    "links": [self.host_link(n) for n in range(self.nodes)]})
+        self.state_file.unlink(missing_ok=True)
+        self.made = False
+
+    def __enter__(self) -> "EmulatedNodes":
+        return self.make()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # -------------------------------------------------------------------- the links
+
+    def set_rate(self, node: int, rate_bps: int | None) -> None:
+        """Shape node ``node``'s link both ways (its own end sends, the bridge's end
+        delivers); None takes the shaping off."""
+        for netns, dev in ((self.namespace(node), self.node_link(node)),
+                           (None, self.host_link(node))):
+            where = ["ip", "netns", "exec", netns] if netns else []
+            if rate_bps is None:
+                _ip(*where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+                continue
+            burst = max(MIN_BURST_BYTES, int(rate_bps / 8 * BURST_S))
+            _ip(*where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                "rate", f"{rate_bps}bit", "burst", str(burst), "latency",
+                f"{int(QUEUE_S * 1000)}ms")
+
+    def cut(self, node: int) -> None:
+        """Pull node ``node``'s cable: the bridge's end goes down, the node sees no carrier."""
+        _ip("ip", "link", "set", self.host_link(node), "down")
+
+    def restore(self, node: int) -> None:
+        _ip("ip", "link", "set", self.host_link(node), "up")
+
+    # -------------------------------------------------------------------- running
+
+    def node_env(self, node: int, base: dict[str, str] | None = None) -> dict[str, str]:
+        """A node's environment: its GPUs (none where the set has none) and, for NCCL,
+        another host and this node's interface."""
+        env = dict(os.environ if base is None else base)
+        env["TRAINPERF_EMULATED_NODE"] = str(node)
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.node_gpus(node)))
+            env.update(NCCL_SEPARATE_HOSTS)
+            env["NCCL_HOSTID"] = f"trainperf-{self.tag}-node{node}"
+            env["NCCL_SOCKET_IFNAME"] = self.node_link(node)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    def start(self, node: int, argv: list[str], **popen) -> subprocess.Popen:
+        """Start ``argv`` as node ``node``: inside its namespace, on its cores, stopped
+        (SIGTERM) when this process ends, however it ends."""
+        if not self.made:
+            raise EmulationError("the emulated nodes are not made yet")
+        cores = self.node_cores(node)
+        env = popen.pop("env", None)
+
+        def enter() -> None:
+            _set_pdeathsig()
+            os.sched_setaffinity(0, cores)
+
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv],
+                                env=self.node_env(node, env), preexec_fn=enter, **popen)
+        self._procs.append(proc)
+        return proc
+
+    def pids(self) -> list[int]:
+        """Every process still inside one of the set's namespaces."""
+        return [pid for n in range(self.nodes) for pid in namespace_pids(self.namespace(n))]
+
+
+def namespace_pids(ns: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
+
+
+def remove_set(state: dict) -> None:
+    """Take down one set from its state: kill what runs in its namespaces, then the namespaces
+    (which takes their ends of the links), the bridge's ends and the bridge."""
+    for ns in state.get("namespaces", []):
+        for pid in namespace_pids(ns):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for ns in state.get("namespaces", []):
+        deadline = time.monotonic() + 5
+        while namespace_pids(ns) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _ip("ip", "netns", "del", ns, check=False)
+    for link in [*state.get("links", []), state.get("bridge")]:
+        if link:
+            _ip("ip", "link", "del", link, check=False)
+
+
+def _owner_alive(state: dict) -> bool:
+    try:
+        proc = psutil.Process(int(state["owner"]))
+        return abs(proc.create_time() - float(state["owner_started"])) < 1.0
+    except (psutil.NoSuchProcess, KeyError, ValueError):
+        return False
+
+
+def clean_leftovers() -> list[str]:
+    """Take down every set whose owner is gone; returns their tags."""
+    removed = []
+    if not STATE_DIR.is_dir():
+        return removed
+    for path in sorted(STATE_DIR.glob(f"{PREFIX}*.json")):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            state = {}
+        if state and _owner_alive(state):
+            continue
+        remove_set(state)
+        path.unlink(missing_ok=True)
+        removed.append(state.get("tag", path.stem))
+    return removed
+
+
+def free_subnet() -> str:
+    """A 10.x.y.0/24 that no interface of this machine is on."""
+    taken = [ipaddress.ip_network(f"{a.address}/{a.netmask}", strict=False)
+             for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family.name == "AF_INET" and a.netmask]
+    for _ in range(200):
+        net = ipaddress.ip_network(f"10.{random.randrange(64, 250)}."
+                                   f"{random.randrange(0, 256)}.0/24")
+        if not any(net.overlaps(t) for t in taken):
+            return str(net.network_address).rsplit(".", 1)[0]
+    raise EmulationError("no free 10.x.y.0/24 subnet for the emulated nodes")
