@@ -105,6 +105,14 @@ def written_doc() -> dict:
     run = results.run_record(1, [start, *steps, ev, end], "ok", exit_code=0)
     run["retries"] = [{"attempt": 1, "reason": "port", "error": None, "folder": "x"}]
     run["after_mode_probe"] = True  # the runner's, for a timed run
+    # A multi-node run's: a node cut off, the links' probes, and a lasting change of step time.
+    run["unreachable"] = {"node": 1, "step": 5, "link_down": True, "link": "eth0: no carrier",
+                          "seen_by": [0, 1]}
+    run["link_probes"] = {"1": [[0, 0.008], [7, 0.9]]}
+    run["step_change"] = {"at_step": 6, "before_s": 0.1, "after_s": 0.4, "ratio": 4.0,
+                          "links": {"1": {"before_s": 0.008, "after_s": 0.9, "ratio": 112.5,
+                                          "probes": [1, 1]}},
+                          "probe_bytes": 1048576, "verdict": "link", "nodes": [1]}
     case = results.case_record(results.CaseKey(1, 2, 8), "fp32", [run], start,
                                head=(1000, "pfc", 0.1))
     case["breakdown"], case["mode_probe"] = {"status": "ok"}, {"chosen": "eager"}

@@ -5,6 +5,7 @@ on new ports when another process took one of them before the run's own processe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,8 +19,8 @@ from .backends import ports
 from .backends.base import Backend, Cluster, LaunchRequest
 from .backends.spawn import PORTS_PER_RUN
 from .config import LOADER_PYTHON_ENV, LOCAL_WORLD_ENV, Measure
-from .node_agreement import PEER_POLL_S, Nodes
-from .plan_model import Case
+from .node_agreement import Nodes, RunWatch, finding_text, link_verdict, step_change
+from .plan_model import Case, device_kind
 from .procs import POLL_S, EventTail, kill_tree, log_tail
 from .progress import Progress
 from .protocol import LAUNCHED_AT_ENV, End, Eval, Event, ProtocolError, RunSpec, Step
@@ -41,6 +42,13 @@ class Watched:
     """Stopped for going ``Measure.stall_timeout_s`` without a step (``timed_out`` too)."""
     peers_failed: dict[int, dict] = field(default_factory=dict)
     """Several nodes: the other nodes whose part failed while this one ran."""
+    link_down: bool = False
+    """Several nodes: stopped because this node's own link stayed down (``link_limit_s``)."""
+    finding: dict | None = None
+    """Several nodes: what went wrong with the network, as this node saw it when the launch
+    ended (``RunWatch.finding``)."""
+    probes: dict[int, list] | None = None
+    """Several nodes, node 0: its probes of each other node's link (``RunWatch.probes``)."""
     returncode: int | None = None
 
 
@@ -55,12 +63,28 @@ class Launched:
     returncode: int | None
     retries: list[dict] = field(default_factory=list)
     """Each attempt given up before the last: its number, reason, error and folder."""
+    probes: dict[int, list] | None = None
+    """Several nodes: node 0's link probes (empty elsewhere); None on one node."""
+    probes_share_path: bool = True
+    """The run's collectives cross the network the probes do (``link_verdict``)."""
 
     def record(self, run: int, run_dir: Path) -> dict:
-        """The run's record (``results.run_record``) with what its launches add."""
+        """The run's record (``results.run_record``) with what its launches add: on several
+        nodes, the node that became unreachable, node 0's link probes, and a lasting change of
+        the step time with what the probes say of it (``node_agreement.link_verdict``)."""
         from .results import run_record
 
         record = run_record(run, self.seen, self.here.status, self.here.error, self.returncode)
+        if self.here.unreachable is not None:
+            record["unreachable"] = self.here.unreachable
+        if self.probes is not None:
+            probes = {str(n): samples for n, samples in sorted(self.probes.items())}
+            if probes:
+                record["link_probes"] = probes
+            change = step_change(record["step_times_s"],
+                                 len(record["warmup_step_times_s"]))
+            if change is not None:
+                record["step_change"] = link_verdict(change, probes, self.probes_share_path)
         warnings = list(self.warnings)
         if self.here.status == "ok" and self.returncode not in (0, None):
             warnings.append(f"processes exited with code {self.returncode} after the "
@@ -143,6 +167,12 @@ class RunLauncher:
         # What the nodes call this attempt when they meet: each attempt meets afresh.
         meeting = run_dir.name if attempt == 1 else f"{run_dir.name}-attempt{attempt}"
         cluster, held, addr = self._ports(case, meeting)
+        topo = case.topology
+        # A node's ranks wait on an unreachable peer until their collective's timeout, or
+        # until the stall timeout where one is set: a node whose own link is down waits as
+        # long for it to come back before it stops them.
+        link_limit_s = measure.stall_timeout_s or topo.rdzv_timeout_s
+        watch = None
         try:
             cluster_path = run_dir / "cluster.json"
             cluster_path.write_text(cluster.to_json(), encoding="utf-8")
@@ -153,27 +183,60 @@ class RunLauncher:
             if attempt > 1:
                 tags = {**tags, "attempt": attempt}
             self.progress.run_started(label, measure.iters)
+            if self.nodes.group is not None:
+                watch = self.nodes.watch(meeting, probe=True)
             done = self._watch(launch.argv, env, worker_events, log_path, tags, measure,
-                               meeting)
+                               watch, link_limit_s)
             # Every line is in the folder's stream now, tagged with its run: one copy is kept.
             worker_events.unlink(missing_ok=True)
-            here = self._outcome(done, log_path, measure)
+            here = self._outcome(done, log_path, measure, link_limit_s, watch)
             own = (held.ports if held else cluster.ports[cluster.node_rank])
             here = outcome.with_port_retry(here, done.seen, lambda: ports.taken(own, addr))
         finally:
             if held is not None:
                 held.release()
+            if watch is not None:
+                watch.stop()
         if self.nodes.group is not None:
-            here = self.nodes.agree(meeting, here, done.peers_failed,
-                                    case.topology.rdzv_timeout_s)
-        return Launched(here, done.seen, done.warnings, done.returncode)
+            here = self.nodes.agree(meeting, here, done.peers_failed, topo.rdzv_timeout_s)
+        # On a CPU every rank reaches the others at the addresses the nodes met on, which the
+        # probes cross too; NCCL may take InfiniBand or another interface.
+        return Launched(here, done.seen, done.warnings, done.returncode, probes=done.probes,
+                        probes_share_path=device_kind(topo.device) == "cpu")
 
-    def _outcome(self, done: Watched, log_path: Path, measure: Measure) -> outcome.Outcome:
-        """How this node's part ended, from its events, exits and output."""
+    def _outcome(self, done: Watched, log_path: Path, measure: Measure, link_limit_s: float,
+                 watch: RunWatch | None) -> outcome.Outcome:
+        """How this node's part ended, from its events, exits and output, and on several nodes
+        from what it saw of the network: a link that went down or a node gone silent leads
+        the error, naming the node and the step."""
+        here = self._own_outcome(done, log_path, measure,
+                                 watch.node0_steps if watch is not None else None)
+        found = done.finding
+        if found is None:
+            return here
+        said = finding_text(found, self.nodes.group.node_rank)
+        if here.status == "ok":
+            done.warnings.append(f"{said}; the run went on")
+            return here
+        if done.link_down:
+            stacks = outcome.stacks_at_stop(done.seen)
+            error = (f"{said}; its ranks were stopped after {link_limit_s:g} s without it"
+                     + (f"; where each rank was: {stacks}" if stacks else ""))
+            return outcome.Outcome("failed", error, True, unreachable=found)
+        if found["link_down"]:
+            return outcome.Outcome("failed", f"{said}; then {here.error}", True,
+                                   unreachable=found)
+        return dataclasses.replace(here, error=f"{said}; then {here.error}", unreachable=found)
+
+    def _own_outcome(self, done: Watched, log_path: Path, measure: Measure,
+                     rank0_steps: int | None) -> outcome.Outcome:
+        """How this node's part ended, from its events, exits and output alone (and, on a
+        node without rank 0, rank 0's steps as node 0 told them)."""
         follower = self.nodes.is_follower
         here = outcome.decide(done.seen, done.timed_out, has_rank0=not follower,
                               memory_capped=measure.memory_limit_bytes is not None,
-                              stalled_s=measure.stall_timeout_s if done.stalled else None)
+                              stalled_s=measure.stall_timeout_s if done.stalled else None,
+                              rank0_steps=rank0_steps)
         if follower and here.status == "failed" and here.error is None and done.returncode == 0:
             # Rank 0 is on another node: a clean exit is all this node can report.
             return outcome.Outcome("ok", None)
@@ -209,22 +272,24 @@ class RunLauncher:
         return env
 
     def _watch(self, argv: list[str], env: dict[str, str], worker_events: Path,
-               log_path: Path, tags: dict, measure: Measure, meeting: str) -> Watched:
+               log_path: Path, tags: dict, measure: Measure, watch: RunWatch | None,
+               link_limit_s: float) -> Watched:
         """Start the launcher and follow its events until it ends, its time is up, it has gone
-        ``stall_timeout_s`` without a step after its first, or another node's part of the run
-        has failed."""
+        ``stall_timeout_s`` without a step after its first (on a node without rank 0: without
+        rank 0's steps moving, as node 0's beats tell them), another node's part of the run
+        has failed, or this node's own link has been down for ``link_limit_s``."""
         tail = EventTail(worker_events)
         done = Watched()
         deadline = time.monotonic() + measure.timeout_s
         # A profiled run reports its profiled steps together, after them: only the timeout.
         stall = None if tags.get("profile") else measure.stall_timeout_s
-        next_look = time.monotonic() + PEER_POLL_S
+        follower = self.nodes.is_follower
         with open(log_path, "wb") as log:
             # Where every rank's start-up counts from (``End.startup_s``).
             env = {**env, LAUNCHED_AT_ENV: repr(time.time())}
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
-                progressed, last_step = 0, None
+                progressed, last_step, steps, moves, ended = 0, None, 0, 0, False
                 while True:
                     exited = proc.poll() is not None
                     self._take(tail.read(), done, tags)
@@ -233,31 +298,43 @@ class RunLauncher:
                     if len(done.seen) > progressed:
                         new = done.seen[progressed:]
                         progressed = len(done.seen)
+                        steps += sum(isinstance(e, Step) for e in new)
+                        moves += sum(isinstance(e, (Step, Eval)) for e in new)
                         if any(isinstance(e, (Step, Eval)) for e in new):
                             last_step = time.monotonic()
                         if any(isinstance(e, End) for e in new):
-                            stall = None  # measured: what is left is leaving
+                            stall, ended = None, True  # measured: what is left is leaving
+                    if watch is not None:
+                        watch.steps, watch.progress, watch.ended = steps, moves, ended
+                        if follower:
+                            # Rank 0's steps are node 0's to see; its beats carry them here.
+                            last_step = watch.node0_advanced_at
+                            if watch.node0_ended:
+                                stall = None
                     done.stalled = (stall is not None and last_step is not None
                                     and time.monotonic() - last_step > stall)
+                    if watch is not None and not done.stalled:
+                        done.peers_failed = dict(watch.failed)
+                        done.link_down = watch.link_down_s() > link_limit_s
                     if time.monotonic() > deadline or done.stalled:
                         done.timed_out = True
+                    if done.timed_out or done.peers_failed or done.link_down:
+                        # Another node's failed part, or a link down, leaves this node's ranks
+                        # waiting on a lost peer until a collective gives up: the run has
+                        # failed already. What the network looked like is taken first.
+                        done.finding = watch.finding() if watch is not None else None
                         kill_tree(proc)
                         self._take(tail.read(), done, tags)
                         break
-                    if self.nodes.group is not None and time.monotonic() > next_look:
-                        next_look = time.monotonic() + PEER_POLL_S
-                        done.peers_failed = self.nodes.failed_peers(meeting)
-                        if done.peers_failed:
-                            # This node's ranks would wait on the lost peer until a collective
-                            # gives up on it: the run has failed already.
-                            kill_tree(proc)
-                            self._take(tail.read(), done, tags)
-                            break
                     time.sleep(POLL_S)
+                if exited and watch is not None:
+                    done.finding = watch.finding()
             except BaseException:
                 kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
                 self._take(tail.read(), done, tags)
                 raise
+        if watch is not None:
+            done.probes = {n: list(p) for n, p in watch.probes.items()}
         done.returncode = proc.returncode
         return done
 

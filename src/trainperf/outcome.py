@@ -226,6 +226,10 @@ class Outcome:
     retry: str | None = None
     """Why the run should start again on fresh ports (``with_port_retry``); None: it should
     not."""
+    unreachable: dict | None = None
+    """Several nodes: the node that became unreachable during the run and the step of rank 0
+    it went at, as the nodes saw it (``node_agreement.RunWatch.finding``; agreed by
+    ``agree``); None where no node did."""
 
 
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
@@ -261,13 +265,15 @@ def stacks_at_stop(events: list[Event]) -> str | None:
 
 
 def decide(events: list[Event], timed_out: bool, has_rank0: bool = True,
-           memory_capped: bool = False, stalled_s: float | None = None) -> Outcome:
+           memory_capped: bool = False, stalled_s: float | None = None,
+           rank0_steps: int | None = None) -> Outcome:
     """The run's status and error text, from what its processes wrote and how they ended
     (``has_rank0``: this node runs rank 0, whose steps say where a death happened;
     ``memory_capped``: the processes ran under ``--memory-limit``; ``stalled_s``: the run was
-    stopped for going that long without a step, ``timed_out`` is then set too). A run with a
-    suspended process hung, whichever timeout ended it: the runner's, or a framework's
-    collective that gave up on the suspended peer."""
+    stopped for going that long without a step, ``timed_out`` is then set too; ``rank0_steps``:
+    on a node without rank 0, its steps as node 0 told them, which say where a stopped run
+    was). A run with a suspended process hung, whichever timeout ended it: the runner's, or a
+    framework's collective that gave up on the suspended peer."""
     errors = [e for e in events if isinstance(e, Error)]
     dead = deaths(events)
     died = "; ".join(death_text(x, events, has_rank0) for x in dead)
@@ -284,6 +290,8 @@ def decide(events: list[Event], timed_out: bool, has_rank0: bool = True,
     if timed_out:
         text = stopped
         where = progress_at(float("inf"), events, has_rank0)
+        if not has_rank0 and rank0_steps is not None:
+            where = f"{step_words(rank0_steps)} (rank 0's steps, as node 0 told them)"
         if not died and where:
             text += f" {where}"
         text += where_ranks
@@ -333,17 +341,54 @@ def with_port_retry(here: Outcome, events: list[Event], taken: Callable[[], list
     return dataclasses.replace(here, retry=why)
 
 
+def unreachable_node(parts: dict[int, dict]) -> dict | None:
+    """The node that became unreachable, from what each node saw (``parts[n]["unreachable"]``),
+    alike on every node that heard the same parts: the node whose own link went down says so
+    itself; else node 0's view, which hears every node. The step is node 0's where it named the
+    same node (rank 0's steps are node 0's to count); ``seen_by`` lists the nodes that named
+    it."""
+    found = {n: p["unreachable"] for n, p in sorted(parts.items()) if p.get("unreachable")}
+    if not found:
+        return None
+    own = [f for f in found.values() if f.get("link_down")]
+    lead = own[0] if own else found[min(found)]
+    node = lead["node"]
+    step = lead.get("step")
+    if 0 in found and found[0]["node"] == node and found[0].get("step") is not None:
+        step = found[0]["step"]
+    return {"node": node, "step": step, "link_down": bool(lead.get("link_down")),
+            "link": lead.get("link") if lead.get("link_down") else None,
+            "seen_by": sorted(n for n, f in found.items() if f["node"] == node)}
+
+
+def step_words(step: int | None) -> str:
+    """Where rank 0 was, from the steps it had done: ``at step 5``, ``before the first step``."""
+    if step is None:
+        return "at an unknown step"
+    return f"at step {step}" if step else "before the first step"
+
+
+def unreachable_text(found: dict) -> str:
+    """``node 1 unreachable at step 5, its own link down (eth0: no carrier, ...)``."""
+    text = f"node {found['node']} unreachable {step_words(found.get('step'))}"
+    if found.get("link_down"):
+        text += f", its own link down ({found['link']})"
+    return text
+
+
 def agree(node_rank: int, here: Outcome, heard: dict[int, dict], nnodes: int,
           waited_s: float) -> Outcome:
     """One outcome for a run on several nodes, from this node's and what the others told
-    (``{node: {"status", "error", "cause", "retry"}}``): it failed on every node if it failed
-    on any, and the error names each failed node's part, causes first."""
+    (``{node: {"status", "error", "cause", "retry", "unreachable"}}``): it failed on every node
+    if it failed on any, and the error names each failed node's part, causes first, after the
+    node that became unreachable where one did (``unreachable_node``)."""
     parts = {node_rank: {"status": here.status, "error": here.error, "cause": here.cause,
-                         "retry": here.retry}, **heard}
+                         "retry": here.retry, "unreachable": here.unreachable}, **heard}
     missing = [n for n in range(nnodes) if n not in parts]
     bad = {n: p for n, p in parts.items() if p.get("status") != "ok"}
     if not bad and not missing:
         return here
+    lost = unreachable_node(parts)
     statuses = {p.get("status") for p in bad.values()}
     status = next((s for s in ("oom", "failed", "timeout") if s in statuses), "failed")
     order = sorted(bad, key=lambda n: (not bad[n].get("cause"), n != node_rank, n))
@@ -352,12 +397,12 @@ def agree(node_rank: int, here: Outcome, heard: dict[int, dict], nnodes: int,
         texts.append(f"node(s) {missing} told nothing of how the run ended within "
                      f"{waited_s:.0f} s (stopped, or its network failed)")
     cause = any(p.get("cause") for p in bad.values())
-    error = "; ".join(texts)
+    error = "; ".join(([unreachable_text(lost)] if lost else []) + texts)
     if not cause and is_lost_peer(error):
         error += " (a peer node stopped or its network failed)"
     # Every node starts the run again when a node lost a port and nothing else went wrong
     # anywhere: the others' failures are then only their lost peer.
     retry = next((bad[n].get("retry") for n in sorted(bad) if bad[n].get("retry")), None)
-    if missing or any(p.get("cause") and not p.get("retry") for p in bad.values()):
+    if missing or lost or any(p.get("cause") and not p.get("retry") for p in bad.values()):
         retry = None
-    return Outcome(status, error, cause, retry)
+    return Outcome(status, error, cause, retry, lost)

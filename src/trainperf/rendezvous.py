@@ -13,6 +13,11 @@ arrive within the timeout, or whose store went away with its node, turns into
 ``RendezvousError``, which the runner records as the run's failure.
 
 Node ranks stay fixed for the life of the runners, so one node (rank 0) holds every measurement.
+
+What a node can tell of the network by itself lives here too: whether its own link is up (the
+kernel's carrier and operational state of the interface it met the others on, ``link_state``),
+and, with ``probe``, a small echo service each node runs for the others' link probes
+(``ProbeServer``, ``ProbeLink``: a block sent, one byte back), published with its address.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import ipaddress
 import json
 import logging
 import socket
+import struct
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -43,10 +51,154 @@ nodes' last meetings, after this node's own plan is done."""
 _HOSTED: dict[int, Any] = {}
 """The plain TCP stores this process hosts (hand-given ranks), by port: a second plan through
 the same endpoint meets on the same store."""
+SYS_NET = Path("/sys/class/net")
+DOWN_STATES = ("down", "lowerlayerdown", "notpresent")
+"""Operational states (RFC 2863, as the kernel names them) of an interface that carries
+nothing: ``lowerlayerdown`` is a link whose other end is gone (a veth's peer, a bonded port)."""
+ARRIVED_KEY = "trainperf-arrived"
+"""Counts, on a ``--rdzv`` store, the nodes that reached it: what a timed-out rendezvous says
+came of how many."""
 
 
 class RendezvousError(RuntimeError):
     """The nodes could not meet (a node missing, the store lost, plans that differ)."""
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """This node's interface as the kernel sees it (``/sys/class/net/IFACE``)."""
+
+    iface: str
+    carrier: bool | None
+    """Whether the interface senses its link partner; None where the kernel does not say
+    (an interface set down by hand)."""
+    operstate: str
+
+    @property
+    def down(self) -> bool:
+        """Nothing can cross the link: no carrier, or an operational state that carries
+        nothing. Loopback (``unknown``, carrier 1) and an interface whose driver reports no
+        state are up."""
+        return self.carrier is False or self.operstate in DOWN_STATES
+
+    def text(self) -> str:
+        if not self.down:
+            return f"{self.iface} is up"
+        said = "no carrier" if self.carrier is False else "down"
+        return f"{self.iface}: {said}, operstate {self.operstate}"
+
+
+def link_state(iface: str | None) -> LinkState | None:
+    """The state of this node's interface ``iface`` (in this process's network namespace);
+    None where there is no such interface to read."""
+    if not iface:
+        return None
+    base = SYS_NET / iface
+    try:
+        operstate = (base / "operstate").read_text().strip().lower()
+    except OSError:
+        return None
+    try:
+        carrier: bool | None = (base / "carrier").read_text().strip() == "1"
+    except OSError:  # EINVAL while the interface is administratively down
+        carrier = None
+    return LinkState(iface, carrier, operstate)
+
+
+def own_link_note(addr: str) -> str:
+    """``; this node's link IFACE: no carrier...`` where the interface holding ``addr`` is down,
+    else empty: a node that cannot reach the others says whether the fault is its own link."""
+    state = link_state(interface_of(addr)) if addr else None
+    return f"; this node's link is down ({state.text()})" if state and state.down else ""
+
+
+PROBE_ACK = b"k"
+PROBE_HEADER = struct.Struct("!Q")
+"""A probe is an 8-byte length, the block, and one byte back once all of it arrived."""
+
+
+class ProbeServer:
+    """Answers other nodes' link probes on ``addr`` (a port the kernel picks), one thread per
+    prober, until ``close``."""
+
+    def __init__(self, addr: str) -> None:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self.sock = socket.create_server((addr, 0), family=family)
+        self.port = self.sock.getsockname()[1]
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="link-probe-server").start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while not self._closed.is_set():
+                    left = PROBE_HEADER.unpack(_read_exactly(conn, PROBE_HEADER.size))[0]
+                    while left:
+                        chunk = conn.recv(min(left, 1 << 16))
+                        if not chunk:
+                            return
+                        left -= len(chunk)
+                    conn.sendall(PROBE_ACK)
+            except (OSError, ConnectionError, struct.error):
+                return
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the prober closed the connection")
+        data += chunk
+    return data
+
+
+class ProbeLink:
+    """One node's side of the link probes to another: a connection kept for the probes, made
+    again after a failed one."""
+
+    def __init__(self, addr: str, port: int, timeout_s: float) -> None:
+        self.addr, self.port, self.timeout_s = addr, port, timeout_s
+        self._sock: socket.socket | None = None
+
+    def measure(self, block: bytes) -> float | None:
+        """Seconds from sending ``block`` to the other node's acknowledgement of all of it;
+        None where the probe failed (the node unreachable within the timeout)."""
+        try:
+            if self._sock is None:
+                self._sock = socket.create_connection((self.addr, self.port), self.timeout_s)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            started = time.perf_counter()
+            self._sock.sendall(PROBE_HEADER.pack(len(block)) + block)
+            if _read_exactly(self._sock, 1) != PROBE_ACK:
+                raise ConnectionError("the probed node answered something else")
+            return time.perf_counter() - started
+        except (OSError, ConnectionError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -114,6 +266,12 @@ class NodeGroup:
     local_addr: str = ""
     hosting: bool = False
     """This node's runner hosts the store."""
+    probe: bool = False
+    """Run a ``ProbeServer`` for the other nodes' link probes, its port published when the
+    nodes first meet (``probe_ports``)."""
+    probe_ports: tuple[int | None, ...] = ()
+    """Each node's probe port, by node rank (None: that node runs none)."""
+    _probe_server: ProbeServer | None = field(default=None, repr=False)
     _store: Any = field(default=None, repr=False)
     _handler: Any = field(default=None, repr=False)
     _held: ports.Reservation | None = field(default=None, repr=False)
@@ -127,14 +285,21 @@ class NodeGroup:
         else:
             self._join_rendezvous()
         digest = settings_digest(settings)
+        if self.probe and self._probe_server is None:
+            try:
+                self._probe_server = ProbeServer(self.local_addr)
+            except OSError:
+                pass  # no probes of this node's link; everything else goes on
+        port = self._probe_server.port if self._probe_server else None
         self._set(f"node/{self.node_rank}", json.dumps({"addr": self.local_addr,
-                                                         "plan": digest}))
+                                                         "plan": digest, "probe": port}))
         nodes = [json.loads(v) for v in self._wait_all("node", "the first meeting")]
         differ = [r for r, n in enumerate(nodes) if n["plan"] != digest]
         if differ:
             raise RendezvousError(f"node(s) {differ} run another plan than node "
                                   f"{self.node_rank}: start every node with the same options")
         self.addrs = tuple(n["addr"] for n in nodes)
+        self.probe_ports = tuple(n.get("probe") for n in nodes)
 
     def _join_by_hand(self) -> None:
         """Node 0 hosts a TCP store at the endpoint (its own address); the others connect,
@@ -156,7 +321,8 @@ class NodeGroup:
                                  timeout=_delta(self.timeout_s))
         except Exception as exc:
             raise RendezvousError(f"cannot reach node 0 at {self.endpoint} within "
-                                  f"{self.timeout_s:.0f} s: {_root(exc)}") from None
+                                  f"{self.timeout_s:.0f} s: {_root(exc)}"
+                                  f"{own_link_note(self.local_addr)}") from None
         _STORES.append(store)
         self._store = PrefixStore(self.run_id, store)
 
@@ -193,16 +359,29 @@ class NodeGroup:
                 last = exc
         else:
             raise RendezvousError(f"cannot reach the rendezvous at {self.endpoint}: "
-                                  f"{_root(last)}")
+                                  f"{_root(last)}{own_link_note(self.local_addr)}")
         self._handler = DynamicRendezvousHandler.from_backend(
             self.run_id, store, backend, self.nnodes, self.nnodes, self.local_addr, timeout)
+        # Each node counts itself in on the store before it waits: a rendezvous that times out
+        # then says how many came, which torch's own state no longer holds (a node that gives
+        # up removes itself from it first).
+        arrived_key = f"{ARRIVED_KEY}/{self.run_id}"
+        try:
+            store.add(arrived_key, 1)
+        except Exception:
+            pass  # the count is only for the message
         started = time.monotonic()
         try:
             info = self._handler.next_rendezvous()
         except TorchRdzvTimeout:
+            try:
+                came = f"{store.add(arrived_key, 0)} of {self.nnodes} came"
+            except Exception:
+                came = "how many came is unknown: the store is gone"
             raise RendezvousError(
                 f"the {self.nnodes} nodes did not all arrive at the rendezvous {self.endpoint} "
-                f"within {time.monotonic() - started:.0f} s") from None
+                f"within {time.monotonic() - started:.0f} s ({came})"
+                f"{own_link_note(self.local_addr)}") from None
         except TorchRdzvError as exc:
             raise RendezvousError(f"the rendezvous at {self.endpoint} failed: "
                                   f"{_root(exc)}") from None
@@ -236,6 +415,20 @@ class NodeGroup:
             raise self._lost(exc) from None
         return out
 
+    def beat(self, label: str, value: dict[str, Any]) -> None:
+        """Tell the others, while run ``label`` goes, that this node is there (``RunWatch``)."""
+        self._set(f"run/{label}/beat/{self.node_rank}", json.dumps(value))
+
+    def beat_of(self, label: str, node: int) -> dict[str, Any] | None:
+        """Node ``node``'s last beat of run ``label`` (None: none yet)."""
+        key = f"run/{label}/beat/{node}"
+        try:
+            if not self._store.check([key]):
+                return None
+            return json.loads(self._store.get(key).decode())
+        except Exception as exc:
+            raise self._lost(exc) from None
+
     def hear(self, label: str, deadline: float) -> dict[int, dict[str, Any]]:
         """Every other node's outcome of run ``label``, waiting until ``deadline``
         (``time.monotonic``) at most; a node that has not told by then is left out."""
@@ -261,6 +454,9 @@ class NodeGroup:
 
     def close(self) -> None:
         self.release_ports()
+        if self._probe_server is not None:
+            self._probe_server.close()
+            self._probe_server = None
         if self._store is not None and self.node_rank is not None:
             try:
                 # The store goes with this process: the others first read what they need.
@@ -290,7 +486,8 @@ class NodeGroup:
             while not self._store.check([key]):
                 if time.monotonic() > deadline:
                     raise RendezvousError(f"nothing came for {what} within {timeout_s:.0f} s "
-                                          f"(rendezvous {self.endpoint})")
+                                          f"(rendezvous {self.endpoint})"
+                                          f"{own_link_note(self.local_addr)}")
                 time.sleep(POLL_S)
             return self._store.get(key).decode()
         except RendezvousError:
@@ -313,7 +510,8 @@ class NodeGroup:
                     missing = [r for r, k in enumerate(keys) if k not in present]
                     raise RendezvousError(
                         f"node(s) {missing} did not arrive for {what} within "
-                        f"{timeout_s:.0f} s (rendezvous {self.endpoint})")
+                        f"{timeout_s:.0f} s ({len(present)} of {len(keys)} came; rendezvous "
+                        f"{self.endpoint}){own_link_note(self.local_addr)}")
                 time.sleep(POLL_S)
         except RendezvousError:
             raise
@@ -322,7 +520,8 @@ class NodeGroup:
 
     def _lost(self, exc: Exception) -> RendezvousError:
         return RendezvousError(f"lost the rendezvous store at {self.endpoint} (the node "
-                               f"hosting it stopped or is unreachable): {_root(exc)}")
+                               f"hosting it stopped or is unreachable): {_root(exc)}"
+                               f"{own_link_note(self.local_addr)}")
 
 
 def _delta(seconds: float):

@@ -84,6 +84,15 @@ RUN_FIELDS: list[Field] = [
     ("exit_code", "int?", False, "the launcher's exit status"),
     ("retries", "list[obj]", False, "attempts given up (a port taken by another process) "
      "before this one"),
+    ("unreachable", "obj", False, "several nodes: the node that became unreachable during "
+     "the run, as the nodes agreed: node, step (rank 0's steps done when it was last heard), "
+     "link_down (its own link went down, which it saw itself), link, seen_by"),
+    ("link_probes", "obj", False, "several nodes, node 0: its probes of each other node's "
+     "link, by node: [rank 0's steps at the probe's start, seconds to send a block and have "
+     "it acknowledged]"),
+    ("step_change", "obj", False, "several nodes: a lasting change of the step time inside the "
+     "run: at_step, before_s, after_s, ratio, each link's probes before and after, and the "
+     "verdict (link, model or unclear)"),
     ("warnings", "list[str]", False, "what went wrong without spoiling the measurement"),
     ("flags", "list[str]", False, "why the run's speed is left out of the case's statistics "
      "(loss_nan, recompiled_in_window, ...)"),

@@ -156,9 +156,11 @@ class FaultPlan(threading.Thread):
                     self.cluster.cut(fault.node)
                 else:
                     self.cluster.set_rate(fault.node, fault.rate_bps)
+                # ``t``: the wall clock, which the nodes' events use too (one machine).
                 self.done.append({"action": fault.action, "node": fault.node,
                                   "rate": rate_text(fault.rate_bps) if fault.rate_bps
-                                  else None, "at_s": round(elapsed, 2), "node0_steps": steps})
+                                  else None, "at_s": round(elapsed, 2), "t": time.time(),
+                                  "node0_steps": steps})
                 if self.restore_after_s is not None:
                     restores.append((elapsed + self.restore_after_s, fault))
             for when, fault in [r for r in restores if r[0] <= elapsed]:
@@ -168,7 +170,8 @@ class FaultPlan(threading.Thread):
                 else:
                     self.cluster.set_rate(fault.node, self.cluster.rate_bps)
                 self.done.append({"action": "restore", "node": fault.node,
-                                  "at_s": round(elapsed, 2), "node0_steps": steps})
+                                  "at_s": round(elapsed, 2), "t": time.time(),
+                                  "node0_steps": steps})
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -201,7 +204,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         print(f"trainperf: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     out.mkdir(parents=True, exist_ok=True)
-    record = {"nodes": args.nodes, "rate": rate_text(rate), "subnet": f"{cluster.subnet}.0/24",
+    record = {"tag": cluster.tag, "nodes": args.nodes, "rate": rate_text(rate),
+              "subnet": f"{cluster.subnet}.0/24",
               "addrs": [cluster.addr(n) for n in range(args.nodes)],
               "gpus": [cluster.node_gpus(n) for n in range(args.nodes)],
               "cores": [cluster.node_cores(n) for n in range(args.nodes)],

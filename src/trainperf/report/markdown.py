@@ -7,6 +7,7 @@ from typing import Iterable
 
 from .. import alignments, parities, significance
 from ..mode_choice import describe as describe_probe, trouble_in_runs
+from .network import change_lines
 
 SPANS_ONE = "~"
 
@@ -422,6 +423,11 @@ def render_report(docs: list[dict], plots: list[str] | None = None,
         fails = failures(doc)
         if fails:
             parts += ["Runs without a figure:", "", *fails, ""]
+        changed = change_lines(doc)
+        if changed:
+            parts += ["Runs whose step time changed part-way (the median step after a step "
+                      "against the one before; node 0's probes of each link on either side "
+                      "tell a link that changed from a model that did):", "", *changed, ""]
         again = restarts(doc)
         if again:
             parts += ["Runs started again on fresh ports (nothing of an attempt given up counts; "
