@@ -5,6 +5,7 @@ lending rules, and the arithmetic the summary derives (power, MFU, the memory mo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -25,6 +26,7 @@ from trainperf.gpucheck import budget, capacity, cases as gpu_cases, plan, power
 from trainperf.gpucheck.stage import FAULT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 # -- the lending rules ------------------------------------------------------------------------
@@ -82,10 +84,13 @@ def cpu_check(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpucheck")
     out, work = root / "out", root / "work"
     started = time.monotonic()
+    # The peers' JAX worker compiles its steps with test_jax_runs.py's fast XLA flags (the same
+    # arithmetic, rounded differently in places): only that it runs and its ratio are checked.
+    env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)
     proc = subprocess.run(["make", "--no-print-directory", "gpu-check",
                            f"PYTHON={sys.executable}", f"GPUCHECK_OUT={out}",
                            f"GPUCHECK_WORK={work}"],
-                          cwd=REPO, capture_output=True, text=True,
+                          cwd=REPO, capture_output=True, text=True, env=env,
                           # every stage is stopped at its cap: the whole cannot take longer
                           timeout=sum(s.cpu_cap_s for s in plan.STAGES) + 120)
     took = time.monotonic() - started

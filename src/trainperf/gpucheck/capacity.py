@@ -38,9 +38,11 @@ SEARCHES = {
 }
 CPU_LIMITS = {"max-batch": 700 * 2**20, "max-classes": 800 * 2**20}
 CPU_STARTS = {"max-batch": 32, "max-classes": 400_000}
-RESOLUTION = {"gpu": 0.05, "cpu": 0.25}
+RESOLUTION = {"gpu": 0.05, "cpu": 0.5}
 """5% on a GPU: each probe is a fresh process (and cuDNN's autotuning at a new batch size), and
-two searches share the stage's minutes; the bracket says where the limit lies either way."""
+two searches share the stage's minutes; the bracket says where the limit lies either way. The
+CPU mode's bracket only has to exist (each probe is a process in the suite's time; the search's
+bisection to a finer step is tests/test_search.py's)."""
 MAX_PROBES = {"gpu": 6, "cpu": 5}
 PROBE_MEASURE = Measure(runs=1, iters=6, warmup=2, timeout_s=180)
 AIM = 0.9

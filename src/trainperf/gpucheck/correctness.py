@@ -35,11 +35,15 @@ ALIGN_HEADS = {"gpu": ("dp", "mp", "pfc"), "cpu": ("dp",)}
 itself; four fewer runs (the suite aligns every head with torch elsewhere)."""
 PRECISION_MEASURE = {"gpu": Measure(runs=1, iters=25, warmup=5, timeout_s=120),
                      "cpu": Measure(runs=1, iters=6, warmup=2, timeout_s=120)}
+SIZE = {"gpu": {}, "cpu": {"input_size": 32}}
+"""The recipe's 112 pixels on a GPU; 32 in the CPU mode, as its tiny cases: the same layers, a
+step several times cheaper (fp16's most, which a CPU emulates)."""
 
 
 def align_on_device(log: StageLog, mode: str, work: Path) -> None:
     device = cases.device(mode)
-    base = get_recipe(RECIPE).workload.replace(dropout=0.0)  # masks cannot match across devices
+    # dropout off: masks cannot match across devices
+    base = get_recipe(RECIPE).workload.replace(dropout=0.0, **SIZE[mode])
     init = work / "correctness" / "start.npz"
     write_start(base, 1, init)
     aside = "" if mode == "gpu" else " (CPU mode: both sides run on the CPU, so this checks " \
@@ -87,7 +91,7 @@ def precisions(log: StageLog, mode: str, work: Path) -> list[dict]:
     device = cases.device(mode)
     measured = []
     for precision in ("fp16", "bf16"):
-        case = cases.Case(f"tiny dp {precision}", RECIPE, {"precision": precision})
+        case = cases.Case(f"tiny dp {precision}", RECIPE, {"precision": precision, **SIZE[mode]})
         plan = plan_for(case, work, PRECISION_MEASURE[mode], device,
                         folder=f"precision-{precision}")
         got = summarise(run_plan(plan), plan.out_dir)
