@@ -1,12 +1,12 @@
 """Every non-torch backend started across nodes from a ``Cluster``: what each rank is told (global
-rank, every rank's endpoint, the coordinator on node 0, the GPU by local rank), which processes
-the MXNet launcher starts on which node, and real two-"node" runs over loopback (Paddle, the
-cheapest framework to start, MXNet's dist_sync, the one with the most moving parts, and MXNet
-over Horovod, its default, whose rendezvous node 0's launcher serves).
+rank, every rank's endpoint, the coordinator on node 0, the GPU by local rank, the interface
+that holds its node's address), which processes the MXNet launcher starts on which node, when it
+refuses Horovod across nodes, and how TensorFlow's ranks leave together.
 
-The real runs start one launcher per "node", each with its own cluster file and events file, one
-rank each; node 1 lives at 127.0.0.2 (loopback too on Linux), so every address a node is told is
-its own. The events rank 0 writes land on node 0's side only, as on real nodes.
+Real runs across nodes, each node's launcher started with its own cluster file in a network
+namespace of its own, are in ``test_emulated_frameworks.py``: every framework, dp and pfc (Paddle's
+sharded head and its all-gathers, MXNet's dist_sync and Horovod among them), over a link that
+loopback cannot stand in for.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,11 +27,10 @@ from trainperf.backends.jax import backend as jax_backend
 from trainperf.backends.mxnet import launch as mxnet_launch
 from trainperf.backends.oneflow import backend as oneflow_backend
 from trainperf.backends.paddle import backend as paddle_backend
-from trainperf.backends.spawn import PORTS_PER_RUN, local_cluster
+from trainperf.backends.spawn import PORTS_PER_RUN, gloo_interface_env, local_cluster
 from trainperf.backends.tf import backend as tf_backend
-from trainperf.config import Measure, Topology, Tuning
-from trainperf.protocol import RunSpec
-from trainperf.recipes import get_recipe
+from trainperf.backends.tf.departure import Departure
+from trainperf.config import Topology, Tuning
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ADDRS = ("10.0.0.1", "10.0.0.2")
@@ -71,10 +70,13 @@ def test_jax_meets_at_node_zeros_coordinator():
 
 
 def test_tf_config_names_every_worker_and_the_global_task():
+    """And node 0's last port, which no rank listens on otherwise: where rank 0 waits for the
+    others to be past the last barrier (``tf/departure.py``)."""
     env = tf_backend.rank_env(1, two_nodes(1))
     assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": ENDPOINTS},
                                             "task": {"type": "worker", "index": 3}}
     assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["TRAINPERF_DEPARTURE"] == f"10.0.0.1:{PORTS[0][-1]}"
 
 
 def test_oneflow_gets_what_its_own_launcher_sets():
@@ -188,69 +190,86 @@ def test_spawn_starts_this_nodes_ranks_from_the_cluster_file(tmp_path):
     assert refused.returncode == 2 and "2 ranks per node" in refused.stderr
 
 
-# -------------------------------------------------------------------- real two-node runs
-
-def two_node_run(python: str, launcher: list[str], fc: str, tmp_path: Path
-                 ) -> tuple[list[int], list[dict], str]:
-    """Both nodes' launchers, started together: their exit codes, node 0's events (rank 0's),
-    and node 1's event file's text (empty: rank 1 writes only errors)."""
-    spec = RunSpec(get_recipe("tiny-arcface").workload.replace(fc=fc),
-                   Measure(runs=1, iters=2, warmup=1), device="cpu", threads=1)
-    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
-    ports = (reserved_ports(PORTS_PER_RUN + 1), reserved_ports(PORTS_PER_RUN + 1))
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("TRAINPERF_FAULT", None)
-    procs = []
-    for node in range(2):
-        cluster = tmp_path / f"cluster{node}.json"
-        cluster.write_text(Cluster(node, 1, ("127.0.0.1", "127.0.0.2"), ports).to_json())
-        with open(tmp_path / f"node{node}.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [python, "-m", *launcher, "--nproc=1", f"--cluster={cluster}", "--",
-                 "--spec", str(tmp_path / "spec.json"),
-                 "--events", str(tmp_path / f"events{node}.jsonl")],
-                env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 240
-    try:
-        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:  # a launcher stops its own ranks on SIGTERM
-            if p.poll() is None:
-                p.terminate()
-                p.wait(timeout=30)
-    events = [json.loads(line) for line in
-              (tmp_path / "events0.jsonl").read_text().splitlines()]
-    second = tmp_path / "events1.jsonl"
-    return codes, events, second.read_text() if second.exists() else ""
+def test_several_nodes_tell_gloo_the_interface_of_the_nodes_address(monkeypatch):
+    """Gloo otherwise binds what the host name resolves to. Loopback "nodes" are on lo; an
+    interface named by the caller (the runner's) stands; one node, or an address that no
+    interface holds, leaves gloo its own choice."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    loopback = (("127.0.0.1", "127.0.0.2"), PORTS)
+    assert gloo_interface_env(Cluster(1, 2, *loopback)) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert gloo_interface_env(Cluster(1, 2, *loopback), {"GLOO_SOCKET_IFNAME": "ib0"}) == {}
+    assert gloo_interface_env(local_cluster(2)) == {}
+    assert gloo_interface_env(Cluster(0, 2, ("192.0.2.1", "192.0.2.2"), PORTS)) == {}
 
 
-def assert_ran_on_two_nodes(codes, events, second, tmp_path):
-    logs = "\n".join((tmp_path / f"node{n}.log").read_text(errors="replace")[-2000:]
-                     for n in range(2))
-    assert codes == [0, 0], logs
-    assert [e["event"] for e in events] == ["start", "step", "step", "end"], logs
-    assert all(e["rank"] == 0 for e in events)
-    assert events[0]["world_size"] == 2 and events[0]["global_batch"] == 16
-    assert second == ""
+def test_the_spawned_ranks_get_the_interface_too(tmp_path, monkeypatch):
+    (tmp_path / "standin.py").write_text(
+        "import os, sys\n"
+        "open(os.path.join(sys.argv[1], 'ifname'), 'w').write(os.environ['GLOO_SOCKET_IFNAME'])")
+    path = tmp_path / "cluster.json"
+    path.write_text(Cluster(1, 1, ("127.0.0.1", "127.0.0.2"), PORTS).to_json())
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    done = subprocess.run([sys.executable, "-m", "trainperf.backends.spawn", "--backend=paddle",
+                           "--module=standin", "--nproc=1", f"--cluster={path}", "--",
+                           str(tmp_path)], env=dict(os.environ, PYTHONPATH=f"{SRC}:{tmp_path}"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "ifname").read_text() == "lo"
 
 
-def test_paddle_two_nodes_over_loopback(paddle_python, tmp_path):
-    """mp: the sharded head's all-gathers and all-reduces cross the two nodes."""
-    launcher = ["trainperf.backends.spawn", "--backend=paddle"]
-    assert_ran_on_two_nodes(*two_node_run(paddle_python, launcher, "mp", tmp_path), tmp_path)
+def test_horovod_across_nodes_is_refused_where_the_host_name_is_loopback():
+    """Horovod 0.28.1 binds its collectives to the host name's address: loopback cannot carry
+    them to another node, and an address that does not bind at all fails in gloo. Loopback
+    "nodes" reach each other there, and a name that resolves to a routable address is left to
+    work."""
+    two = two_nodes(1)
+    why = mxnet_launch.horovod_host_refusal(two, lambda: "127.0.1.1")
+    assert why.startswith("Horovod 0.28.1 runs its gloo collectives on the address of this "
+                          "host's name, whatever HOROVOD_GLOO_IFACE says, and ")
+    assert why.endswith("resolves to 127.0.1.1, which the other nodes cannot reach: make the "
+                        "name resolve to this node's address (10.0.0.2), or use "
+                        "--mxnet-kvstore dist_sync")
+    assert "resolves to no address a socket can bind" in mxnet_launch.horovod_host_refusal(
+        two, lambda: None)
+    assert mxnet_launch.horovod_host_refusal(two, lambda: "10.0.0.2") is None
+    loopback = Cluster(1, 1, ("127.0.0.1", "127.0.0.2"), PORTS)
+    assert mxnet_launch.horovod_host_refusal(loopback, lambda: "127.0.0.1") is None
+    assert mxnet_launch.horovod_host_refusal(Cluster(0, 1, ADDRS[:1], PORTS[:1]),
+                                             lambda: "127.0.0.1") is None
+    assert mxnet_launch.gloo_host_address("127.0.0.1") == "127.0.0.1"
 
 
-def test_mxnet_dist_sync_two_nodes_over_loopback(mxnet_python, tmp_path):
-    """A scheduler on node 0, a server on each node, keys spread over both. ps-lite numbers
-    workers by host in descending order, so its rank 0 is node 1's worker here: rank 0's
-    events are on node 0 only because the worker takes the launcher's rank instead."""
-    launcher = ["trainperf.backends.mxnet.launch", "--kvstore=dist_sync"]
-    assert_ran_on_two_nodes(*two_node_run(mxnet_python, launcher, "dp", tmp_path), tmp_path)
+def departures(world: int) -> list[Departure]:
+    port = reserved_ports(1)[0]
+    config = {"cluster": {"worker": [f"127.0.0.1:{port + 1 + r}" for r in range(world)]}}
+    return [Departure.from_env({"TF_CONFIG": json.dumps(dict(config, task={"index": r})),
+                                "TRAINPERF_DEPARTURE": f"127.0.0.1:{port}"})
+            for r in range(world)]
 
 
-def test_mxnet_horovod_two_nodes_over_loopback(mxnet_python, tmp_path):
-    """mp: the sharded head's gathers and sums cross the nodes through gloo, which the ranks
-    joined at node 0's rendezvous, each node named by its own address (127.0.0.2 for node
-    1)."""
-    launcher = ["trainperf.backends.mxnet.launch", "--kvstore=horovod"]
-    assert_ran_on_two_nodes(*two_node_run(mxnet_python, launcher, "mp", tmp_path), tmp_path)
+def test_tensorflow_ranks_leave_only_once_every_rank_is_past_the_last_barrier():
+    """Rank 1 is past the barrier first and waits: it returns only after rank 0 has come too
+    (the order, not the time, is what is asserted)."""
+    first, second = departures(2)
+    arrived = threading.Event()
+    seen = {}
+
+    def rank1():
+        seen["unheard"] = second.leave_together(wait_s=60)
+        seen["rank 0 had arrived"] = arrived.is_set()
+
+    waiter = threading.Thread(target=rank1)
+    waiter.start()
+    waiter.join(timeout=0.5)  # a rank 1 that left without rank 0 would be done by now
+    arrived.set()
+    assert first.leave_together(wait_s=60) == []
+    waiter.join(timeout=60)
+    assert seen == {"unheard": [], "rank 0 had arrived": True}
+
+
+def test_tensorflow_ranks_never_heard_from_are_named_and_nothing_waits_on_a_gone_rank():
+    first, second = departures(2)
+    assert first.leave_together(wait_s=0.2) == [1]  # rank 1 never came
+    assert second.leave_together(wait_s=60) == [0]  # rank 0 has gone: refused at once
+    alone, = departures(1)
+    assert alone.address is None and alone.leave_together() == []

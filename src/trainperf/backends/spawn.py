@@ -11,7 +11,9 @@ naming ranks and rendezvous points. ``cluster`` (``base.Cluster``) says where ev
 run is and which ports are free on each; the global rank is ``cluster.global_rank(r)``, the world
 ``cluster.world_size``, and a GPU is picked by the local rank. Without ``--cluster`` (one node) it
 is this node alone, over loopback, with ports reserved now (``ports.reserve``: outside the
-kernel's ephemeral range, claimed until the launcher exits).
+kernel's ephemeral range, claimed until the launcher exits). Over several nodes each rank is
+also told the interface that holds this node's address in the cluster (``GLOO_SOCKET_IFNAME``,
+``gloo_interface_env``), unless the launcher was told one.
 
 The launcher exits with the first failing rank's code, or 0. When a rank fails, the others
 (waiting on it forever in a collective) are stopped after a moment to write their own error;
@@ -32,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -95,6 +99,51 @@ def torch_style_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     return {"MASTER_ADDR": addr, "MASTER_PORT": str(port),
             "WORLD_SIZE": str(cluster.world_size), "RANK": str(cluster.global_rank(local_rank)),
             "LOCAL_RANK": str(local_rank)}
+
+
+def is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface of this machine that holds ``addr``: ``lo`` for a loopback
+    address, else the interface whose IPv4 address it is; None where none does."""
+    if is_loopback(addr):
+        return "lo"
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # an interface without an IPv4 address
+            if socket.inet_ntoa(got[20:24]) == addr:
+                return name
+    return None
+
+
+def gloo_interface_env(cluster: Cluster, environ: dict[str, str] | None = None
+                       ) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` for the ranks of a run over several nodes: the interface that
+    holds this node's address in the cluster. Gloo (torch's, Paddle's, and JAX's through
+    ``jax/dist.py``) otherwise binds to what the host name resolves to, which on a host with
+    several networks, or in a network namespace, is not the network the nodes meet on (in an
+    emulated node it is loopback, which the other node cannot reach). Nothing where the caller
+    named an interface already (the runner sets the one its nodes met on), where the run has
+    one node, or where no interface holds the address (a host name: gloo's own choice then)."""
+    environ = os.environ if environ is None else environ
+    if cluster.nnodes < 2 or "GLOO_SOCKET_IFNAME" in environ:
+        return {}
+    iface = interface_of(cluster.addrs[cluster.node_rank])
+    return {"GLOO_SOCKET_IFNAME": iface} if iface else {}
 
 
 def cluster_args(req: LaunchRequest) -> list[str]:
@@ -346,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     def start(members: Members) -> None:
         # One node picks its ports only now, so that none goes stale while the launcher starts.
         where = cluster if args.cluster else local_cluster(args.nproc)
+        base = dict(os.environ, **gloo_interface_env(where))
         for r in range(args.nproc):
-            members.start(cmd, dict(os.environ, TRAINPERF_LOCAL_RANK=str(r),
+            members.start(cmd, dict(base, TRAINPERF_LOCAL_RANK=str(r),
                                     **description.rank_env(r, where)), where.global_rank(r))
 
     return run_supervised(start, Members(args.logs, args.events))

@@ -169,10 +169,11 @@ def initialize_from_env() -> bool:
 def gloo_on_interface(interface: str) -> None:
     """Make the CPU client's gloo collectives listen on ``interface``. JAX's own CPU client
     binds gloo to whatever the hostname resolves to, which on many clusters is not the network
-    the nodes met on; torch's and Paddle's gloo read ``GLOO_SOCKET_IFNAME`` (the runner sets it
-    for multi-node runs), JAX's does not, and takes the interface only as an argument of a
-    private factory. So the CPU backend's factory is replaced, before any backend starts, by one
-    that passes it. An MPI choice (``jax_cpu_collectives_implementation``) is left alone."""
+    the nodes met on; torch's and Paddle's gloo read ``GLOO_SOCKET_IFNAME`` (the launcher sets
+    it for multi-node runs: ``spawn.gloo_interface_env``), JAX's does not, and takes the
+    interface only as an argument of a private factory. So the CPU backend's factory is
+    replaced, before any backend starts, by one that passes it. An MPI choice
+    (``jax_cpu_collectives_implementation``) is left alone."""
     from jax._src import distributed, xla_bridge
     from jax._src.lib import _jax
 

@@ -16,7 +16,9 @@ scheduler's and servers' output and exits included)
   told every node's slots as ``horovodrun`` tells it; the workers meet there once, in
   ``hvd.init()``. Each node names itself by its address in the cluster (``HOROVOD_HOSTNAME``):
   every node knows every other's, and they differ. Several nodes: ``--cluster`` (a
-  ``base.Cluster`` as JSON).
+  ``base.Cluster`` as JSON). Horovod 0.28.1's collectives themselves run on the address the
+  host's name resolves to, whatever interface it is told (``horovod_host_refusal``): a node
+  whose name resolves to loopback is refused in one line before anything starts.
 - ``dist_sync``: N workers on this node, each one rank, and a parameter server; the scheduler
   runs on the first node only. One node: all over loopback. Several nodes (``--cluster``): the
   scheduler listens on node 0's first port, every node runs one server (``DMLC_NUM_SERVER`` =
@@ -43,13 +45,16 @@ workers have finished, so are the scheduler and server. SIGTERM stops everything
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
+import socket
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 from ..base import COLLECTIVE_TIMEOUT_ENV, Cluster
-from ..spawn import Members, add_output_args, local_cluster, read_cluster, run_supervised
+from ..spawn import (Members, add_output_args, is_loopback, local_cluster, read_cluster,
+                     run_supervised)
+from ..spawn import interface_of as spawn_interface_of
 
 WORKER_MODULE = "trainperf.backends.mxnet.worker"
 KVSTORES = ("local", "device", "dist_sync", "horovod")
@@ -85,15 +90,6 @@ class Process:
         return self.env.get("DMLC_ROLE") or self.helper or "worker"
 
 
-def is_loopback(addr: str) -> bool:
-    if addr == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
-
-
 def dmlc_env(role: str, cluster: Cluster) -> dict[str, str]:
     root, port = cluster.master
     here = cluster.addrs[cluster.node_rank]
@@ -120,23 +116,53 @@ def own_gpu(local_rank: int, visible: str | None) -> str:
 def interface_of(addr: str) -> str:
     """The network interface that holds ``addr`` (gloo's device is named by interface): ``lo``
     for a loopback address, else the interface whose IPv4 address it is. ValueError if none."""
-    if is_loopback(addr):
-        return "lo"
-    import fcntl
-    import socket
-    import struct
+    iface = spawn_interface_of(addr)
+    if iface is None:
+        raise ValueError(f"no network interface of this node holds {addr} (the node's address "
+                         f"in the cluster); set HOROVOD_GLOO_IFACE to the one to use")
+    return iface
 
-    siocgifaddr = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # an interface without an IPv4 address
-            if socket.inet_ntoa(got[20:24]) == addr:
-                return name
-    raise ValueError(f"no network interface of this node holds {addr} (the node's address in "
-                     f"the cluster); set HOROVOD_GLOO_IFACE to the one to use")
+
+def gloo_host_address(name: str | None = None) -> str | None:
+    """Where gloo puts a device it is given no interface for: the first address of the host's
+    name (``gethostname``) that a socket can bind, as ``gloo/transport/tcp/device.cc`` picks it;
+    None where the name resolves to nothing bindable."""
+    try:
+        found = socket.getaddrinfo(name or socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, addr in found:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(addr)
+        except OSError:
+            continue
+        return str(addr[0])
+    return None
+
+
+def horovod_host_refusal(cluster: Cluster, bound: Callable[[], str | None] = gloo_host_address
+                         ) -> str | None:
+    """Why Horovod's collectives cannot reach the other nodes from this one, or None.
+    Horovod 0.28.1 (its last release) gives ``HOROVOD_GLOO_IFACE`` to the gloo device of its
+    first contexts only: every process set's device, the default one's included, which carries
+    every collective, is made with no interface (``GlooContext::InitializeForProcessSet``
+    reads its own ``gloo_iface_``, never set), so gloo binds it to the host name's address. On
+    a node whose name resolves to loopback (``127.0.1.1`` in Debian's /etc/hosts; an emulated
+    node's shared name) each rank then tells the others an address they cannot reach, and
+    ``hvd.init()`` fails after its first contexts have formed (a rank aborts in gloo, its peers
+    wait). ``bound``: where gloo would bind (tests)."""
+    here = cluster.addrs[cluster.node_rank]
+    if cluster.nnodes < 2 or is_loopback(here):
+        return None
+    address = bound()
+    if address is not None and not is_loopback(address):
+        return None
+    where = (f"resolves to {address}, which the other nodes cannot reach" if address else
+             "resolves to no address a socket can bind")
+    return (f"Horovod 0.28.1 runs its gloo collectives on the address of this host's name, "
+            f"whatever HOROVOD_GLOO_IFACE says, and {socket.gethostname()!r} {where}: make the "
+            f"name resolve to this node's address ({here}), or use --mxnet-kvstore dist_sync")
 
 
 def slots(cluster: Cluster) -> list[dict[str, object]]:
@@ -212,9 +238,12 @@ def start_all(members: Members, nproc: int, kvstore: str, worker_args: list[str]
     """Start the processes of the run: the workers, and their helpers (the scheduler and
     server, or node 0's rendezvous)."""
     try:
+        why = horovod_host_refusal(cluster) if kvstore == "horovod" and cluster else None
+        if why:
+            raise ValueError(why)
         processes = plan(nproc, kvstore, worker_args, cluster, module,
                          visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
-    except ValueError as exc:  # no interface holds this node's address: said in one line
+    except ValueError as exc:  # the node cannot reach the others as asked: said in one line
         raise SystemExit(f"trainperf.backends.mxnet.launch: {exc}") from None
     for p in processes:
         members.start(p.argv, dict(os.environ, **p.env), p.rank, p.helper)

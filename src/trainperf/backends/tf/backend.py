@@ -58,11 +58,18 @@ def xla_autotunes(xla_flags: str) -> bool:
     return not levels or levels[-1] != "0"
 
 
+DEPARTURE_ENV = "TRAINPERF_DEPARTURE"
+"""``host:port`` where rank 0 waits for the other ranks to be past the last barrier before any
+leaves (``departure.py``)."""
+
+
 def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
-    from ..spawn import rank_endpoints  # not at the top: see spawn's docstring
+    from ..spawn import endpoint, rank_endpoints  # not at the top: see spawn's docstring
     config = {"cluster": {"worker": rank_endpoints(cluster)},
               "task": {"type": "worker", "index": cluster.global_rank(local_rank)}}
-    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": str(local_rank)}
+    # Node 0's last port, which no rank listens on otherwise (spawn.PORTS_PER_RUN).
+    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": str(local_rank),
+            DEPARTURE_ENV: endpoint(cluster.addrs[0], cluster.ports[0][-1])}
 
 
 def launch(req: LaunchRequest) -> Launch:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -43,6 +44,7 @@ from . import models, profiling
 from .backend import BACKEND, xla_autotunes
 from .comm import Comm
 from .compiling import CompileClock
+from .departure import Departure
 from .step import TrainStep, init_batch, synthetic_batch
 
 
@@ -142,6 +144,7 @@ def framework_env(comm: Comm, threads: int | None) -> dict:
 
 class TFRun(FrameworkRun):
     backend = BACKEND
+    departure: Departure | None = None
 
     def connect(self) -> None:
         # TF_CUDNN_USE_AUTOTUNE and XLA_FLAGS come from the launch (backend.tuning_env).
@@ -150,10 +153,20 @@ class TFRun(FrameworkRun):
         self.comm = Comm.create(self.spec.device, self.spec.threads)
         apply_tf32(self.spec.tuning, self.comm.device_type == "gpu")
         self.join(self.comm)
+        # Rank 0 listens before its first collective, so before any rank can be past the last
+        # one; after join, so that a port taken here fails the run like a failed collective.
+        self.departure = Departure.from_env()
         self.outputs: list[tuple] = []
 
     def memory_now(self) -> int:
         return current_memory(self.comm)
+
+    def close(self) -> None:
+        # Reached after the run's last barrier (a failed distributed run leaves before this).
+        unheard = self.departure.leave_together() if self.departure is not None else []
+        if unheard:
+            print(f"trainperf: ranks {unheard} were never heard past the last barrier",
+                  file=sys.stderr)
 
     def build(self) -> None:
         spec, comm, align = self.spec, self.comm, self.spec.align
