@@ -19,14 +19,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)
 
 import pytest  # noqa: E402
 
-SLOW_FIRST = ("test_torch_modes.py", "test_jax_runs.py", "test_gpucheck.py", "test_cli_run.py",
+SLOW_FIRST = ("test_network_faults.py", "test_emulated_frameworks.py", "test_torch_modes.py",
+              "test_jax_runs.py", "test_gpucheck.py", "test_cli_run.py",
               "test_oneflow_runs.py",
               "test_mxnet_runs.py", "test_rendezvous.py", "test_tf_runs.py", "test_train.py",
               "test_align.py", "test_paddle_runs.py", "test_commbench.py",
               "test_real_data_frameworks.py", "test_search.py", "test_rank_deaths.py",
               "test_tf_models_heads.py", "test_cli_data.py", "test_tf_align.py",
               "test_mxnet_align.py", "test_slurm.py", "test_oneflow_heads.py", "test_breakdown.py",
-              "test_oneflow_align.py", "test_step.py")
+              "test_oneflow_align.py", "test_step.py", "test_emulated_nodes.py")
 """The files whose runs take longest (each file's total of ``--durations``, measured on the
 2-core VM), longest first: all that take 20 s or more."""
 
@@ -37,6 +38,28 @@ def pytest_collection_modifyitems(session, config, items):
     # keeps both busy to the end; within a file the order stays as written.
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
+
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # Setup, call and teardown alike: a module's shared runs are made in its fixtures' setup.
+    # Under xdist the controller gets every worker's reports here.
+    FILE_SECONDS[report.nodeid.split("::")[0]] = (
+        FILE_SECONDS.get(report.nodeid.split("::")[0], 0.0) + report.duration)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the suite's time goes, file by file: what SLOW_FIRST is ordered by, and where to
+    look first when the suite gets slower."""
+    if not FILE_SECONDS or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    ranked = sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"seconds per file (all {len(ranked)} files: "
+                                    f"{sum(FILE_SECONDS.values()):.0f} s)")
+    for name, seconds in ranked[:30]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {name}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -35,7 +35,8 @@ def left_of(tag: str) -> dict:
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     procs = [p.pid for p in psutil.process_iter(["cmdline"])
              if any(prefix in a for a in p.info["cmdline"] or [])]
-    return {"namespaces": [w for w in netns.split() if w.startswith(prefix)],
+    return {"namespaces": [w for w in netns.split() if w.startswith(prefix)]
+            + [p.name for p in emu.NETNS_ETC.glob(f"{prefix}*")],
             "links": [w for w in links.split() if w.startswith(prefix)],
             "state": (emu.STATE_DIR / f"{prefix}.json").exists(), "processes": procs}
 
@@ -129,10 +130,14 @@ def test_nodes_have_their_own_address_link_rate_and_cores(emulated_nodes):
                                 "show", "dev", nodes.node_link(n)],
                                capture_output=True, text=True).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
-    probe = nodes.start(1, [sys.executable, "-c", "import os; print(sorted("
-                            "os.sched_getaffinity(0)), os.environ['TRAINPERF_EMULATED_NODE'])"],
-                        stdout=subprocess.PIPE, text=True)
-    assert probe.communicate(timeout=60)[0].split() == [*str(nodes.node_cores(1)).split(), "1"]
+    probe = nodes.start(1, [sys.executable, "-c", "import os, socket; name = "
+                            "socket.gethostname(); print(sorted(os.sched_getaffinity(0)), "
+                            "os.environ['TRAINPERF_EMULATED_NODE'], name, "
+                            "socket.gethostbyname(name), socket.gethostbyname("
+                            f"{nodes.namespace(0)!r}))"], stdout=subprocess.PIPE, text=True)
+    # Its own cores, and a host name of its own that every node resolves to its address.
+    assert probe.communicate(timeout=60)[0].split() == [
+        *str(nodes.node_cores(1)).split(), "1", nodes.namespace(1), nodes.addr(1), nodes.addr(0)]
     nodes.cut(1)
     carrier = Path(f"/sys/class/net/{nodes.node_link(1)}/carrier")
     seen = subprocess.run(["ip", "netns", "exec", nodes.namespace(1), "cat", str(carrier)],
