@@ -329,6 +329,9 @@ class RunLauncher:
                     time.sleep(POLL_S)
                 if exited and watch is not None:
                     done.finding = watch.finding()
+                    if proc.returncode == 0 and done.finding is None:
+                        watch.steps = sum(isinstance(e, Step) for e in done.seen)
+                        watch.closing_probe()  # the link as the steps left it
             except BaseException:
                 kill_tree(proc)  # Ctrl-C: leave no process behind; what was read is kept
                 self._take(tail.read(), done, tags)

@@ -49,11 +49,17 @@ PROBE_BYTES = 1 << 20
 carry all of it at line rate, and that the link's time, not the hosts' scheduling, dominates
 its seconds on links up to tens of Gbit/s."""
 PROBE_S = 1.0
-PROBE_SHARE = 0.05
-"""Node 0 probes each other node's link every ``PROBE_S`` or, where probes take longer, so
-that they hold at most this share of the link's time (a slow link is probed less often)."""
-PROBE_MAX_S = 5.0
-"""The longest wait between probes: a slow link is still probed a few times in a short run."""
+PROBE_SHARE = 0.005
+"""Node 0 probes each other node's link as a run starts, every ``PROBE_S`` while it goes or,
+where probes take longer, so that they hold at most this share of the link's time, and once
+more when its steps are over (``RunWatch.closing_probe``): a run's collectives share the link
+with the probes, and 5% of it (the share first chosen) cost a 20-200 Mbit/s link's runs 5-10%
+of their speed."""
+PROBE_MAX_S = 60.0
+"""The longest wait between probes while a run goes: on a link of 10 Mbit/s or more, probes
+take under 1.5% of its time."""
+CLOSING_PROBE_S = 10.0
+"""The longest the closing probe may hold up a run's end, beyond the longest probe before it."""
 PROBE_TIMEOUT_S = 30.0
 """The longest a probe may take (a block at 1 Mbit/s takes about 9 s); a probe that times out
 is none."""
@@ -128,8 +134,14 @@ class RunWatch:
         self.probes: dict[int, list[list[float]]] = {}
         """Node 0: each node's link probes, ``[rank 0's steps at the probe's start, seconds]``."""
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set with ``_stop`` or ``_closing``: the probe thread's wait between probes ends."""
+        self._closing = threading.Event()
+        self._closed = threading.Event()
+        self._longest_probe = 0.0
         self._threads = [threading.Thread(target=self._beat, daemon=True, name="node-beat")]
-        if probe and self.rank == 0:
+        self._probing = probe and self.rank == 0
+        if self._probing:
             self._threads.append(threading.Thread(target=self._probe, daemon=True,
                                                   name="link-probe"))
         for t in self._threads:
@@ -173,8 +185,19 @@ class RunWatch:
         return {"node": node, "step": step, "link_down": False, "still": still,
                 "link": self.iface, "seconds": round(seconds, 2), "seen_by": self.rank}
 
+    def closing_probe(self) -> None:
+        """Node 0, once a run's steps are over: each link probed once more, where no step
+        shares it, so that a link that changed late in the run is measured after the change.
+        Waits for it, ``CLOSING_PROBE_S`` beyond the longest probe so far at most."""
+        if not self._probing or self._stop.is_set():
+            return
+        self._closing.set()
+        self._wake.set()
+        self._closed.wait(self._longest_probe + CLOSING_PROBE_S)
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         for t in self._threads:
             t.join(timeout=2 * BEAT_S)  # one hung on the store finishes on its own
 
@@ -249,6 +272,7 @@ class RunWatch:
         block = bytes(PROBE_BYTES)
         try:
             while links and not self._stop.is_set():
+                closing = self._closing.is_set()
                 longest = 0.0
                 for node, link in links.items():
                     steps = self.steps
@@ -256,9 +280,13 @@ class RunWatch:
                     if seconds is not None:
                         self.probes.setdefault(node, []).append([steps, round(seconds, 6)])
                     longest = max(longest, PROBE_MAX_S if seconds is None else seconds)
-                if self._stop.wait(min(PROBE_MAX_S, max(PROBE_S, longest / PROBE_SHARE))):
+                self._longest_probe = max(self._longest_probe, longest)
+                if closing:
                     break
+                self._wake.wait(min(PROBE_MAX_S, max(PROBE_S, longest / PROBE_SHARE)))
+                self._wake.clear()
         finally:
+            self._closed.set()
             for link in links.values():
                 link.close()
 
