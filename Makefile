@@ -81,10 +81,11 @@ slurm: install
 browser: install
 	-$(PY) tests/browser_host.py install
 
-# Two test files at a time: most of the suite waits on subprocesses starting a framework, so
-# two files overlap well even on 2 cores. A file's tests stay together in one process, so each
-# module's shared runs are made once.
-TEST_WORKERS ?= 2
+# Three test files at a time, even on 2 cores: much of the suite waits (on timeouts it tests,
+# on shaped links, on processes starting and stopping): with two files at a time a fresh
+# `make test` kept 161% of the two cores' 200% busy. A file's tests stay together in one
+# process, so each module's shared runs are made once.
+TEST_WORKERS ?= 3
 
 test: envs slurm browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25

@@ -2,7 +2,7 @@ import os
 import sys
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two test files run at a time on a machine of few cores, and the runs each one starts
+    # Several test files run at a time on a machine of few cores, and the runs each one starts
     # take every core for their threads. OpenMP's threads then spin between parallel regions
     # on cores the other file's runs are waiting for: told to wait passively (here, before
     # torch loads OpenMP), the suite measured 8-9% faster on the 2-core VM. Benchmarks never
@@ -19,17 +19,17 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)
 
 import pytest  # noqa: E402
 
-SLOW_FIRST = ("test_network_faults.py", "test_emulated_frameworks.py", "test_torch_modes.py",
-              "test_jax_runs.py", "test_gpucheck.py", "test_cli_run.py",
-              "test_oneflow_runs.py",
-              "test_mxnet_runs.py", "test_rendezvous.py", "test_tf_runs.py", "test_train.py",
-              "test_align.py", "test_paddle_runs.py", "test_commbench.py",
-              "test_real_data_frameworks.py", "test_search.py", "test_rank_deaths.py",
-              "test_tf_models_heads.py", "test_cli_data.py", "test_tf_align.py",
-              "test_mxnet_align.py", "test_slurm.py", "test_oneflow_heads.py", "test_breakdown.py",
-              "test_oneflow_align.py", "test_step.py", "test_emulated_nodes.py")
-"""The files whose runs take longest (each file's total of ``--durations``, measured on the
-2-core VM), longest first: all that take 20 s or more."""
+SLOW_FIRST = ("test_network_faults.py", "test_emulated_frameworks.py", "test_jax_runs.py",
+              "test_gpucheck.py", "test_torch_modes.py", "test_cli_run.py", "test_tf_runs.py",
+              "test_rendezvous.py", "test_mxnet_runs.py", "test_oneflow_runs.py",
+              "test_tf_modes.py", "test_train.py", "test_tf_align.py", "test_modes.py",
+              "test_commbench.py", "test_align.py", "test_oneflow_align.py",
+              "test_paddle_runs.py", "test_real_data_frameworks.py", "test_mxnet_align.py",
+              "test_search.py", "test_rank_deaths.py", "test_tf_models_heads.py",
+              "test_mxnet_modes.py", "test_oneflow_modes.py", "test_page_commands.py",
+              "test_cli_data.py", "test_step.py", "test_emulated_nodes.py", "test_breakdown.py")
+"""The files whose runs take longest (the suite's seconds per file in CI's run of 2026-12-02,
+on the 2-core VM), longest first: all that took 25 s or more."""
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -1,11 +1,9 @@
 """Every framework's multi-node path over a real link: two emulated nodes of this machine
 (``trainperf.emulated_nodes``: a network namespace each, its own address on a bridge, its own
 core), one rank each, each node's launcher started in its namespace from its own cluster file,
-as a node's runner starts it. A node cannot reach the other over loopback, and its host name is
-the machine's, which in its namespace resolves to loopback or to an address it does not hold
-(as Debian's 127.0.1.1 does on a real host): a rank that listens on or advertises anything but
-its node's own interface never meets its peer. The launchers are told no interface: they take
-it from the cluster file.
+as a node's runner starts it. A node cannot reach the other over loopback: a rank that listens
+on or advertises anything but its node's own interface never meets its peer. The launchers are
+told no interface: they take it from the cluster file.
 
 Each case trains 3 SGD steps in float64 from torch's start file (``config.AlignSpec``, with
 dumps), and is held to the same framework's run of the same case on one node of 2 ranks over
@@ -21,9 +19,9 @@ generator seeded by the workload's seed and the rank: the same sample over a lin
 loopback, so that the sampled rows and their update are compared too. MXNet's ``dp`` runs over
 ``dist_sync`` (a scheduler and a server on node 0, a server on node 1), its ``pfc`` over
 Horovod: both of its multi-node layouts. Horovod 0.28.1 runs its collectives on the address of
-the host's name whatever interface it is told (``mxnet/launch.horovod_host_refusal``), so its
-nodes get a name of their own, their address, as a cluster's nodes have; with the shared name
-the launcher refuses in one line.
+the host's name whatever interface it is told (``mxnet/launch.horovod_host_refusal``): each
+emulated node has a name of its own that resolves to its address, as a cluster's nodes have; a
+node whose name resolves to loopback is refused in one line.
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ JAX_ALIGN_COMPILE = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emi
 which level 0 leaves unoptimised (tens of seconds a step)."""
 NAMED = ("import os, socket, sys; socket.sethostname(sys.argv[1]); "
          "os.execvp(sys.argv[2], sys.argv[2:])")
-"""Run in a UTS namespace of its own: the node's host name becomes its address."""
+"""Run in a UTS namespace of its own under another host name."""
 
 
 def workload(fc: str):
@@ -75,10 +73,6 @@ def workload(fc: str):
 
 def tuning(framework: str, fc: str) -> Tuning:
     return Tuning(mxnet_kvstore="dist_sync") if (framework, fc) == ("mxnet", "dp") else Tuning()
-
-
-def horovod(framework: str, fc: str) -> bool:
-    return framework == "mxnet" and tuning(framework, fc).mxnet_kvstore == "horovod"
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +106,9 @@ def loopback_reference(framework: str, fc: str, start: Path, out: Path) -> align
 
 
 def start_nodes(nodes, framework: str, fc: str, python: str, start: Path, out: Path,
-                env: dict[str, str], named: bool = False) -> list[subprocess.Popen]:
-    """Each node's launcher in its namespace, one rank each (``named``: each node in a UTS
-    namespace of its own, its address for its host name)."""
+                env: dict[str, str], name: str | None = None) -> list[subprocess.Popen]:
+    """Each node's launcher in its namespace, one rank each (``name``: the host name each
+    node's launcher runs under, in place of the node's own)."""
     threads = cpu_threads_per_process(2)  # what the runner gives the loopback run's ranks
     spec = RunSpec(workload(fc), Measure(runs=1, iters=STEPS, warmup=0, timeout_s=TIMEOUT_S),
                    tuning(framework, fc), device="cpu", threads=threads,
@@ -136,8 +130,8 @@ def start_nodes(nodes, framework: str, fc: str, python: str, start: Path, out: P
             python, Topology(devices_per_node=1, nnodes=2, node_rank=node), spec.tuning,
             out / "spec.json", out / f"events{node}.jsonl", cluster, path))
         argv = launch.argv
-        if named:
-            argv = ["unshare", "--uts", sys.executable, "-c", NAMED, addrs[node], *argv]
+        if name is not None:
+            argv = ["unshare", "--uts", sys.executable, "-c", NAMED, name, *argv]
         with open(out / f"node{node}.log", "wb") as log:
             procs.append(nodes.start(node, argv, env={**run_env, **launch.env}, stdout=log,
                                      stderr=subprocess.STDOUT))
@@ -189,9 +183,6 @@ def test_two_emulated_nodes_train_as_one_node_on_loopback(framework, fc, emulate
                                                           jax_env, request, tmp_path):
     python = sys.executable if framework == "torch" else request.getfixturevalue(
         f"{framework}_python")
-    named = horovod(framework, fc)
-    if named and shutil.which("unshare") is None:
-        pytest.skip("Horovod's nodes need a host name of their own: util-linux's unshare")
     env = jax_env if framework == "jax" else {}
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
@@ -201,7 +192,7 @@ def test_two_emulated_nodes_train_as_one_node_on_loopback(framework, fc, emulate
     nodes = emulated_nodes(2)
     before = sent_bytes(nodes, 1)
     out = tmp_path / "emulated"
-    codes = wait(start_nodes(nodes, framework, fc, python, start, out, env, named))
+    codes = wait(start_nodes(nodes, framework, fc, python, start, out, env))
     sent = sent_bytes(nodes, 1) - before
     logs = "\n".join((out / f"node{n}.log").read_text(errors="replace")[-3000:]
                      for n in range(2))
@@ -221,11 +212,14 @@ def test_two_emulated_nodes_train_as_one_node_on_loopback(framework, fc, emulate
 
 def test_horovod_refuses_a_node_whose_name_resolves_to_loopback(emulated_nodes, mxnet_python,
                                                                 tmp_path, start):
-    """The nodes keep the machine's host name, which resolves to loopback in their namespaces:
-    each node's launcher says why in one line and starts nothing, where Horovod's ranks would
-    otherwise fail or wait in ``hvd.init()``."""
+    """Each node's launcher runs under the name ``localhost``, which resolves to loopback: it
+    says why in one line and starts nothing, where Horovod's ranks would otherwise fail or wait
+    in ``hvd.init()``."""
+    if shutil.which("unshare") is None:
+        pytest.skip("a host name of the test's own needs util-linux's unshare")
     nodes = emulated_nodes(2)
-    codes = wait(start_nodes(nodes, "mxnet", "pfc", mxnet_python, start, tmp_path, {}))
+    codes = wait(start_nodes(nodes, "mxnet", "pfc", mxnet_python, start, tmp_path, {},
+                             "localhost"))
     assert codes == [1, 1]
     for node in range(2):
         said = (tmp_path / f"node{node}.log").read_text().strip().splitlines()

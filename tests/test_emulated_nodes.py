@@ -164,7 +164,10 @@ def test_one_command_runs_two_nodes_and_leaves_nothing(tmp_path):
 def start_long_run(tmp_path: Path) -> subprocess.Popen:
     """A run long enough to be stopped in the middle, once node 0 has taken steps."""
     proc = emulate("--nodes", "2", "--", *RUN, "--runs", "3", "--iters", "400",
-                   "--out", str(tmp_path), start_new_session=True)
+                   "--out", str(tmp_path), start_new_session=True,
+                   # a Ctrl-C reaches it as a terminal's would: a child inherits an ignored
+                   # SIGINT (pytest-xdist's workers', a shell's background job's)
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     events = tmp_path / "node-0" / "events.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:

@@ -12,6 +12,10 @@ address on a bridge, a shaped link, its own core), for torch, Paddle and JAX.
   the step times and node 0's probes of the link, not that the model did. The verdict's rules
   are held on made-up step times and probes too (a model that slowed, a few slow steps).
 
+Per framework, one `trainperf emulate` call holds the cut and the slowed link: its plan's run 1
+is cut, and its run 2, after the link is back, is slowed halfway (one start of the nodes and
+the framework, where two calls took half a minute more each).
+
 The only timed assertions are the stated bounds, which are the configured timeouts plus a
 margin for stopping a process tree on a busy machine, not speed targets.
 """
@@ -31,7 +35,7 @@ import pytest
 
 from run_util import left_behind
 from trainperf import emulated_nodes as emu
-from trainperf.node_agreement import (CHANGE_MIN_STEPS, FAILED_HEAR_S, link_verdict,
+from trainperf.node_agreement import (CHANGE_MIN_STEPS, FAILED_HEAR_S, PROBE_S, link_verdict,
                                       step_change)
 from trainperf.outcome import agree, Outcome
 from trainperf.report.network import change_text
@@ -63,10 +67,14 @@ NEVER_JOINS_RDZV_S = 4
 JOIN_MARGIN_S = 30
 """What a runner adds to the rendezvous timeout before it records a meeting that failed:
 importing torch's store, connecting, writing the record, on a busy machine."""
-SLOW_STEP = 8
+ITERS = 14
+"""Each run's timed steps, after RUN's 2 warm-up steps."""
+SLOW_STEP = 9
 SLOW_RATE = "10mbit"
-"""Node 1's link from 1 gbit to 10 Mbit/s at node 0's step 8: tiny-arcface's gradients (1.4
-MB a step) then take about a second more to cross it, far more than a step's compute."""
+"""Node 1's link from 1 gbit to 10 Mbit/s at about run 2's step 9 (``--slow-link`` counts node
+0's steps over the plan: run 1's, CUT_STEP to 2 more, then run 2's), so that at least 4 timed
+steps come before it and 8 after: tiny-arcface's gradients (1.4 MB a step) then take about a
+second more to cross it, far more than a step's compute."""
 LIMIT_S = 900
 """Stops a hung test; no outcome depends on it."""
 JAX_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -182,13 +190,14 @@ def assert_nothing_left(done: Emulated) -> None:
 @pytest.fixture(scope="module", params=FRAMEWORKS)
 def cut(request, tmp_path_factory) -> Emulated:
     """Node 1's cable pulled at node 0's step ``CUT_STEP`` of run 1 and put back ``RESTORE_S``
-    later; the plan's run 2 follows."""
+    later; the plan's run 2 follows, and its link is slowed at about its step ``SLOW_STEP``."""
     framework = request.param
     env = framework_env(request, framework, tmp_path_factory)
-    return emulate(tmp_path_factory.mktemp(f"cut-{framework}"),
-                   ["--cut-link", f"1@{CUT_STEP}", "--restore-after", str(RESTORE_S)],
-                   ["--framework", framework, "--runs", "2", "--iters", "10", "--stall-timeout",
-                    str(STALL_S), "--rdzv-timeout", str(RDZV_S)], env)
+    return emulate(tmp_path_factory.mktemp(f"faults-{framework}"),
+                   ["--cut-link", f"1@{CUT_STEP}", "--restore-after", str(RESTORE_S),
+                    "--slow-link", f"1@{CUT_STEP + SLOW_STEP}:{SLOW_RATE}"],
+                   ["--framework", framework, "--runs", "2", "--iters", str(ITERS),
+                    "--stall-timeout", str(STALL_S), "--rdzv-timeout", str(RDZV_S)], env)
 
 
 def test_a_cut_link_fails_the_run_on_both_nodes_naming_node_and_step(cut):
@@ -304,35 +313,33 @@ def test_a_node_that_never_joins_a_rendezvous_is_counted(tmp_path, emulated_node
 
 # ------------------------------------------------------------------------ a slowed link
 
-@pytest.fixture(scope="module", params=FRAMEWORKS)
-def slowed(request, tmp_path_factory) -> Emulated:
-    """Node 1's link from ``RATE`` to ``SLOW_RATE`` at node 0's step ``SLOW_STEP``, for the
-    rest of the run."""
-    framework = request.param
-    env = framework_env(request, framework, tmp_path_factory)
-    return emulate(tmp_path_factory.mktemp(f"slow-{framework}"),
-                   ["--slow-link", f"1@{SLOW_STEP}:{SLOW_RATE}"],
-                   ["--framework", framework, "--runs", "1", "--iters", "17"], env)
-
-
-def test_a_slowed_link_shows_in_the_steps_and_the_report_names_the_link(slowed):
-    assert slowed.record["exit_codes"] == [0, 0] and slowed.code == 0, slowed.output[-3000:]
-    (run,) = slowed.runs(0)
-    assert run["status"] == "ok"
+def test_a_slowed_link_shows_in_the_steps_and_the_report_names_the_link(cut):
+    slowed = cut
+    run = slowed.runs(0)[1]
+    assert run["status"] == "ok", slowed.output[-3000:]
     change = run["step_change"]
-    slow_at = slowed.fault("slow")["node0_steps"]
+    # The fault counted node 0's steps over the plan; the run counts its own.
+    slow_at = slowed.fault("slow")["node0_steps"] - len(slowed.of_run(0, 1, "step"))
     # The first slow step is the one under way when the link slowed, or the next.
     assert slow_at <= change["at_step"] <= slow_at + 2, (slow_at, change)
     assert change["ratio"] > 1 and change["verdict"] == "link" and change["nodes"] == [1]
     link = change["links"]["1"]
     assert min(link["probes"]) >= 1 and link["ratio"] > 1
+    # The last probe is the closing one, taken once every step was over; while the steps ran,
+    # the probes kept to their share of the link: at 1 Gbit/s one a second at most, and once
+    # a probe had found the slow link (0.8 s a block), none until the steps were over.
+    probes = run["link_probes"]["1"]
+    steps = len(run["warmup_step_times_s"]) + len(run["step_times_s"])
+    assert probes[-1][0] == steps and all(at < steps for at, _ in probes[:-1]), probes
+    took = slowed.of_run(0, 2, "run_end")[0]["t"] - slowed.of_run(0, 2, "run_start")[0]["t"]
+    assert len(probes) <= 2 + took / PROBE_S, (probes, took)
+    assert sum(at >= slow_at for at, _ in probes[:-1]) <= 1, probes
     report = (slowed.out / "node-0" / "report.md").read_text()
-    line = next(x for x in report.splitlines() if x.startswith("- 2n1g b8 run 1: steps "))
+    line = next(x for x in report.splitlines() if x.startswith("- 2n1g b8 run 2: steps "))
     assert f"slower from step {change['at_step']}" in line
     assert "node 1's link measured" in line and "**the link got slower**" in line
     assert "the model got slower" not in report
-    assert slowed.runs(1)[0]["status"] == "ok" and "step_change" not in slowed.runs(1)[0]
-    assert_nothing_left(slowed)
+    assert slowed.runs(1)[1]["status"] == "ok" and "step_change" not in slowed.runs(1)[1]
 
 
 # ------------------------------------------------------------- the verdict's rules, held

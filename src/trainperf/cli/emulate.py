@@ -40,13 +40,13 @@ def register(sub) -> None:
                    help="GPUs each node gets (default: the visible GPUs shared out equally; "
                         "0 on a machine without any)")
     p.add_argument("--cut-link", action="append", default=[], metavar="NODE@WHEN",
-                   help="pull node NODE's cable at WHEN: a step count of node 0's run (e.g. "
-                        "1@30) or seconds (1@20s); repeatable")
+                   help="pull node NODE's cable at WHEN: node 0's steps so far, every run "
+                        "of the plan counted (e.g. 1@30), or seconds (1@20s); repeatable")
     p.add_argument("--slow-link", action="append", default=[], metavar="NODE@WHEN:RATE",
                    help="change node NODE's link to RATE at WHEN (e.g. 1@30:100mbit)")
     p.add_argument("--restore-after", type=float, metavar="S",
-                   help="put a cut or slowed link back as it was S seconds later (default: "
-                        "never)")
+                   help="put a cut link back S seconds later (default: never); a slowed "
+                        "link keeps its rate until another --slow-link changes it")
     p.add_argument("--clean", action="store_true",
                    help="only remove what earlier calls left behind, and say what")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS",
@@ -135,7 +135,7 @@ def steps_so_far(events: Path) -> int:
 
 
 class FaultPlan(threading.Thread):
-    """Applies the faults when due, and puts links back after ``restore_after_s``."""
+    """Applies the faults when due, and puts cut links back after ``restore_after_s``."""
 
     def __init__(self, cluster: EmulatedNodes, faults: list[Fault], events: Path,
                  restore_after_s: float | None) -> None:
@@ -161,14 +161,11 @@ class FaultPlan(threading.Thread):
                                   "rate": rate_text(fault.rate_bps) if fault.rate_bps
                                   else None, "at_s": round(elapsed, 2), "t": time.time(),
                                   "node0_steps": steps})
-                if self.restore_after_s is not None:
+                if self.restore_after_s is not None and fault.action == "cut":
                     restores.append((elapsed + self.restore_after_s, fault))
             for when, fault in [r for r in restores if r[0] <= elapsed]:
                 restores.remove((when, fault))
-                if fault.action == "cut":
-                    self.cluster.restore(fault.node)
-                else:
-                    self.cluster.set_rate(fault.node, self.cluster.rate_bps)
+                self.cluster.restore(fault.node)
                 self.done.append({"action": "restore", "node": fault.node,
                                   "at_s": round(elapsed, 2), "t": time.time(),
                                   "node0_steps": steps})
