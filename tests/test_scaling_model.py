@@ -11,8 +11,8 @@ import pytest
 from trainperf.cli import build_parser, scale as scale_cli
 from trainperf.scale.commbench import busbw_factor
 from trainperf.scale.model import (
-    Fabric, Job, Link, Scale, collective_s, fabric_from_commbench, parse_scale,
-    parse_scales, project, uniform_fabric)
+    Fabric, Job, Link, Scale, bucket_allreduce, collective_s, fabric_from_commbench,
+    head_collectives, parse_scale, parse_scales, project, straggler_factor, uniform_fabric)
 
 R100_PARAMS, R100_FWD_FLOPS = 65_156_160, 24.18e9
 EMORE = 85_742
@@ -115,6 +115,84 @@ def test_no_overlap_exposes_the_whole_allreduce():
     assert lapped.allreduce_exposed_s < 0.5 * lapped.allreduce_s
 
 
+def cpu_fabric(busbw_Bps: float, share: float = 0.0, slowdown: float = 1.0,
+               latency_s: float = 1e-4, backend: str = "gloo") -> Fabric:
+    inter = {op: Link(busbw_Bps, latency_s, share, slowdown) for op in
+             ("all_reduce", "all_gather", "reduce_scatter")}
+    return Fabric({}, inter, "test", backend)
+
+
+def test_an_allreduce_on_the_compute_cores_slows_the_backward_beside_it():
+    """Gloo on a CPU node takes part of the cores from the backward while they overlap: the
+    backward goes on at 1 - share, the all-reduce at 1 / slowdown of its own speed."""
+    two = Scale(2, 1)
+    free = bucket_allreduce(100e6, 25 * 2**20, 0.4, two, cpu_fabric(600e6))
+    shared = bucket_allreduce(100e6, 25 * 2**20, 0.4, two, cpu_fabric(600e6, 0.3))
+    assert free.stretch_s == 0.0
+    assert free.busy_s == pytest.approx(shared.busy_s)
+    assert 0 < shared.stretch_s <= 0.3 / 0.7 * shared.busy_s
+    assert shared.stretch_s + shared.exposed_s > free.exposed_s
+    slow = bucket_allreduce(100e6, 25 * 2**20, 0.4, two, cpu_fabric(600e6, 0.3, 2.0))
+    assert slow.exposed_s > shared.exposed_s  # less of it done by the backward's end
+    # Nothing overlaps: nothing is taken, whatever the share.
+    alone = bucket_allreduce(100e6, 25 * 2**20, 0.0, two, cpu_fabric(600e6, 0.3, 2.0))
+    assert alone.stretch_s == 0.0 and alone.exposed_s == pytest.approx(alone.busy_s)
+
+
+def test_a_shared_core_runs_the_two_as_processor_sharing():
+    """One bucket, ready when the backward ends, runs after it: nothing taken, all of it
+    exposed. Buckets ready along the backward run beside it and slow it, by at most
+    share / (1 - share) of its time."""
+    two = Scale(2, 1)
+    link = cpu_fabric(1e9, 0.4, 2.0, latency_s=0.0)
+    ar = bucket_allreduce(0.5e9, 1e12, 1.0, two, link)  # one bucket, ready at the end
+    assert ar.stretch_s == 0.0 and ar.exposed_s == pytest.approx(0.5)
+    # Evenly ready buckets: every one runs beside some of the backward and slows it.
+    ar = bucket_allreduce(0.5e9, 0.05e9, 1.0, two, link)
+    assert 0 < ar.stretch_s < 0.4 / 0.6 * 1.0
+    assert 1.0 + ar.stretch_s + ar.exposed_s >= 0.5 + 0.05  # at least the last bucket after
+
+
+def test_projection_counts_what_the_allreduce_takes_from_the_cores():
+    job = rn50()
+    base = [project(job, Scale(1, 1), 16.0, [Scale(2, 1)], cpu_fabric(600e6, share))[0]
+            for share in (0.0, 0.35)]
+    assert base[0].comm_cpu_s == 0.0 < base[1].comm_cpu_s
+    assert base[1].samples_per_s < base[0].samples_per_s
+    assert base[1].step_s == pytest.approx(base[1].backbone_s + base[1].head_s
+                                          + base[1].comm_cpu_s + base[1].allreduce_exposed_s
+                                          + base[1].head_comm_s)
+
+
+def test_a_step_waits_for_its_slowest_rank():
+    """Each rank's step drawn from the base's step times: E[max of n] over the mean."""
+    assert straggler_factor((), 8) == 1.0 and straggler_factor((0.9, 1.1), 1) == 1.0
+    assert straggler_factor((1.0,) * 50, 64) == pytest.approx(1.0)
+    # two equally likely steps, 0.9 and 1.1: the slower of two ranks is 1.1 three times in 4
+    assert straggler_factor((0.9, 1.1), 2) == pytest.approx(0.75 * 1.1 + 0.25 * 0.9)
+    jitter = (0.9, 0.95, 1.0, 1.0, 1.05, 1.3)
+    factors = [straggler_factor(jitter, n) for n in (1, 2, 4, 16, 512)]
+    assert factors == sorted(factors) and factors[-1] == pytest.approx(1.3 / (6.2 / 6), rel=1e-3)
+    steady, (jittery,) = (project(rn50(), Scale(1, 1), 16.0, [Scale(2, 1)], V100_FABRIC, r)
+                          for r in ((), jitter))
+    assert steady[0].straggler_s == 0.0 < jittery.straggler_s
+    assert jittery.samples_per_s < steady[0].samples_per_s
+    # A base of several ranks already waited for its slowest: only the difference is added.
+    (same,) = project(rn50(), Scale(1, 8), 128.0, [Scale(1, 8)], V100_FABRIC, jitter)
+    assert same.samples_per_s == pytest.approx(128.0, rel=1e-9)
+
+
+def test_on_gloo_the_embedding_gradients_go_back_by_an_allreduce():
+    """trainperf's torch worker has no reduce-scatter on gloo: the head's backward all-reduces
+    every gathered embedding's gradient, twice the bus traffic of a reduce-scatter."""
+    job = r100("mp", batch=64)
+    two = Scale(2, 1)
+    nccl = head_collectives(job, two, cpu_fabric(1e9, latency_s=0.0, backend="nccl"))
+    gloo = head_collectives(job, two, cpu_fabric(1e9, latency_s=0.0, backend="gloo"))
+    emb = 2 * 64 * 512 * 4
+    assert gloo[0] - nccl[0] == pytest.approx(emb / 2 / 1e9)  # factor 2(n-1)/n vs (n-1)/n
+
+
 def test_a_single_node_base_keeps_its_measured_step():
     job = r100("pfc", 0.1)
     (p,) = project(job, Scale(1, 8), 1872.81, [Scale(1, 8)], V100_FABRIC)
@@ -144,6 +222,13 @@ def test_commbench_levels_fill_from_flags():
     assert fabric.link("all_gather", True) == Link(10e9, 2e-5)
     assert fabric.link("reduce_scatter", True) == Link(11e9, 2e-5)  # its all-reduce figure
     assert fabric.link("all_reduce", False).busbw_Bps == 100e9
+    assert fabric.backend == "nccl"
+    cpu = [{"all_reduce": {"latency_s": 5e-4, "busbw_Bps": 1e8, "nnodes": 2,
+                           "devices_per_node": 1, "backend": "gloo", "compute_share_taken": 0.2,
+                           "slowdown_beside_compute": 1.5}}]
+    fabric = fabric_from_commbench(cpu)
+    assert fabric.link("all_reduce", True) == Link(1e8, 5e-4, 0.2, 1.5)
+    assert fabric.backend == "gloo"
 
 
 def results_doc(cases: list[tuple[int, int, float]], batch: int = 8) -> dict:
@@ -190,6 +275,19 @@ def test_project_end_to_end(tmp_path, capsys):
                 *COUNTS])
     assert scale_cli.cmd_project(args) == 0
     assert json.loads((tmp_path / "p2.json").read_text())["base"]["case"] == "1n2g"
+
+
+def test_project_draws_stragglers_from_the_base_step_times(tmp_path):
+    doc = results_doc([(1, 1, 40.0)])
+    doc["cases"][0]["runs"][0]["step_times_s"] = [0.2, 0.2, 0.2, 0.3]
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    argv = ["project", str(tmp_path), "--to", "2n1g", "--inter-bw", "10", *COUNTS]
+    assert scale_cli.cmd_project(cli(argv)) == 0
+    out = json.loads((tmp_path / "project.json").read_text())
+    assert out["base"]["step_times"] == 4 and out["predictions"][0]["straggler_s"] > 0
+    assert scale_cli.cmd_project(cli([*argv, "--no-stragglers"])) == 0
+    out = json.loads((tmp_path / "project.json").read_text())
+    assert out["base"]["step_times"] == 0 and out["predictions"][0]["straggler_s"] == 0
 
 
 def test_project_reads_the_fabric_from_commbench(tmp_path):

@@ -158,6 +158,37 @@ def _real_data(_: Path) -> str:
     return line + " (`trainperf list --frameworks`).\n"
 
 
+def _emulated_scaling(results: Path) -> str:
+    """The scaling model against 2 emulated nodes, from benchmarks/emulated_scaling.py's
+    record."""
+    import json
+
+    path = results / "emulated-cpu" / "emulated_scaling.json"
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    dlperf = json.loads((results / "scaling_model-dlperf.json").read_text(encoding="utf-8"))
+    s, dl = doc["summary"], dlperf["check"]["summary"]
+    bench = ", ".join(f"{c['rate']} {c['ratio']:.3f}" for c in doc["commbench"])
+    lines = [f"Measured by `{doc['command']}` on {doc['machine']} "
+             f"(`{path.relative_to(results.parent.parent)}`). commbench's all-reduce bus "
+             f"bandwidth at 4 MiB and up, as a share of the link's rate: {bench}.", "",
+             f"{s['points']} points, mean absolute error {s['mae_pct']:.1f}%, largest "
+             f"{s['max_abs_pct']:.1f}%, {s['within']} of {s['points']} within 10%"
+             + (f"; the model before ({doc['before']}): {s['mae_before_pct']:.1f}%, "
+                f"{s['max_abs_before_pct']:.1f}%, {s['within_before']} within 10%"
+                if "mae_before_pct" in s else "") + ". The same model against DLPerf's "
+             f"published rows (`{dlperf['command']}`): {dl['rows_in_scope']} rows, mean "
+             f"absolute error {dl['mae_pct_in_scope']:.2f}% (signed {dl['bias_pct_in_scope']:+.2f}"
+             "%).", "",
+             "| case | link | 1 node | 2 nodes measured | predicted | error | before | "
+             "limited by |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in doc["points"]:
+        before = f"{r['error_before_pct']:+.1f}%" if "error_before_pct" in r else "-"
+        lines.append(f"| {r['case']} | {r['rate']} | {r['base_samples_per_s']:.1f} | "
+                     f"{r['measured']:.1f} | {r['predicted']:.1f} | {r['error_pct']:+.1f}% | "
+                     f"{before} | {r['limit']} |")
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS: dict[str, Block] = {
     "frameworks": Block(("README.md", "docs/frameworks.md"), _frameworks),
     "tuning": Block(("docs/frameworks.md",), _tuning),
@@ -171,6 +202,7 @@ BLOCKS: dict[str, Block] = {
     "real-data": Block(("docs/real-data.md", "docs/time-to-accuracy.md"), _real_data),
     "results-fields": Block(("docs/results-format.md",), _results_fields),
     "export-columns": Block(("docs/exports.md",), _export_columns),
+    "emulated-scaling": Block(("docs/scaling-model.md",), _emulated_scaling),
 }
 
 

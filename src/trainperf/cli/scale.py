@@ -72,6 +72,10 @@ def register(sub) -> None:
                         "autocast), 2 when the model is cast to half (default 4)")
     p.add_argument("--no-overlap", action="store_true",
                    help="the all-reduce runs after the backward instead of during it")
+    p.add_argument("--no-stragglers", action="store_true",
+                   help="every rank takes the base's average step (default: each rank's step "
+                        "drawn from the base's measured step times, a step as long as its "
+                        "slowest rank's)")
     p.add_argument("--backbone-params", type=int,
                    help="parameters of a backbone trainperf has no model of")
     p.add_argument("--backbone-gflops", type=float,
@@ -132,7 +136,7 @@ def cmd_project(args: argparse.Namespace) -> int:
            "bucket_mb": args.bucket_mb, "grad_bytes": args.grad_bytes,
            "overlap": not args.no_overlap}
     doc, predictions, path = project_results(args.results, args.to, fabric, job, args.base,
-                                             args.batch_size)
+                                             args.batch_size, not args.no_stragglers)
     print_projection(doc, predictions)
     target = out_path(args.out, path)
     write_json_atomic(target, doc)
@@ -148,15 +152,16 @@ def print_projection(doc: dict, predictions: list) -> None:
     tbl = Table(title=f"projected from {base['case']} ({base['median_samples_per_s']:.1f} "
                       f"samples/s, batch {base['batch_size_per_device']} per device)")
     for col in ("scale", "devices", "samples/s", "speedup", "efficiency", "step ms",
-                "compute ms", "exposed all-reduce ms", "head comm ms", "limited by",
-                "largest overhead"):
+                "compute ms", "stragglers ms", "cores taken ms", "exposed all-reduce ms",
+                "head comm ms", "limited by", "largest overhead"):
         tbl.add_column(col, no_wrap=col in ("scale", "devices"))
     for p in predictions:
         tbl.add_row(p.scale, str(p.world_size), f"{p.samples_per_s:.1f}", f"{p.speedup:.2f}",
                     f"{p.scaling_efficiency:.3f}", f"{p.step_s * 1e3:.1f}",
-                    f"{(p.backbone_s + p.head_s) * 1e3:.1f}",
-                    f"{p.allreduce_exposed_s * 1e3:.2f}", f"{p.head_comm_s * 1e3:.2f}",
-                    p.limit, f"{p.overhead} ({p.overhead_share * 100:.1f}%)")
+                    f"{(p.backbone_s + p.head_s) * 1e3:.1f}", f"{p.straggler_s * 1e3:.2f}",
+                    f"{p.comm_cpu_s * 1e3:.2f}", f"{p.allreduce_exposed_s * 1e3:.2f}",
+                    f"{p.head_comm_s * 1e3:.2f}", p.limit,
+                    f"{p.overhead} ({p.overhead_share * 100:.1f}%)")
     console = Console()
     if not console.is_terminal:  # a log or a pipe: keep every column whole
         console = Console(width=200)

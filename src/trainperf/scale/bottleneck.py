@@ -74,9 +74,11 @@ def analyse(doc: dict, case: dict, fabric=None) -> dict[str, Any] | None:
     predicted = None
     if fabric is not None and job is not None and world > 1 and "backward" in times:
         try:
-            _, predicted, _ = bucket_allreduce(
-                job.gradient_bytes, job.bucket_bytes, times["backward"],
-                Scale(case["nodes"], case["devices_per_node"]), fabric)
+            # What the breakdown measures (the backward with the all-reduce less without it)
+            # holds the CPU the all-reduce took from the backward too.
+            ar = bucket_allreduce(job.gradient_bytes, job.bucket_bytes, times["backward"],
+                                  Scale(case["nodes"], case["devices_per_node"]), fabric)
+            predicted = ar.exposed_s + ar.stretch_s
         except ValueError:
             predicted = None
     out = {"rates": rates, "matmul": bd.get("matmul_flops_per_s"), "timed_step_s": timed_step,

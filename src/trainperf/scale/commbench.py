@@ -12,6 +12,7 @@ bandwidth per collective.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,16 @@ BUSBW_DEFINITION = (
 TIME_DEFINITION = (
     "each rank's median over the timed iterations of one collective's time; the slowest "
     "rank's median is the point (the others wait for it)")
+BESIDE_DEFINITION = (
+    "on CPUs, the largest size timed again while a thread of each rank multiplies matrices on "
+    "the same cores; the share taken is 1 - its products per second during the calls / alone, "
+    "the busiest rank's")
 FIT_METHOD = (
-    "latency = the shortest time of any size (the smallest message's, on a clean curve; a "
-    "noisy small size cannot inflate it); busbw = the bus traffic of the largest message over "
-    "its time less that latency (a line through both ends, not a least-squares fit: algorithm "
-    "switches bend the middle of a real curve)")
+    "busbw = the bus traffic of the largest message over its time less the latency (a line "
+    "through that end, not a least-squares fit: algorithm switches bend the middle of a real "
+    "curve); latency = the median, over the sizes whose bandwidth term is under half their "
+    "time, of time less that term (what a small collective costs as a rule, where the "
+    "shortest time would be its luckiest call; the smallest size's time when none qualifies)")
 
 
 class CommbenchError(RuntimeError):
@@ -166,16 +172,21 @@ def document(spec: CommbenchSpec, raw: dict, env: dict) -> dict[str, Any]:
                    "busbw_GBps": p["bytes"] / p["time_s"] / 1e9 * factor}
                   for p in rec["points"]]
         latency_s, busbw = fit_alpha_beta(points)
-        ops.append({"op": rec["op"], "call": rec["call"], "busbw_factor": factor,
-                    "fit": {"latency_s": latency_s, "busbw_GBps": busbw / 1e9},
-                    "points": points})
+        out = {"op": rec["op"], "call": rec["call"], "busbw_factor": factor,
+               "fit": {"latency_s": latency_s, "busbw_GBps": busbw / 1e9}, "points": points}
+        beside = rec.get("beside_compute")
+        if beside:
+            alone = next(p["time_s"] for p in points if p["bytes"] == beside["bytes"])
+            out["beside_compute"] = {**beside, "slowdown": beside["time_s"] / alone}
+        ops.append(out)
     return {"schema": SCHEMA, "env": {**env, **raw.get("env", {})},
             "backend": raw["backend"], "device": spec.device, "nnodes": spec.nnodes,
             "devices_per_node": spec.devices_per_node, "world_size": world,
             "iters": spec.iters, "warmup": spec.warmup, "dtype": spec.dtype,
             "min_bytes": spec.min_bytes, "max_bytes": spec.max_bytes, "factor": spec.factor,
             "size_definition": SIZE_DEFINITION, "busbw_definition": BUSBW_DEFINITION,
-            "time_definition": TIME_DEFINITION, "fit_method": FIT_METHOD, "ops": ops}
+            "time_definition": TIME_DEFINITION, "fit_method": FIT_METHOD,
+            "beside_definition": BESIDE_DEFINITION, "ops": ops}
 
 
 def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
@@ -184,21 +195,38 @@ def fit_alpha_beta(points: list[dict]) -> tuple[float, float]:
     if not points:
         raise ValueError("no measured points to fit")
     pts = sorted(points, key=lambda p: p["bytes"])
-    latency_s = min(p["time_s"] for p in pts)
     largest = pts[-1]
     bus_bytes = largest["busbw_GBps"] * 1e9 * largest["time_s"]
-    transfer_s = largest["time_s"] - latency_s
-    if len(pts) == 1 or transfer_s <= 0:
-        return latency_s, largest["busbw_GBps"] * 1e9  # no span to separate the two terms
-    return latency_s, bus_bytes / transfer_s
+    if len(pts) == 1 or bus_bytes <= 0:  # no span to separate the terms, or nothing crossed
+        return min(p["time_s"] for p in pts), largest["busbw_GBps"] * 1e9
+
+    def busbw(latency_s: float) -> float:
+        transfer_s = largest["time_s"] - latency_s
+        return bus_bytes / transfer_s if transfer_s > 0 else largest["busbw_GBps"] * 1e9
+
+    def fitted_latency(bw: float) -> float:
+        # bus bytes of a point / bw is its bandwidth term, whatever the collective's factor
+        small = [p["time_s"] - p["busbw_GBps"] * 1e9 * p["time_s"] / bw for p in pts
+                 if p["busbw_GBps"] * 1e9 * p["time_s"] / bw < p["time_s"] / 2]
+        return statistics.median(small) if small else pts[0]["time_s"]
+
+    # The shortest time first bounds the latency from below; twice round settles both terms
+    # (an exact alpha-beta curve is recovered exactly).
+    latency_s = min(p["time_s"] for p in pts)
+    for _ in range(2):
+        latency_s = fitted_latency(busbw(latency_s))
+    return latency_s, busbw(latency_s)
 
 
 def load_fabric(path: str | Path) -> dict[str, dict[str, Any]]:
     """Per measured collective: {"latency_s", "busbw_Bps", "nnodes", "devices_per_node",
     "backend", "world_size"} from a commbench.json (or the folder holding one). A collective
     of ``size`` bytes (SIZE_DEFINITION) then takes about latency_s + factor x size / busbw_Bps,
-    factor = busbw_factor(op, world). Left out: collectives the backend lacks, and all of a
-    one-rank run (nothing crosses a link, so its bus bandwidth is zero)."""
+    factor = busbw_factor(op, world). Measured on CPUs, also what a large one does beside
+    computation on the same cores: "compute_share_taken" (the share of the computation's speed
+    it takes) and "slowdown_beside_compute" (its time there over its time alone). Left out:
+    collectives the backend lacks, and all of a one-rank run (nothing crosses a link, so its
+    bus bandwidth is zero)."""
     p, doc = read_json(path, "commbench.json")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise ValueError(f"{p} is not a {SCHEMA} document")
@@ -212,6 +240,10 @@ def load_fabric(path: str | Path) -> dict[str, dict[str, Any]]:
                                  "nnodes": doc["nnodes"],
                                  "devices_per_node": doc["devices_per_node"],
                                  "backend": doc["backend"], "world_size": doc.get("world_size")}
+            beside = rec.get("beside_compute")
+            if beside and doc.get("device") == "cpu":
+                fabric[rec["op"]].update(compute_share_taken=beside["compute_share_taken"],
+                                         slowdown_beside_compute=beside["slowdown"])
     return fabric
 
 
@@ -240,6 +272,12 @@ def markdown(doc: dict) -> str:
                   "|---:|---:|---:|---:|---:|"]
         lines += [f"| {human_bytes(p['bytes'])} | {p['bytes']} | {p['time_s'] * 1e6:.1f} | "
                   f"{p['algbw_GBps']:.3f} | {p['busbw_GBps']:.3f} |" for p in rec["points"]]
+        beside = rec.get("beside_compute")
+        if beside:
+            lines += ["", f"Beside computation on the same cores ({BESIDE_DEFINITION}): "
+                      f"{human_bytes(beside['bytes'])} took {beside['time_s'] * 1e6:.1f} us "
+                      f"({beside['slowdown']:.2f} x alone) and "
+                      f"{beside['compute_share_taken']:.1%} of the computation's speed."]
         lines.append("")
     return "\n".join(lines)
 

@@ -8,7 +8,10 @@ multiple of world x element size, and the bytes actually moved are the ones reco
 
 Per size: ``warmup`` untimed calls, a barrier, then ``iters`` timed calls, each timed alone
 (CUDA events on the GPU, the host clock on CPU). A rank's time is its median; the point is
-the slowest rank's median (MAX all-reduce), as nccl-tests reports the slowest rank. Every
+the slowest rank's median (MAX all-reduce), as nccl-tests reports the slowest rank. On a CPU,
+the largest size is timed once more with a thread of matrix products beside the calls
+(``ComputeProbe``): how much slower the calls go, and how much of the probe's speed they take
+(the busiest rank's figures), which is what they cost a backward they overlap. Every
 node's local rank 0 writes the same JSON, so each node's folder holds the curve.
 
 Each rank prints a line to its own output before every collective it sizes (``progress_line``),
@@ -25,6 +28,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -43,6 +47,10 @@ from .commbench import DTYPE_BYTES, OPS, message_sizes, progress_line
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
 assert set(DTYPES) == set(DTYPE_BYTES)
+PROBE_SIDE = 192
+"""The probe's square matrices: 14 MFLOP a product, well under a millisecond on a core, so
+that it shares the cores at the grain a training step's kernels do."""
+PROBE_CALIBRATION_S = 0.3
 
 # torch 2.13 renamed the tensor forms (the old names still work, with a warning); the list
 # forms come last, for a backend that has only them.
@@ -145,6 +153,58 @@ def time_calls(run: Callable[[], None], iters: int, warmup: int, device: torch.d
     return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
+class ComputeProbe(threading.Thread):
+    """Matrix products in a loop on this rank's cores: counted alone and then while
+    collectives run, they tell how much of the cores the collectives take from computation
+    beside them (gloo's copies and sums, the kernel's TCP, its threads' wake-ups), as a
+    training step's backward has them beside it."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.count = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        a = torch.rand(PROBE_SIDE, PROBE_SIDE)
+        b, c = a.clone(), torch.empty_like(a)
+        while not self.done.is_set():
+            torch.mm(a, b, out=c)
+            self.count += 1
+
+    def rate(self, seconds: float | None = None, during: Callable[[], None] | None = None
+             ) -> float:
+        """Products per second while sleeping ``seconds``, or while ``during`` runs."""
+        c0, t0 = self.count, time.perf_counter()
+        if during is None:
+            time.sleep(seconds)
+        else:
+            during()
+        return (self.count - c0) / (time.perf_counter() - t0)
+
+
+def beside_compute(run: Callable[[], None], iters: int) -> tuple[list[float], float]:
+    """``iters`` timed calls with the probe computing beside them: their seconds, and the
+    share of the probe's speed they took."""
+    probe = ComputeProbe()
+    probe.start()
+    try:
+        alone = probe.rate(PROBE_CALIBRATION_S)
+        dist.barrier()
+        times: list[float] = []
+
+        def calls() -> None:
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+
+        beside = probe.rate(during=calls)
+    finally:
+        probe.done.set()
+        probe.join()
+    return times, max(0.0, 1.0 - beside / alone) if alone > 0 else 0.0
+
+
 def worker_env(device: torch.device) -> dict:
     env = {"torch_version": torch.__version__, "host": socket.gethostname()}
     if device.type == "cuda":
@@ -175,11 +235,19 @@ def bench(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                 time_calls(make_call(call, size, world, dtype, device), args.iters,
                            args.warmup, device)))
             measured += 1
+        if device.type != "cuda":  # a GPU's collectives leave the host's cores to the host
+            times, taken = beside_compute(make_call(call, sizes[-1], world, dtype, device),
+                                          args.iters)
+            medians += [statistics.median(times), taken]
         slowest = torch.tensor(medians, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        records.append({"op": op, "call": call,
-                        "points": [{"bytes": s, "time_s": t}
-                                   for s, t in zip(sizes, slowest.tolist())]})
+        found = slowest.tolist()
+        record = {"op": op, "call": call, "points": [{"bytes": s, "time_s": t}
+                                                      for s, t in zip(sizes, found)]}
+        if len(found) > len(sizes):
+            record["beside_compute"] = {"bytes": sizes[-1], "time_s": found[-2],
+                                        "compute_share_taken": found[-1]}
+        records.append(record)
     return {"backend": dist.get_backend(), "world_size": world, "dtype": args.dtype,
             "env": worker_env(device), "ops": records}
 

@@ -38,10 +38,26 @@ figure otherwise: a ring that leaves the node goes through each node's NIC, its 
   ends less when the backward ends: the last bucket always shows, the rest only when the
   all-reduce is slower than the backward. Under ``mp`` / ``pfc`` only the backbone's backward
   covers it: the head's shard is updated locally.
+- Collectives that share the compute's cores (gloo on CPU nodes: its copies and sums and the
+  kernel's TCP run on the cores the backward computes on) take part of them while they run
+  beside it: the backward goes on at 1 - share and the all-reduce at 1 / slowdown of its own
+  speed, both measured by commbench with a thread of matrix products beside its largest
+  message (``Link.share_taken``, ``Link.slowdown``). The backward's stretch is a term of the
+  step of its own. NCCL's kernels run apart from the host's compute: share 0 on GPUs, where
+  their contention with the compute's kernels is left out.
 - Head collectives (``mp``, ``pfc``), all on the critical path between the backbone's forward
   and its backward: all-gather of the embeddings (n B D x 4 bytes) and of the labels (n B x 8),
   three all-reduces of n B floats (row max, row sum of exponentials, target logit: latency
-  bound) and the reduce-scatter of the embeddings' gradients (n B D x 4).
+  bound) and the reduce-scatter of the embeddings' gradients (n B D x 4); on gloo, where
+  trainperf's torch worker has no reduce-scatter, an all-reduce of them (twice the traffic).
+  Latency bound as they are, a measured fabric's latency decides them: commbench takes it as
+  the usual cost of a small message, not the luckiest.
+
+**Stragglers.** Ranks meet at every step's collectives, so a step takes its slowest rank's
+compute. Where the base's step times are known (a results.json), each rank's step is drawn
+from them (each over its run's median) independently, and compute(n) is the expected slowest
+of n draws against the average one (``straggler_factor``); a base of published throughput
+alone has none, and its ranks are taken to be equal.
 
 **A base on several devices** (a single-node case, say 1n8g) already holds some exposed
 communication; its compute is the c that solves step0 = c + exposed(base, c) (step0 - c grows
@@ -49,9 +65,11 @@ with c, so bisection finds it). Whatever the model does not describe (input pipe
 contention, a framework's own overheads) then stays inside compute and is carried to every scale
 unchanged.
 
-Left out: NCCL's tree algorithm (on 2 nodes it can beat the ring's bandwidth), communication
-kernels slowing concurrent compute, stragglers, and latency growing with the node count (one
-latency per fabric level). Nothing is fitted to published throughput.
+Left out: NCCL's tree algorithm (on 2 nodes it can beat the ring's bandwidth), NCCL's kernels
+slowing the compute's on a GPU, stragglers where no step times are known, and latency growing
+with the node count (one latency per fabric level). Nothing is fitted to published
+throughput, nor to the emulated 2-node runs that check the model
+(``benchmarks/emulated_scaling.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +94,9 @@ DEFAULT_INTRA_LATENCY_S = 10e-6
 DEFAULT_INTER_LATENCY_S = 30e-6
 # A term under this share of the step is not worth naming as what limits scaling.
 NEGLIGIBLE_SHARE = 0.005
+# The most of the compute's speed a collective is taken to take: the scheduler never starves
+# a runnable thread, so a probe that read (nearly) nothing left is noise.
+MAX_SHARE_TAKEN = 0.95
 
 _SCALE = re.compile(r"(\d+)n(\d+)g")
 
@@ -126,12 +147,22 @@ class Link:
 
     busbw_Bps: float
     latency_s: float
+    share_taken: float = 0.0
+    """The share of the compute's speed a large collective takes while it runs beside it on
+    the same cores (commbench's on CPUs: gloo's copies and sums, the kernel's TCP); 0 where
+    it runs apart from the compute (NCCL on GPUs)."""
+    slowdown: float = 1.0
+    """Its time beside the compute over its time alone."""
 
     def __post_init__(self) -> None:
         if not self.busbw_Bps > 0:
             raise ValueError(f"bus bandwidth must be > 0, got {self.busbw_Bps}")
         if not self.latency_s >= 0:
             raise ValueError(f"latency must be >= 0, got {self.latency_s}")
+        if not 0 <= self.share_taken < 1:
+            raise ValueError(f"the share taken must be in [0, 1), got {self.share_taken}")
+        if not self.slowdown >= 1:
+            raise ValueError(f"the slowdown beside compute must be >= 1, got {self.slowdown}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +174,9 @@ class Fabric:
     intra: dict[str, Link] = field(default_factory=dict)
     inter: dict[str, Link] = field(default_factory=dict)
     source: str = ""
+    backend: str = ""
+    """The collectives' library where known (``gloo``, ``nccl``); it decides how the face
+    head's backward sends the embeddings' gradients (see ``head_collectives``)."""
 
     def link(self, op: str, multi_node: bool) -> Link:
         level = self.inter if multi_node else self.intra
@@ -156,10 +190,13 @@ class Fabric:
 
     def to_dict(self) -> dict[str, Any]:
         def level(links: dict[str, Link]) -> dict[str, Any]:
-            return {op: {"busbw_GBps": lk.busbw_Bps / 1e9, "latency_us": lk.latency_s * 1e6}
+            return {op: {"busbw_GBps": lk.busbw_Bps / 1e9, "latency_us": lk.latency_s * 1e6,
+                         **({"share_taken": lk.share_taken, "slowdown": lk.slowdown}
+                            if lk.share_taken or lk.slowdown != 1 else {})}
                     for op, lk in links.items()}
 
-        return {"intra": level(self.intra), "inter": level(self.inter), "source": self.source}
+        return {"intra": level(self.intra), "inter": level(self.inter), "source": self.source,
+                "backend": self.backend}
 
 
 def uniform_fabric(intra_busbw_Bps: float | None = None, inter_busbw_Bps: float | None = None,
@@ -181,13 +218,17 @@ def fabric_from_commbench(measured: list[dict[str, dict]], fill: Fabric | None =
     supplies levels no file measured (the bandwidth flags)."""
     intra: dict[str, Link] = dict(fill.intra) if fill else {}
     inter: dict[str, Link] = dict(fill.inter) if fill else {}
+    backends = set()
     for table in measured:
         for op, rec in table.items():
             if op not in OPS:
                 continue
             level = inter if rec.get("nnodes", 1) > 1 else intra
-            level[op] = Link(float(rec["busbw_Bps"]), float(rec["latency_s"]))
-    return Fabric(intra, inter, source)
+            level[op] = Link(float(rec["busbw_Bps"]), float(rec["latency_s"]),
+                             min(float(rec.get("compute_share_taken", 0.0)), MAX_SHARE_TAKEN),
+                             max(1.0, float(rec.get("slowdown_beside_compute", 1.0))))
+            backends.add(rec.get("backend", ""))
+    return Fabric(intra, inter, source, backends.pop() if len(backends) == 1 else "")
 
 
 def collective_s(fabric: Fabric, op: str, size_bytes: float, scale: Scale) -> tuple[float, float]:
@@ -199,6 +240,7 @@ def collective_s(fabric: Fabric, op: str, size_bytes: float, scale: Scale) -> tu
     if math.isinf(link.busbw_Bps):
         return link.latency_s, link.latency_s
     return link.latency_s + busbw_factor(op, n) * size_bytes / link.busbw_Bps, link.latency_s
+
 
 
 @dataclass(frozen=True)
@@ -287,32 +329,91 @@ class Job:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """The bucketed gradient all-reduce against the backward it runs beside, in seconds."""
+
+    busy_s: float
+    """The buckets' all-reduces end to end, each at the fabric's speed."""
+    exposed_s: float
+    """Past the backward's end: when the last all-reduce ends less when the backward ends."""
+    latency_s: float
+    """Latency within busy_s."""
+    stretch_s: float
+    """How much longer the backward ran for the CPU the all-reduces took from its cores."""
+
+
 def bucket_allreduce(total_bytes: float, bucket_bytes: float, backward_s: float, scale: Scale,
-                     fabric: Fabric) -> tuple[float, float, float]:
-    """(busy, exposed, latency within busy) seconds of the bucketed gradient all-reduce."""
+                     fabric: Fabric) -> Overlap:
+    """The bucketed gradient all-reduce beside a backward of ``backward_s`` (see the module's
+    docstring): buckets come ready evenly over the backward's work and go one after another.
+    Where a collective shares the compute's cores (``Link.share_taken``), while both run the
+    backward goes on at 1 - share and the all-reduce at 1 / ``Link.slowdown`` of its speed."""
     if scale.world_size == 1 or total_bytes <= 0:
-        return 0.0, 0.0, 0.0
+        return Overlap(0.0, 0.0, 0.0, 0.0)
     count = math.ceil(total_bytes / bucket_bytes)
     sizes = [bucket_bytes] * (count - 1) + [total_bytes - bucket_bytes * (count - 1)]
-    free = ready = busy = latency = 0.0
+    link = fabric.link("all_reduce", scale.nodes > 1)
+    comms, busy, latency, ready = [], 0.0, 0.0, 0.0
     for size in sizes:
         ready += size
         t, alpha = collective_s(fabric, "all_reduce", size, scale)
-        free = max(backward_s * ready / total_bytes, free) + t
+        comms.append((backward_s * ready / total_bytes, t))
         busy += t
         latency += alpha
-    return busy, max(0.0, free - backward_s), latency
+    backward_end, comm_end = _share_cores(backward_s, comms, link.share_taken, link.slowdown)
+    return Overlap(busy, max(0.0, comm_end - backward_end), latency,
+                   max(0.0, backward_end - backward_s))
+
+
+def _share_cores(work_s: float, comms: list[tuple[float, float]], share: float,
+                 slowdown: float) -> tuple[float, float]:
+    """(when the backward ends, when the last collective ends), from the backward's start:
+    ``work_s`` of compute, and collectives (the work done when each is ready, its seconds
+    alone) one at a time in order; while one runs beside the compute, the compute goes at
+    1 - ``share`` and the collective at 1 / ``slowdown``."""
+    now = work = 0.0
+    pending = list(comms)
+    left: float | None = None  # seconds alone the running collective still needs
+    backward_end = now if work_s <= 0 else None
+    while pending or left is not None or backward_end is None:
+        if left is None and pending and pending[0][0] <= work + 1e-12:
+            left = pending.pop(0)[1]
+            continue
+        computing = backward_end is None
+        beside = computing and left is not None
+        work_rate = 1.0 - share if beside else 1.0
+        comm_rate = 1.0 / slowdown if beside else 1.0
+        steps = []
+        if computing:
+            target = work_s if left is not None or not pending else min(pending[0][0], work_s)
+            steps.append((target - work) / work_rate)
+        if left is not None:
+            steps.append(left / comm_rate)
+        dt = max(0.0, min(steps))
+        now += dt
+        if computing:
+            work = min(work_s, work + dt * work_rate)
+            if work >= work_s - 1e-12:
+                backward_end = now
+        if left is not None:
+            left -= dt * comm_rate
+            if left <= 1e-12:
+                left = None
+    return backward_end, now
 
 
 def head_collectives(job: Job, scale: Scale, fabric: Fabric) -> tuple[float, float]:
-    """(time, of which latency) of the sharded head's collectives; nothing under dp."""
+    """(time, of which latency) of the sharded head's collectives; nothing under dp. The
+    embeddings' gradients go back by a reduce-scatter, or on gloo (where trainperf's torch
+    worker has none) by an all-reduce of them all, each rank keeping its rows."""
     if not job.sharded or scale.world_size == 1:
         return 0.0, 0.0
     gathered = scale.world_size * job.batch_size
     emb_bytes = gathered * job.embedding_size * FLOAT_BYTES
     calls = [("all_gather", emb_bytes), ("all_gather", gathered * LABEL_BYTES)]
     calls += [("all_reduce", gathered * FLOAT_BYTES)] * HEAD_ALL_REDUCES
-    calls += [("reduce_scatter", emb_bytes)]
+    calls += [("all_reduce" if fabric.backend == "gloo" else "reduce_scatter", emb_bytes)]
     total = latency = 0.0
     for op, size in calls:
         t, alpha = collective_s(fabric, op, size, scale)
@@ -332,6 +433,10 @@ class Terms:
     allreduce_latency_s: float
     head_comm_s: float
     head_comm_latency_s: float
+    comm_cpu_s: float = 0.0
+    """How much longer the backward ran for the CPU the all-reduce took from its cores."""
+    straggler_s: float = 0.0
+    """Waiting for the slowest rank: the expected slowest of n ranks' compute less a rank's."""
 
     @property
     def compute_s(self) -> float:
@@ -339,7 +444,8 @@ class Terms:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.allreduce_exposed_s + self.head_comm_s
+        return (self.compute_s + self.straggler_s + self.comm_cpu_s + self.allreduce_exposed_s
+                + self.head_comm_s)
 
     @property
     def allreduce_exposed_latency_s(self) -> float:
@@ -353,23 +459,42 @@ class Terms:
         return self.allreduce_exposed_latency_s + self.head_comm_latency_s
 
 
-def step_terms(job: Job, scale: Scale, fabric: Fabric, backbone_s: float, head_s: float) -> Terms:
+def step_terms(job: Job, scale: Scale, fabric: Fabric, backbone_s: float, head_s: float,
+               straggler: float = 1.0) -> Terms:
+    """The step's terms; ``straggler``: the expected slowest rank's compute over a rank's
+    (``straggler_factor``), 1 where it is not known."""
     covered = backbone_s if job.sharded else backbone_s + head_s
     backward = BACKWARD_SHARE * covered if job.overlap else 0.0
-    busy, exposed, ar_latency = bucket_allreduce(job.gradient_bytes, job.bucket_bytes, backward,
-                                                 scale, fabric)
+    ar = bucket_allreduce(job.gradient_bytes, job.bucket_bytes, backward, scale, fabric)
     comm, comm_latency = head_collectives(job, scale, fabric)
-    return Terms(backbone_s, head_s, busy, exposed, ar_latency, comm, comm_latency)
+    return Terms(backbone_s, head_s, ar.busy_s, ar.exposed_s, ar.latency_s, comm, comm_latency,
+                 ar.stretch_s, (backbone_s + head_s) * (straggler - 1.0))
 
 
-def base_compute_s(job: Job, base: Scale, step_s: float, fabric: Fabric) -> float:
-    """Compute inside a measured step: the c with c + exposed communication(c) = step_s."""
+def straggler_factor(step_ratios: tuple[float, ...], ranks: int) -> float:
+    """E[max of ``ranks`` draws] / E[a draw], the draws taken independently from a measured
+    rank's step times (each over its run's median, so that a run's drift is not counted as a
+    step's jitter). Ranks meet at every step's collectives, so a step takes as long as its
+    slowest rank's compute; 1 with no step times or one rank."""
+    if ranks <= 1 or not step_ratios:
+        return 1.0
+    xs = sorted(step_ratios)
+    count = len(xs)
+    slowest = sum(x * ((i / count) ** ranks - ((i - 1) / count) ** ranks)
+                  for i, x in enumerate(xs, 1))
+    return slowest / (sum(xs) / count)
+
+
+def base_compute_s(job: Job, base: Scale, step_s: float, fabric: Fabric,
+                   straggler: float = 1.0) -> float:
+    """Compute inside a measured step: the c with c + stragglers(c) + exposed communication(c)
+    = step_s."""
     if base.world_size == 1:
         return step_s
     share = job.head_share(base.world_size)
 
     def modelled(c: float) -> float:
-        return step_terms(job, base, fabric, c * (1 - share), c * share).step_s
+        return step_terms(job, base, fabric, c * (1 - share), c * share, straggler).step_s
 
     floor = modelled(0.0)
     if floor >= step_s:
@@ -403,6 +528,10 @@ class Prediction:
     allreduce_exposed_s: float
     head_comm_s: float
     exposed_latency_s: float
+    comm_cpu_s: float
+    """The backward's stretch: CPU the all-reduce took from the compute's cores."""
+    straggler_s: float
+    """Waiting for the slowest rank's compute."""
     class_rows_per_device: float
     computed_rows_per_device: float
     class_shard_bytes: float
@@ -431,12 +560,16 @@ def _limit_and_overhead(t: Terms, scale: Scale, head_one_s: float, sharded: bool
              "head": t.head_s if sharded else 0.0,
              allreduce_label(scale): ar_bw,
              "head collectives": t.head_comm_s - t.head_comm_latency_s,
-             "latency": latency}
+             "latency": latency,
+             "CPU taken by the all-reduce": t.comm_cpu_s,
+             "stragglers": t.straggler_s}
     limit = max(parts, key=lambda k: parts[k])
     costs = {allreduce_label(scale): ar_bw,
              "head collectives": parts["head collectives"],
              "latency": latency,
-             "head growth": t.head_s - head_one_s if sharded else 0.0}
+             "head growth": t.head_s - head_one_s if sharded else 0.0,
+             "CPU taken by the all-reduce": t.comm_cpu_s,
+             "stragglers": t.straggler_s}
     overhead = max(costs, key=lambda k: costs[k])
     share = costs[overhead] / t.step_s if t.step_s else 0.0
     if share < NEGLIGIBLE_SHARE:
@@ -445,12 +578,15 @@ def _limit_and_overhead(t: Terms, scale: Scale, head_one_s: float, sharded: bool
 
 
 def project(job: Job, base: Scale, base_samples_per_s: float, scales: list[Scale],
-            fabric: Fabric) -> list[Prediction]:
-    """Predictions at ``scales`` from a measured base (global samples/s at ``base``)."""
+            fabric: Fabric, step_ratios: tuple[float, ...] = ()) -> list[Prediction]:
+    """Predictions at ``scales`` from a measured base (global samples/s at ``base``);
+    ``step_ratios``: the base's step times over their run's median, for the stragglers (none:
+    every rank takes the same time)."""
     if not base_samples_per_s > 0:
         raise ValueError(f"the base throughput must be > 0, got {base_samples_per_s}")
     base_step = base.world_size * job.batch_size / base_samples_per_s
-    compute0 = base_compute_s(job, base, base_step, fabric)
+    compute0 = base_compute_s(job, base, base_step, fabric,
+                              straggler_factor(step_ratios, base.world_size))
     head0 = compute0 * job.head_share(base.world_size)
     backbone = compute0 - head0
     head_flops0 = job.head_flops(base.world_size)
@@ -461,7 +597,8 @@ def project(job: Job, base: Scale, base_samples_per_s: float, scales: list[Scale
     one_device_sps = job.batch_size / (backbone + head_at(1))
     out = []
     for s in scales:
-        t = step_terms(job, s, fabric, backbone, head_at(s.world_size))
+        t = step_terms(job, s, fabric, backbone, head_at(s.world_size),
+                       straggler_factor(step_ratios, s.world_size))
         sps = s.world_size * job.batch_size / t.step_s
         speedup = sps / one_device_sps
         limit, overhead, share = _limit_and_overhead(t, s, head_at(1), job.sharded)
@@ -472,7 +609,9 @@ def project(job: Job, base: Scale, base_samples_per_s: float, scales: list[Scale
             scaling_efficiency=speedup / s.world_size, backbone_s=t.backbone_s,
             head_s=t.head_s, allreduce_s=t.allreduce_s,
             allreduce_exposed_s=t.allreduce_exposed_s, head_comm_s=t.head_comm_s,
-            exposed_latency_s=t.exposed_latency_s, class_rows_per_device=rows,
+            exposed_latency_s=t.exposed_latency_s, comm_cpu_s=t.comm_cpu_s,
+            straggler_s=t.straggler_s,
+            class_rows_per_device=rows,
             computed_rows_per_device=job.computed_rows(s.world_size),
             class_shard_bytes=rows * job.embedding_size * FLOAT_BYTES,
             limit=limit, overhead=overhead, overhead_share=share))

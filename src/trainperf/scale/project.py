@@ -4,6 +4,7 @@ bandwidths."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +97,23 @@ def fabric_from(intra_bw: float | None, inter_bw: float | None, intra_latency_us
                                  source="commbench: " + ", ".join(commbench))
 
 
+def step_ratios(case: dict) -> tuple[float, ...]:
+    """Each measured step's time over its run's median, every ok run of the case."""
+    ratios: list[float] = []
+    for run in case.get("runs") or []:
+        times = [t for t in run.get("step_times_s") or [] if t and t > 0]
+        if run.get("status") == "ok" and times:
+            middle = statistics.median(times)
+            ratios += [t / middle for t in times]
+    return tuple(ratios)
+
+
 def document(path: Path, doc: dict, base: dict, job: Job, fabric: Fabric,
-             predictions: list[Prediction]) -> dict[str, Any]:
+             predictions: list[Prediction], ratios: tuple[float, ...] = ()) -> dict[str, Any]:
     return {"schema": SCHEMA, "results": str(path), "recipe": doc.get("recipe"),
             "base": {"case": base["case"], "batch_size_per_device": base["batch_size_per_device"],
-                     "median_samples_per_s": base["median_samples_per_s"]},
+                     "median_samples_per_s": base["median_samples_per_s"],
+                     "step_times": len(ratios)},
             "job": job.to_dict(), "fabric": fabric.to_dict(),
             "model": "trainperf.scale.model (its docstring states every assumption)",
             "predictions": [p.to_dict() for p in predictions]}
@@ -116,11 +129,12 @@ def out_path(out: str | None, results: Path) -> Path:
 
 
 def project_results(results_arg: str, to: str, fabric: dict[str, Any], job: dict[str, Any],
-                    base: str | None = None, batch: int | None = None
-                    ) -> tuple[dict, list[Prediction], Path]:
+                    base: str | None = None, batch: int | None = None,
+                    stragglers: bool = True) -> tuple[dict, list[Prediction], Path]:
     """Project the measured base case of ``results_arg`` (a results.json or its folder) to the
     scales of ``to`` (``2n8g,4n8g``), with ``fabric_from(**fabric)`` and ``job_from``'s
-    keywords ``job``: the projection document, its predictions, and the results file."""
+    keywords ``job``: the projection document, its predictions, and the results file.
+    ``stragglers``: draw each rank's step from the base's measured step times."""
     from .. import results
 
     scales = parse_scales(to)
@@ -133,5 +147,8 @@ def project_results(results_arg: str, to: str, fabric: dict[str, Any], job: dict
         if s.world_size > 1:
             links.link("all_reduce", s.nodes > 1)
     job_ = job_from(doc, base_case["batch_size_per_device"], **job)
-    predictions = project(job_, base_scale, base_case["median_samples_per_s"], scales, links)
-    return document(path, doc, base_case, job_, links, predictions), predictions, path
+    ratios = step_ratios(base_case) if stragglers else ()
+    predictions = project(job_, base_scale, base_case["median_samples_per_s"], scales, links,
+                          ratios)
+    return (document(path, doc, base_case, job_, links, predictions, ratios), predictions,
+            path)
