@@ -119,8 +119,8 @@ def start_nodes(nodes, framework: str, fc: str, python: str, start: Path, out: P
     run_env = dict(os.environ, PYTHONPATH=str(SRC), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS=str(threads), **{COLLECTIVE_TIMEOUT_ENV: f"{TIMEOUT_S:g}"},
                    **env)
-    for name in ("TRAINPERF_FAULT", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"):
-        run_env.pop(name, None)  # a fault or an interface named here is not the node's
+    for var in ("TRAINPERF_FAULT", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"):
+        run_env.pop(var, None)  # a fault or an interface named here is not the node's
     procs = []
     for node in range(2):
         cluster = Cluster(node, 1, addrs, (PORTS, PORTS))
@@ -226,5 +226,6 @@ def test_horovod_refuses_a_node_whose_name_resolves_to_loopback(emulated_nodes, 
         assert len(said) == 1 and said[0].startswith(
             "trainperf.backends.mxnet.launch: Horovod 0.28.1 runs its gloo collectives on the "
             "address of this host's name"), said
+        assert "'localhost' resolves to 127.0.0.1" in said[0]
         assert f"this node's address ({nodes.addr(node)})" in said[0]
     assert not (tmp_path / "events0.jsonl").exists() and not (tmp_path / "dump").exists()
