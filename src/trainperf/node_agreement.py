@@ -53,8 +53,8 @@ PROBE_SHARE = 0.005
 """Node 0 probes each other node's link as a run starts, every ``PROBE_S`` while it goes or,
 where probes take longer, so that they hold at most this share of the link's time, and once
 more when its steps are over (``RunWatch.closing_probe``): a run's collectives share the link
-with the probes, and 5% of it (the share first chosen) cost a 20-200 Mbit/s link's runs 5-10%
-of their speed."""
+with the probes, and 5% of it (the share first chosen) cost a 2-node run at 50 Mbit/s 3.8% of
+its speed (``benchmarks/link_probe_cost.sh``)."""
 PROBE_MAX_S = 60.0
 """The longest wait between probes while a run goes: on a link of 10 Mbit/s or more, probes
 take under 1.5% of its time."""

@@ -242,7 +242,6 @@ def collective_s(fabric: Fabric, op: str, size_bytes: float, scale: Scale) -> tu
     return link.latency_s + busbw_factor(op, n) * size_bytes / link.busbw_Bps, link.latency_s
 
 
-
 @dataclass(frozen=True)
 class Job:
     """What the model needs to know about one training step."""
