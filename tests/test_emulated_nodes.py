@@ -1,6 +1,7 @@
 """Emulated nodes (``trainperf emulate``, ``trainperf.emulated_nodes``): each node its own
-namespace, address, link and cores; a 2-node run through the command; and nothing left behind,
-whether the command ends, is interrupted, fails, or is killed with -9."""
+namespace, address, link and cores; a 2-node run through the command; nothing left behind,
+whether the command ends, is interrupted, fails, or is killed with -9; and a link slowed under
+load that still carries its traffic."""
 
 from __future__ import annotations
 
@@ -219,3 +220,58 @@ def test_a_failing_node_command_fails_the_call_and_leaves_nothing(tmp_path):
     assert proc.returncode != 0 and "no-such-recipe" in output
     assert json.loads((tmp_path / "emulation.json").read_text())["exit_codes"][0] != 0
     assert left_of(tag_of(tmp_path)) == NOTHING
+
+
+SENDER = """
+import socket, sys, time
+block, end = bytes(1 << 20), time.monotonic() + float(sys.argv[2])
+with socket.create_connection((sys.argv[1], 29500), timeout=60) as s:
+    while time.monotonic() < end:
+        s.sendall(block)
+        s.recv(1)
+        print(time.time(), flush=True)
+"""
+SINK = """
+import socket, sys
+with socket.create_server((sys.argv[1], 29500)) as ls:
+    s, _ = ls.accept()
+    while True:
+        got = 0
+        while got < 1 << 20:
+            chunk = s.recv(1 << 20)
+            if not chunk:
+                sys.exit(0)
+            got += len(chunk)
+        s.sendall(b"k")
+"""
+SLOWED_RATE = 10**7
+SENDS_AFTER_S = 6.0
+"""How long the sender goes on after each slowing: a 1 MiB block crosses 10 Mbit/s in 0.84 s."""
+
+
+def test_a_link_slowed_under_load_keeps_moving(emulated_nodes):
+    """A link slowed while its queue holds the kernel's large (GSO) packets: every packet
+    leaves. tbf cuts a packet larger than its bucket at the door only, so a bucket shrunk under
+    packets already queued held them, and the link, for good; each slowing takes a fresh
+    queue. Three slowings, each under a stream of 1 MiB blocks at 1 Gbit/s."""
+    nodes = emulated_nodes(2, rate_bps=10**9)
+    for attempt in range(3):
+        nodes.set_rate(1, 10**9)
+        sink = nodes.start(0, [sys.executable, "-c", SINK, nodes.addr(0)])
+        time.sleep(0.5)
+        sender = nodes.start(1, [sys.executable, "-c", SENDER, nodes.addr(0),
+                                 str(1.5 + SENDS_AFTER_S)], stdout=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        slowed_at = time.time()
+        nodes.set_rate(1, SLOWED_RATE)
+        try:
+            acks = [float(t) for t in sender.communicate(timeout=SENDS_AFTER_S + 60)[0].split()]
+        except subprocess.TimeoutExpired:
+            sender.kill()
+            acks = [float(t) for t in sender.communicate()[0].split()]
+        sink.kill()
+        sink.wait()
+        after = [t for t in acks if t > slowed_at]
+        # Blocks crossed after the slowing (a stuck link carries none, and its sender waits
+        # until its socket times out).
+        assert len(after) >= 2, (attempt, len(acks), after)
