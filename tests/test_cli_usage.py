@@ -14,7 +14,7 @@ from trainperf.cli import main
     (["run", "tiny-arcface", "--iters", "10", "--warmup", "10"], "--iters"),
     (["run", "tiny-arcface", "--fc", "mp", "--sample-ratio", "0.5"], "sample-ratio"),
     (["run", "tiny-arcface", "--memory-limit", "lots"], "size"),
-    (["report", "/nonexistent/folder"], "no results.json"),
+    (["report", "/nonexistent/folder"], "no such folder"),
     (["run", "tiny-arcface", "--framework", "caffe"], "unknown framework 'caffe'"),
     (["run", "tiny-arcface", "--framework", "torch,torch"], "twice"),
     (["run", "tiny-arcface", "--framework", "mxnet", "--nnodes", "2", "--node-rank", "2"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -35,16 +36,37 @@ ARROW = {"string": pa.string(), "Int64": pa.int64(), "Float64": pa.float64(),
 
 def recorded_documents() -> dict[str, dict]:
     """Every results.json under benchmarks/results by its source name, read by a walk of its
-    own (unpacked files, then each archive's members) rather than by the export's reader."""
+    own (unpacked files, then each archive's members) rather than by the export's reader; a
+    follower node's records (exits, no figures) and a job's node folders (whose figures the
+    job's documents hold) left out, as the export leaves them out."""
+    jobs = [p.parent for p in RESULTS.rglob("job.json")]
     docs = {}
     for path in sorted(RESULTS.rglob("results.json")):
+        if any(j in path.parents and re.fullmatch(r"nodes?-\d+", path.relative_to(j).parts[0])
+               for j in jobs):
+            continue
         docs[str(path)] = json.loads(path.read_text(encoding="utf-8"))
     for archive in sorted(RESULTS.rglob("*.tar.gz")):
         with tarfile.open(archive) as tar:
             for member in tar:
                 if member.isfile() and Path(member.name).name == "results.json":
                     docs[f"{archive}/{member.name}"] = json.load(tar.extractfile(member))
-    return docs
+    return {k: d for k, d in docs.items() if d.get("role") != "follower"}
+
+
+def test_a_followers_records_and_a_jobs_node_folders_are_left_out(tmp_path):
+    """A job's documents hold its figures once; its node folders hold them again (the
+    leader's) or not at all (a follower's exits)."""
+    shutil.copytree(SMALL.parent, tmp_path / "job" / "node-0")
+    follower = json.loads(SMALL.read_text())
+    follower["role"] = "follower"
+    (tmp_path / "job" / "node-1").mkdir()
+    (tmp_path / "job" / "node-1" / "results.json").write_text(json.dumps(follower))
+    assert len(export.documents(tmp_path)) == 1  # no job.json: the leader's is the only one
+    shutil.copy(SMALL, tmp_path / "job" / "results.json")
+    (tmp_path / "job" / "job.json").write_text(json.dumps({"documents": ["results.json"]}))
+    assert [s for s, _ in export.documents(tmp_path)] == [str(tmp_path / "job" /
+                                                              "results.json")]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import results
-from .result_files import json_files
+from .result_files import json_files, superseded
 
 LEVELS = ("run", "case")
 FORMATS = ("csv", "parquet", "jsonl")
@@ -139,7 +139,9 @@ def columns(level: str = "run") -> list[Column]:
 
 def documents(paths: Iterable[str | Path] | str | Path) -> list[tuple[str, dict]]:
     """(source, checked document) of every results.json the paths name or hold, the paths in
-    their order, the files under a folder in sorted order (unpacked ones, then archived)."""
+    their order, the files under a folder in sorted order (unpacked ones, then archived); a
+    follower node's records and the node folders of a job (whose documents hold their
+    figures) left out."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     found, seen = [], set()
@@ -157,7 +159,11 @@ def _documents_at(path: Path) -> list[tuple[str, dict]]:
         return [_parsed(str(path), path.read_bytes())]
     if not path.is_dir():
         raise ValueError(f"no such file or folder: {path}")
-    found = [_parsed(str(path / name), text) for name, text in json_files(path, ("results.json",))]
+    files = list(json_files(path, ("results.json",)))
+    skip = superseded(path, [name for name, _ in files])
+    found = [_parsed(str(path / name), text) for name, text in files if name not in skip]
+    # A follower node's records hold its runs' exits, not their figures (node 0's do).
+    found = [(source, doc) for source, doc in found if doc.get("role") != "follower"]
     if not found:
         raise ValueError(f"no results.json under {path}")
     return found

@@ -127,7 +127,7 @@ def cmd_commbench(args: argparse.Namespace) -> int:
 
 def cmd_project(args: argparse.Namespace) -> int:
     from ..results import write_json_atomic
-    from ..scale.project import out_path, project_results
+    from ..scale.project import out_path, project_results, results_paths
 
     fabric = {"intra_bw": args.intra_bw, "inter_bw": args.inter_bw,
               "intra_latency_us": args.intra_latency_us,
@@ -135,12 +135,21 @@ def cmd_project(args: argparse.Namespace) -> int:
     job = {"backbone_params": args.backbone_params, "backbone_gflops": args.backbone_gflops,
            "bucket_mb": args.bucket_mb, "grad_bytes": args.grad_bytes,
            "overlap": not args.no_overlap}
-    doc, predictions, path = project_results(args.results, args.to, fabric, job, args.base,
-                                             args.batch_size, not args.no_stragglers)
-    print_projection(doc, predictions)
-    target = out_path(args.out, path)
-    write_json_atomic(target, doc)
-    print(f"projection: {target}")
+    paths = results_paths(args.results)
+    if len(paths) > 1 and args.out and args.out.endswith(".json"):
+        raise ValueError(f"{args.results} holds {len(paths)} plans' results: give --out a "
+                         "folder, where each plan's projection goes as its folder lies")
+    # Every plan checked and projected before any file is written: a plan whose results
+    # cannot be projected (no base case) stops the command with nothing half done.
+    done = [(path, *project_results(path, args.to, fabric, job, args.base, args.batch_size,
+                                    not args.no_stragglers)) for path in paths]
+    for path, doc, predictions, _ in done:
+        if len(done) > 1:
+            print(f"{path}:")
+        print_projection(doc, predictions)
+        target = out_path(args.out, path, Path(args.results))
+        write_json_atomic(target, doc)
+        print(f"projection: {target}")
     return EXIT_OK
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .. import results
+from ..result_files import plan_documents
 from .breakdown import Analyse, breakdown_section
 from .capacity import capacity_section
 from .classes import classes_section, plot_classes
@@ -22,12 +23,23 @@ def is_search_dir(path: str | Path) -> bool:
     return (p / "search.json").exists() and not (p / "results.json").exists()
 
 
+def documents_in(folder: str | Path) -> list[Path]:
+    """The results.json of every plan in ``folder`` as a command wrote it (one plan's folder,
+    several frameworks' or sweep points', a job's); ValueError in one line where it holds
+    none."""
+    found = plan_documents(folder)
+    if not found:
+        raise ValueError(f"{folder}: no results.json in it or below it"
+                         if Path(folder).exists() else f"{folder}: no such folder")
+    return found
+
+
 def write_report(dirs: list[str], out: Path, with_references: bool = False,
                  analyse: Analyse | None = None) -> Path:
     """Write ``out/report.md`` (and plots beside it) for result and search folders;
     ``analyse``: what bounds a case with a breakdown (``scale.bottleneck.analyser``)."""
     searches = [d for d in dirs if is_search_dir(d)]
-    docs = [results.load(d) for d in dirs if d not in searches]
+    docs = [results.load(f) for d in dirs if d not in searches for f in documents_in(d)]
     labels = unique_labels(docs)
     plots = plot_scaling(docs, labels, out) if docs else []
     plots += plot_classes(docs, out)

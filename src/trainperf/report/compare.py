@@ -1,8 +1,8 @@
 """``trainperf compare``: pair the cases of result folders and say, with an interval and a rank
 test, whether each got faster, slower or stayed the same (``trainperf.significance``).
 
-A side is one folder as given: its ``results.json``, or every ``results.json`` below it (a
-sweep's or a framework comparison's folders). Cases pair on their recipe, layout (nodes, devices
+A side is one folder as given: every plan's ``results.json`` in it as a command wrote it (one
+plan's folder, a sweep's or a framework comparison's folders, a multi-node job's documents). Cases pair on their recipe, layout (nodes, devices
 per node) and batch per device, and on the head, precision, framework, data and execution mode:
 each of those is left out of the pairing where it is the comparison's subject, one value on each
 side and not the same on all (``--fc dp`` against ``--fc pfc``, torch against Paddle, eager
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import results, significance
+from ..result_files import plan_documents
 from .markdown import device_text, fmt, framework_name, interval_text, table
 
 ALWAYS_MATCHED = ("recipe", "nodes", "devices_per_node", "batch_size_per_device")
@@ -39,11 +40,8 @@ class Side:
 
 
 def result_files(folder: Path) -> list[Path]:
-    if folder.is_file():
-        return [folder]
-    if (folder / "results.json").is_file():
-        return [folder / "results.json"]
-    return sorted(folder.rglob("results.json"))
+    """Every plan's results.json in ``folder`` as a command wrote it (``plan_documents``)."""
+    return plan_documents(folder)
 
 
 def load_side(path: str) -> Side:

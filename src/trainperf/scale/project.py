@@ -15,9 +15,16 @@ from .model import (
 SCHEMA = "trainperf.project/v1"
 
 
-def results_path(text: str) -> Path:
-    p = Path(text)
-    return p / "results.json" if p.is_dir() else p
+def results_paths(text: str) -> list[Path]:
+    """Every plan's results.json that ``text`` names or holds, as a command wrote it (one
+    plan's folder, several frameworks', a job's); ValueError in one line where none."""
+    from ..result_files import plan_documents
+
+    found = plan_documents(text)
+    if not found:
+        raise ValueError(f"{text}: no results.json in it or below it" if Path(text).exists()
+                         else f"{text}: no such file or folder")
+    return found
 
 
 def pick_base(doc: dict, base: str | None, batch: int | None) -> dict:
@@ -119,26 +126,29 @@ def document(path: Path, doc: dict, base: dict, job: Job, fabric: Fabric,
             "predictions": [p.to_dict() for p in predictions]}
 
 
-def out_path(out: str | None, results: Path) -> Path:
+def out_path(out: str | None, results: Path, root: Path | None = None) -> Path:
     """Where the projection goes: ``out`` (a ``.json`` file or a folder), else beside the
-    results."""
+    results. ``root``: the folder given for several plans, whose layout a folder ``out``
+    repeats (``OUT/torch/project.json``)."""
     if not out:
         return results.parent / "project.json"
     p = Path(out)
-    return p if p.suffix == ".json" else p / "project.json"
+    if p.suffix == ".json":
+        return p
+    where = results.parent.relative_to(root) if root is not None and root.is_dir() else Path()
+    return p / where / "project.json"
 
 
-def project_results(results_arg: str, to: str, fabric: dict[str, Any], job: dict[str, Any],
+def project_results(path: Path, to: str, fabric: dict[str, Any], job: dict[str, Any],
                     base: str | None = None, batch: int | None = None,
                     stragglers: bool = True) -> tuple[dict, list[Prediction], Path]:
-    """Project the measured base case of ``results_arg`` (a results.json or its folder) to the
+    """Project the measured base case of the results.json at ``path`` to the
     scales of ``to`` (``2n8g,4n8g``), with ``fabric_from(**fabric)`` and ``job_from``'s
     keywords ``job``: the projection document, its predictions, and the results file.
     ``stragglers``: draw each rank's step from the base's measured step times."""
     from .. import results
 
     scales = parse_scales(to)
-    path = results_path(results_arg)
     doc = results.load(path)
     base_case = pick_base(doc, base, batch)
     base_scale = Scale(base_case["nodes"], base_case["devices_per_node"])
