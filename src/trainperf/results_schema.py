@@ -93,6 +93,9 @@ RUN_FIELDS: list[Field] = [
     ("step_change", "obj", False, "several nodes: a lasting change of the step time inside the "
      "run: at_step, before_s, after_s, ratio, each link's probes before and after, and the "
      "verdict (link, model or unclear)"),
+    ("nodes_lost", "bool", False, "several nodes: the run failed because the nodes lost each "
+     "other (a node or a link gone), not for anything of the work's own; a resumed plan runs "
+     "it again"),
     ("warnings", "list[str]", False, "what went wrong without spoiling the measurement"),
     ("flags", "list[str]", False, "why the run's speed is left out of the case's statistics "
      "(loss_nan, recompiled_in_window, ...)"),
@@ -145,6 +148,8 @@ CASE_FIELDS: list[Field] = [
     ("data_wait_share", "num?", False, "real data: median over runs of data_wait_share"),
     ("breakdown", "obj", False, "--breakdown: the profiled run's phases"),
     ("training", "obj", False, "training: runs that reached the target and their medians"),
+    ("measured_in", "str", False, "a joined document (trainperf join, a multi-node job's "
+     "node counts): the folder of the part that measured this case"),
     ("flags", "list[str]", True, "what to know before trusting the case (few_runs, "
      "superlinear, ...)"),
 ]
@@ -165,6 +170,11 @@ DOC_FIELDS: list[Field] = [
     ("train", "obj", False, "training: the target and the evaluation settings"),
     ("source", "obj", False, "ingested results: the log format and folder they came from"),
     ("role", "str", False, "follower: rank 0 ran on another node"),
+    ("joined_from", "list[obj]", False, "a joined document: each part it was joined from "
+     "(source folder, its node counts, host, whether it holds the mode probe); speedups are "
+     "against the 1-device case of the whole"),
+    ("job", "obj", False, "a multi-node job's document: the job's kind (slurm, emulated) and "
+     "its steps, each a node count with its devices per node"),
     ("cases", "list[case]", True, "every case measured"),
 ]
 

@@ -84,12 +84,13 @@ def apply_scaling(cases: list[tuple[int, int, CaseStats]]) -> None:
             if s.scaling_efficiency > SUPERLINEAR:
                 s.flags.append("superlinear")
     for batch in {b for _, b, _ in cases}:
-        line = sorted((w, s) for w, b, s in cases if b == batch and s.median is not None)
-        best = None
+        # Against strictly smaller cases only: a node sweep holds two cases of one size
+        # (1n2g and 2n2g), neither of them smaller than the other.
+        line = [(w, s) for w, b, s in cases if b == batch and s.median is not None]
         for world, s in line:
-            if best is not None and s.median < best:
+            smaller = [o.median for w, o in line if w < world]
+            if smaller and s.median < max(smaller):
                 s.flags.append("throughput_falls")
-            best = s.median if best is None else max(best, s.median)
 
 
 def loss_flags(loss_last: float | None, nonfinite: int = 0) -> list[str]:

@@ -1,5 +1,5 @@
-"""`trainperf report`, `compare`, `history`, `export`, `ingest` and `references`: read results
-(trainperf's, older tools' logs, the published figures) and write them out."""
+"""`trainperf report`, `join`, `compare`, `history`, `export`, `ingest` and `references`: read
+results (trainperf's, older tools' logs, the published figures) and write them out."""
 
 from __future__ import annotations
 
@@ -23,6 +23,21 @@ def register(sub) -> None:
     rep.add_argument("--references", action="store_true",
                      help="add the matching published DLPerf rows beside each result")
     rep.set_defaults(handler=cmd_report)
+    join = sub.add_parser(
+        "join", help="results measured apart (one node today, two nodes tomorrow) as one "
+        "document per plan, every case's speedup against the 1-device case of all of them",
+        description="Join the plans of result folders measured apart into one document per "
+                    "plan in OUT (plans pair by their place in each folder: torch, jax/real, "
+                    "...), each case's speedup and efficiency against the 1-device case of the "
+                    "whole, and write OUT/report.md. Refused in one line naming what differs "
+                    "where two parts measured different things (recipe, workload, precision, "
+                    "execution mode as it ran, framework version, device model, data, speed "
+                    "settings) or hold the same case.")
+    join.add_argument("dirs", nargs="+", metavar="DIR",
+                      help="result folders as run (or slurm, emulate) wrote them")
+    join.add_argument("--out", required=True, help="folder for the joined documents and "
+                      "report.md (a new one)")
+    join.set_defaults(handler=cmd_join)
     cmp = sub.add_parser(
         "compare", help="is NEW faster or slower than BASE: intervals, a rank test, a verdict",
         description="Pair the matching cases of result folders and judge each NEW against "
@@ -76,6 +91,28 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     path = write_report(args.dirs, Path(args.out or args.dirs[0]), args.references,
                         analyser(args.fabric))
+    print(path.read_text(encoding="utf-8"))
+    print(f"report: {path}")
+    return EXIT_OK
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from ..join import join_folders
+    from ..report.assemble import write_report
+    from ..results import write_json_atomic
+
+    out = Path(args.out)
+    if any(Path(d).resolve() == out.resolve() for d in args.dirs):
+        raise ValueError("--out must be a new folder, not one of the DIRs")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty; choose a new --out")
+    joined = join_folders(args.dirs)  # every plan joined before anything is written
+    for rel, doc in joined:
+        target = out / rel / "results.json"
+        write_json_atomic(target, doc)
+        cases = ", ".join(c["case"] for c in doc["cases"])
+        print(f"{target}: {cases} (from {len(doc['joined_from'])} part(s))")
+    path = write_report([str(out)], out, False)
     print(path.read_text(encoding="utf-8"))
     print(f"report: {path}")
     return EXIT_OK
@@ -151,12 +188,21 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"export: {count} rows -> {args.out}", file=sys.stderr)
         return EXIT_OK
     from .. import results
+    from ..report.assemble import documents_in
 
     if len(args.dirs) > 1:
         raise ValueError("--format dlperf exports one results folder; give one DIR")
     if args.level:
         raise ValueError("--level applies to the table formats, not to --format dlperf")
-    text = json.dumps(results.export_dlperf(results.load(args.dirs[0])), indent=2)
+    paths = documents_in(args.dirs[0])
+    if len(paths) == 1:
+        shape = results.export_dlperf(results.load(paths[0]))
+    else:
+        # DLPerf's shape is one framework's table: each plan's under its folder's name.
+        root = Path(args.dirs[0])
+        shape = {str(p.parent.relative_to(root)): results.export_dlperf(results.load(p))
+                 for p in paths}
+    text = json.dumps(shape, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")
     else:
