@@ -74,6 +74,10 @@ class PlanModes:
     def __init__(self, plan: Plan, backend: Backend, shared: SharedChoice | None) -> None:
         self.plan, self.backend = plan, backend
         self.shared = shared or SharedChoice()
+        decided = plan.decided_mode
+        if decided is not None and self.best and self.shared.probe is None:
+            self.shared.probe = dict(decided)
+            self.shared.probed_in = decided.get("probed_in")
 
     @property
     def best(self) -> bool:
@@ -148,5 +152,6 @@ class PlanModes:
             return None
         probe = dict(self.shared.probe)
         if self.shared.probed_in and Path(self.shared.probed_in) != Path(self.plan.out_dir):
-            probe["probed_in"] = Path(self.shared.probed_in).name
+            # A probe of another run (``--mode-from``) names its folder in full.
+            probe.setdefault("probed_in", Path(self.shared.probed_in).name)
         return probe

@@ -59,6 +59,12 @@ class Plan:
     real-data plan and its synthetic twin, whose ratio is the data's overhead). Not a setting
     of the runs (``settings``). None: the plan probes for itself."""
 
+    decided_mode: dict[str, Any] | None = None
+    """``--mode best`` decided elsewhere (``--mode-from``): the probe record of an earlier run
+    of this plan, whose choice its timed runs take instead of probing again, so that a node
+    sweep's every node count runs in the mode its first case chose. Not a setting of the runs
+    (``settings``)."""
+
     def data_record(self) -> dict[str, Any]:
         """What the results say of the data: its source, and the loader settings asked for."""
         if self.data is None:

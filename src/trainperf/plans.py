@@ -6,8 +6,8 @@ tests and scripts call the same functions. Imports no framework.
 
 from __future__ import annotations
 
+import json
 import os
-
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -263,3 +263,39 @@ def report_dir(plans: list[Plan], resume: str | None) -> Path:
     if len(plans) == 1:
         return Path(resume or plans[0].out_dir)
     return Path(os.path.commonpath([str(p.out_dir) for p in plans]))
+
+
+def take_decided_modes(source: str | Path, plans: list[Plan], root: Path) -> None:
+    """``--mode-from SOURCE``: each ``--mode best`` plan takes the mode the probe of its own
+    earlier run chose (``Plan.decided_mode``), found in SOURCE at the plan's place below
+    ``root`` (``torch``, ``jax/real``): SOURCE as ``run`` wrote it, or a multi-node step's
+    folder, whose node folder with the measurements holds it. ValueError, in one line, where
+    a plan asks for no probe, or SOURCE holds no probe of the same plan."""
+    from .result_files import RESULTS, role_of
+
+    source = Path(source)
+    for plan in plans:
+        if plan.tuning.mode != MODE_BEST:
+            raise ValueError(f"--mode-from takes the choice of a --mode best probe; this run's "
+                             f"mode is {plan.tuning.mode!r}")
+        rel = plan.out_dir.relative_to(root)
+        places = [source / rel] + [node / rel for node in sorted(source.glob("node-*"))]
+        found = [p for p in places if role_of(p / RESULTS) == "leader"]
+        if not found:
+            what = "the plan" if rel == Path() else rel.as_posix()
+            raise ValueError(f"--mode-from {source}: no results of {what} there (looked in "
+                             f"{places[0]} and its node folders)")
+        folder = found[0]
+        doc = json.loads((folder / RESULTS).read_text(encoding="utf-8"))
+        probe = doc.get("mode_probe")
+        if not probe or not probe.get("chosen"):
+            raise ValueError(f"--mode-from: {folder} holds no --mode best probe")
+        old = json.loads((folder / "plan.json").read_text(encoding="utf-8"))
+        new = json.loads(json.dumps(plan.settings()))
+        # A node sweep's counts differ in their nodes and their cases, nothing else.
+        differ = sorted(k for k in old.keys() | new.keys()
+                        if k not in ("nnodes", "cases") and old.get(k) != new.get(k))
+        if differ:
+            raise ValueError(f"--mode-from: {folder} ran another plan (differs in "
+                             f"{', '.join(differ)}); its mode is not this plan's")
+        plan.decided_mode = {**probe, "probed_in": str(folder.resolve())}

@@ -65,6 +65,11 @@ def add_run_command_arguments(run: argparse.ArgumentParser) -> None:
                           "through the input pipeline; the same cases also run on synthetic "
                           "data, and the report says whether the input limits them")
     add_loader_options(run, "--data: ")
+    run.add_argument("--mode-from", metavar="DIR",
+                     help="--mode best: each plan runs in the mode the probe of its earlier "
+                          "run in DIR chose (DIR as run wrote it, or a multi-node step's "
+                          "folder), instead of probing again: every node count of a sweep in "
+                          "the mode its first case chose")
     run.add_argument("--no-synthetic-baseline", action="store_true",
                      help="--data: skip the synthetic (compute-only) twin of each case")
     run.add_argument("--breakdown", action="store_true",
@@ -193,6 +198,12 @@ def run_plans_of(args: argparse.Namespace) -> list:
     """The plans of `trainperf run` with every option checked (``slurm`` checks a node's
     command with it before the queue)."""
     plans = plan_from_args(args)
+    if args.mode_from:
+        from ..plans import report_dir, take_decided_modes
+
+        root = args.resume or args.out
+        take_decided_modes(args.mode_from, plans,
+                           Path(root) if root else report_dir(plans, None))
     if args.fabric:
         from ..scale.commbench import load_fabric
 
