@@ -67,6 +67,8 @@ class Launched:
     """Several nodes: node 0's link probes (empty elsewhere); None on one node."""
     probes_share_path: bool = True
     """The run's collectives cross the network the probes do (``link_verdict``)."""
+    nodes_lost: bool = False
+    """The nodes could not meet for it (nothing launched)."""
 
     def record(self, run: int, run_dir: Path) -> dict:
         """The run's record (``results.run_record``) with what its launches add: on several
@@ -77,6 +79,12 @@ class Launched:
         record = run_record(run, self.seen, self.here.status, self.here.error, self.returncode)
         if self.here.unreachable is not None:
             record["unreachable"] = self.here.unreachable
+        if self.here.status != "ok" and (self.nodes_lost or (self.probes is not None and (
+                self.here.unreachable is not None
+                or (not self.here.cause and outcome.is_lost_peer(self.here.error))))):
+            # Failed because a node went away, not for anything of the work's own: a resumed
+            # plan runs it again (``Runner._done_runs``).
+            record["nodes_lost"] = True
         if self.probes is not None:
             probes = {str(n): samples for n, samples in sorted(self.probes.items())}
             if probes:
@@ -360,4 +368,4 @@ class RunLauncher:
 
 def failed_to_meet(exc: RendezvousError) -> Launched:
     """A run whose nodes could not meet: failed, nothing launched."""
-    return Launched(outcome.Outcome("failed", str(exc)), [], [], None)
+    return Launched(outcome.Outcome("failed", str(exc)), [], [], None, nodes_lost=True)

@@ -386,6 +386,9 @@ class Nodes:
         """Why the nodes cannot meet any more (the runs left are recorded as not run)."""
         self.is_follower = any(c.topology.node_rank > 0 for c in plan.cases)
         """Rank 0 lives on another node; with ``--rdzv`` known once the nodes have met."""
+        self.holds: str | None = None
+        """What this node's folder holds from an earlier run it resumes: ``leader`` (the
+        measurements), ``follower`` (a follower's records) or None (nothing)."""
 
     def join(self, topo: Topology) -> NodeGroup:
         """Meet the other nodes once (the first time: join them and learn this node's rank).
@@ -405,10 +408,24 @@ class Nodes:
                           run_id="-".join(["trainperf", *" ".join(words).split()]),
                           node_rank=None if topo.rdzv else topo.node_rank, probe=True)
         try:
-            group.join(plan.settings())
+            group.join(plan.settings(), self.holds)
+            role = "follower" if group.node_rank > 0 else "leader"
+            if self.holds is not None and self.holds != role:
+                # Node 0 on a follower's records would take runs without figures as done;
+                # a follower on the measurements would rewrite them as a follower's.
+                held = ("the measurements" if self.holds == "leader"
+                        else "a follower node's records")
+                raise RendezvousError(
+                    f"this node is node {group.node_rank} of the plan, but its folder "
+                    f"{plan.out_dir} holds {held}: resume each node's own folder with --rdzv "
+                    "(the node with the measurements becomes node 0)")
         except RendezvousError as exc:
             self.lost = str(exc)
             group.close()
+            if self.holds is not None:
+                # Never met again: the folder keeps the role it had, so a follower's records
+                # are not rewritten as a leader's.
+                self.is_follower = self.holds == "follower"
             raise
         self.group = group
         self.is_follower = group.node_rank > 0

@@ -251,6 +251,30 @@ def settings_digest(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def rank_order(holds: list[str | None]) -> list[int]:
+    """The node ranks after a rendezvous, as the rendezvous's ranks in their new order: the
+    node whose folder holds the plan's measurements (``holds``, by rendezvous rank) first,
+    every other in its place, so that a job resumed anyhow keeps its figures on node 0. The
+    one folder without records is that node's where every other holds a follower's (node 0
+    stopped before it recorded a run the others did). RendezvousError where two hold
+    measurements: one run's figures are on one node."""
+    leaders = [r for r, h in enumerate(holds) if h == "leader"]
+    if len(leaders) > 1:
+        raise RendezvousError(f"the folders of nodes {leaders} (as the rendezvous ranked them) "
+                              "each hold measurements of this plan: resume each job's own "
+                              "node folders")
+    empty = [r for r, h in enumerate(holds) if h is None]
+    if leaders:
+        first = leaders[0]
+    elif len(empty) == 1 and len(holds) > 1:
+        first = empty[0]
+    else:
+        return list(range(len(holds)))
+    order = list(range(len(holds)))
+    order[0], order[first] = order[first], order[0]
+    return order
+
+
 @dataclass
 class NodeGroup:
     """This node's place among the nodes of one plan."""
@@ -277,13 +301,18 @@ class NodeGroup:
     _held: ports.Reservation | None = field(default=None, repr=False)
     """The ports this node published at the last meeting, held until the next one."""
 
-    def join(self, settings: dict[str, Any]) -> None:
+    def join(self, settings: dict[str, Any], holds: str | None = None) -> None:
         """Meet the other nodes once: node rank, every node's address, and the check that all
-        run the same plan."""
+        run the same plan. ``holds``: what this node's folder of the plan holds from an earlier
+        run that stopped (``leader``: the measurements, ``follower``: a follower's records,
+        None: nothing); at a rendezvous the node with the measurements becomes node 0
+        (``rank_order``), so that a resumed job's figures go on where they are."""
         if self.node_rank is not None:
             self._join_by_hand()
+            by_hand = True
         else:
             self._join_rendezvous()
+            by_hand = False
         digest = settings_digest(settings)
         if self.probe and self._probe_server is None:
             try:
@@ -292,14 +321,20 @@ class NodeGroup:
                 pass  # no probes of this node's link; everything else goes on
         port = self._probe_server.port if self._probe_server else None
         self._set(f"node/{self.node_rank}", json.dumps({"addr": self.local_addr,
-                                                         "plan": digest, "probe": port}))
+                                                         "plan": digest, "probe": port,
+                                                         "holds": holds}))
         nodes = [json.loads(v) for v in self._wait_all("node", "the first meeting")]
         differ = [r for r, n in enumerate(nodes) if n["plan"] != digest]
         if differ:
             raise RendezvousError(f"node(s) {differ} run another plan than node "
                                   f"{self.node_rank}: start every node with the same options")
-        self.addrs = tuple(n["addr"] for n in nodes)
-        self.probe_ports = tuple(n.get("probe") for n in nodes)
+        order = list(range(len(nodes))) if by_hand else rank_order(
+            [n.get("holds") for n in nodes])
+        # Every node computes the same order from the same records: new rank i is the node
+        # the rendezvous ranked order[i].
+        self.node_rank = order.index(self.node_rank)
+        self.addrs = tuple(nodes[r]["addr"] for r in order)
+        self.probe_ports = tuple(nodes[r].get("probe") for r in order)
 
     def _join_by_hand(self) -> None:
         """Node 0 hosts a TCP store at the endpoint (its own address); the others connect,

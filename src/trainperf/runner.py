@@ -27,6 +27,8 @@ from .node_agreement import Nodes
 from .plan_model import Case, Plan, check_plan, device_kind, plan_cases
 from .procs import cpu_threads_per_process
 from .progress import Progress, QuietProgress
+from .rendezvous import RendezvousError
+from .result_files import RESULTS, role_of
 from .protocol import Event, Phases, RunSpec, Start
 from .run_kinds import ProbeRound, ProfiledRun, RunKind, TimedRun
 
@@ -71,6 +73,7 @@ class Runner:
         check_plan(plan)
         self.modes = PlanModes(plan, self.backend, shared)
         self.nodes = Nodes(plan)
+        self.resuming = False
         # The environment is checked here, with the plan, before any plan's run starts: a
         # CUDA run never goes on with a CPU build.
         python = envs.interpreter(plan.framework, device_kind(plan.cases[0].topology.device))
@@ -186,22 +189,45 @@ class Runner:
         self._check_same_plan()
         if self.backend.env is not None:
             self.launcher.pythonpath = str(envs.package_link_dir(self.out / "runs"))
+        self.resuming = resume
         if resume:
+            self.nodes.holds = role_of(self.out / RESULTS)
             self._restore()
         if not self.env:
             self.env = host_env()
             self._append_event({"event": "runner_start", "t": time.time(), "env": self.env})
 
+    def _done_runs(self) -> dict[str, list[int]]:
+        """The runs of each case this folder holds as done: a training run that failed or was
+        stopped goes on from its last checkpoint; a throughput run that failed stays a result,
+        unless it failed because the nodes lost each other (a node killed, a link cut: that
+        says nothing of the work, and the run goes again)."""
+        return {f"{name} {batch}": sorted(
+            r["run"] for r in runs
+            if (r["status"] == "ok" if self.plan.train is not None
+                else r["status"] == "ok" or not r.get("nodes_lost")))
+            for (name, batch), runs in self.records.items()}
+
+    def _agreed_done_runs(self) -> dict[str, list[int]]:
+        """What is left to run, alike on every node: on several nodes resuming, node 0's
+        records decide (a follower's record of a run node 0 never recorded, or recorded as
+        lost, would otherwise skip a launch the others make)."""
+        topo = self.plan.cases[0].topology
+        if not self.resuming or topo.nnodes < 2:
+            return self._done_runs()
+        try:
+            return self.nodes.one_decision(topo, "resume", self._done_runs)
+        except RendezvousError:
+            return self._done_runs()  # every launch then fails at its meeting, saying why
+
     def _each_run(self) -> Iterator[None]:
         try:
             yield from self._decide_mode()
+            agreed = self._agreed_done_runs()
             for case in self.plan.cases:
                 key = (case.key.name, case.batch_size)
                 runs = self.records.setdefault(key, [])
-                # A training run that failed or was stopped goes on from its last checkpoint
-                # on --resume; a throughput run that failed stays a result.
-                done = {r["run"] for r in runs
-                        if self.plan.train is None or r["status"] == "ok"}
+                done = set(agreed.get(f"{key[0]} {key[1]}", []))
                 for run in range(1, self.plan.measure.runs + 1):
                     if run in done:
                         continue
