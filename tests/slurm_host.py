@@ -1,6 +1,8 @@
-"""A real Slurm on this one host for the tests: munged, slurmctld and slurmd started from a
-temporary folder, with their own ports, socket and configuration, so they touch neither a Slurm
-nor a munge the host may already run, and are all stopped afterwards.
+"""A real Slurm on this one host for the tests: munged, slurmctld and one slurmd per node
+(``NODES`` of them, Slurm's own several-daemons-per-host setup: each its node name, port and
+spool) started from a temporary folder, with their own ports, socket and configuration, so they
+touch neither a Slurm nor a munge the host may already run, and are all stopped afterwards.
+Jobs see a cluster of two nodes and run on both, as on two hosts.
 
     python tests/slurm_host.py install   # Debian's slurm-wlm and munge, best effort (make test)
 
@@ -31,6 +33,7 @@ CLIENTS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel", "srun")
 PACKAGES = ("slurm-wlm", "munge")
 INSTALL_HINT = "`python tests/slurm_host.py install` (run by `make test`) installs them"
 START_TIMEOUT_S = 30.0
+NODES = 2
 STOP_TIMEOUT_S = 10.0
 
 
@@ -58,6 +61,9 @@ class SlurmHost:
         self.root: Path | None = None
         self.conf: Path | None = None
         self.node = socket.gethostname().split(".")[0]
+        self.nodes = [f"tpnode{i}" for i in range(NODES)]
+        """Slurm's names of the cluster's nodes, every one of them this host (reached at
+        127.0.0.1, its NodeAddr); the first is where a job's nodes meet."""
         self.partition = "trainperf"
         self.procs: dict[str, subprocess.Popen] = {}
         self._old_conf: str | None = None
@@ -88,8 +94,9 @@ class SlurmHost:
         self._env_set = True
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
         self._wait("slurmctld to answer", self._controller_up)
-        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
-        self._wait(f"node {self.node} to be idle", self._node_idle)
+        for name in self.nodes:
+            self._spawn(f"slurmd-{name}", ["slurmd", "-D", "-N", name, "-f", str(self.conf)])
+        self._wait(f"nodes {', '.join(self.nodes)} to be idle", self._node_idle)
 
     def _start_munge(self) -> None:
         assert self.root is not None
@@ -108,9 +115,10 @@ class SlurmHost:
                                f"--seed-file={munge / 'munged.seed'}"])
         self._wait("munged's socket", self.munge_socket.exists)
 
-    def _node_line(self) -> str:
-        """This host as slurmd sees it (CPUs, sockets, cores, threads, memory), so the
-        controller does not drain the node for a mismatch."""
+    def _node_lines(self) -> list[str]:
+        """Each node as slurmd sees this host (CPUs, sockets, cores, threads, memory), so the
+        controller does not drain one for a mismatch; every node this host, on a port of its
+        own."""
         try:
             out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True,
                                  timeout=30).stdout
@@ -119,8 +127,10 @@ class SlurmHost:
             mib = psutil.virtual_memory().total // 2**20
             line = f"NodeName={self.node} CPUs={os.cpu_count() or 1} RealMemory={mib}"
         fields = [f for f in line.split() if not f.startswith("NodeName=")]
-        return " ".join([f"NodeName={self.node}", "NodeAddr=127.0.0.1", *fields,
-                         "State=UNKNOWN"])
+        ports = reserved_ports(len(self.nodes))
+        return [" ".join([f"NodeName={name}", f"NodeHostname={self.node}",
+                          "NodeAddr=127.0.0.1", f"Port={port}", *fields, "State=UNKNOWN"])
+                for name, port in zip(self.nodes, ports)]
 
     def _write_conf(self) -> Path:
         assert self.root is not None
@@ -134,16 +144,17 @@ class SlurmHost:
             "SlurmdUser=root",
             # Ports of its own, so a Slurm already on the host (6817/6818) is left alone.
             f"SlurmctldPort={reserved_ports()[0]}",
-            f"SlurmdPort={reserved_ports()[0]}",
+
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
+            # %n: each node's daemon its own spool, pid file and log.
+            f"SlurmdSpoolDir={r / 'spool'}/%n",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
+            f"SlurmdPidFile={r / 'slurmd'}-%n.pid",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd'}-%n.log",
             # No cgroups, no accounting daemon: what a container or a bare VM can run.
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
@@ -162,9 +173,9 @@ class SlurmHost:
             # test to read its end, short enough not to pile up.
             "MinJobAge=60",
             "KillWait=5",
-            self._node_line(),
-            f"PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE "
-            f"State=UP",
+            *self._node_lines(),
+            f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES "
+            "MaxTime=INFINITE State=UP",
         ]
         conf = r / "slurm.conf"
         conf.write_text("\n".join(lines) + "\n")
@@ -193,14 +204,15 @@ class SlurmHost:
             if ready():
                 return
             time.sleep(0.2)
+        daemon = next((n for n in self.procs if n.startswith("slurmd")), "slurmctld")
         raise Unavailable(f"timed out after {START_TIMEOUT_S:.0f} s waiting for {what}: "
-                          f"{self._log_of('slurmd' if 'slurmd' in self.procs else 'slurmctld')}")
+                          f"{self._log_of(daemon)}")
 
     def _log_of(self, name: str) -> str:
         assert self.root is not None
         logs = {"munged": self.root / "munge" / "munged.log",
                 "slurmctld": self.root / "log" / "slurmctld.log",
-                "slurmd": self.root / "log" / "slurmd.log"}
+                **{f"slurmd-{n}": self.root / "log" / f"slurmd-{n}.log" for n in self.nodes}}
         for path in (logs.get(name), self.root / f"{name}.stdout"):
             if path is not None and path.exists() and path.stat().st_size:
                 return _tail(path)
@@ -217,8 +229,9 @@ class SlurmHost:
         return "UP" in (self._query(["scontrol", "ping"]) or "")
 
     def _node_idle(self) -> bool:
-        state = self._query(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"]) or ""
-        return state.strip() == "idle"
+        states = (self._query(["sinfo", "-h", "-N", "-o", "%N %T"]) or "").split("\n")
+        idle = {ln.split()[0] for ln in states if ln.split()[1:] == ["idle"]}
+        return idle >= set(self.nodes)
 
     # -- while running ----------------------------------------------------------------------
 
@@ -232,7 +245,8 @@ class SlurmHost:
     def stop(self) -> None:
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             self._cancel_jobs()
-        for name in ("slurmd", "slurmctld", "munged"):
+        daemons = [n for n in self.procs if n.startswith("slurmd")]
+        for name in (*daemons, "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is not None:
                 _end(proc)
@@ -293,8 +307,8 @@ def _end(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def slurm_cluster():
-    """A started single-host cluster (``SLURM_CONF`` points at it while the module runs), or a
-    skip that names what failed."""
+    """A started cluster of two nodes on this host (``SLURM_CONF`` points at it while the
+    module runs), or a skip that names what failed."""
     host = SlurmHost()
     try:
         host.start()

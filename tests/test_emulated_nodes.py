@@ -214,10 +214,20 @@ def test_after_kill_9_the_next_start_removes_what_was_left(tmp_path, emulated_no
 
 
 @needs_root
-def test_a_failing_node_command_fails_the_call_and_leaves_nothing(tmp_path):
+def test_a_command_that_cannot_run_is_refused_before_any_node_is_made(tmp_path):
     proc = emulate("--nodes", "2", "--", "run", "no-such-recipe", "--out", str(tmp_path))
     output = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0 and "no-such-recipe" in output
+    assert proc.returncode == 2 and "no-such-recipe" in output
+    assert not (tmp_path / "emulation.json").exists()  # planned here, before the nodes
+
+
+def test_a_failing_node_command_fails_the_call_and_leaves_nothing(tmp_path):
+    # Planned fine, fails on the nodes: no run can load its framework under 64 MiB.
+    proc = emulate("--nodes", "2", "--", "run", "tiny-arcface", "--device", "cpu", "--runs",
+                   "1", "--iters", "3", "--warmup", "1", "--memory-limit", "64MiB",
+                   "--out", str(tmp_path))
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1, output
     assert json.loads((tmp_path / "emulation.json").read_text())["exit_codes"][0] != 0
     assert left_of(tag_of(tmp_path)) == NOTHING
 

@@ -1,7 +1,8 @@
 """`trainperf slurm`: the script (valid bash, the asked #SBATCH lines, run's options carried
-over, what each task runs, a job that resumes an earlier one's node folders), usage errors,
-following a job through a fake Slurm, and a real single-host Slurm running a job of two tasks
-acting as two nodes."""
+over, what each task of each node count runs, a job that resumes an earlier one's node
+folders), plans made for the nodes' devices, usage errors, following a job through a fake
+Slurm, and a real Slurm of two nodes on this host running jobs of several plans, a node sweep
+and a job resumed after one of its nodes was killed."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from run_util import reserved_ports
@@ -21,7 +24,10 @@ from slurm_host import slurm_cluster  # noqa: F401  (the fixture, imported to be
 from trainperf import results
 from trainperf.cli import build_parser, main
 from trainperf.cli import slurm as slurm_cli
-from trainperf.scale import commbench, slurm
+from trainperf.rendezvous import RendezvousError, rank_order
+from trainperf.result_files import role_of
+from trainperf.scale import commbench, node_sweep, slurm
+from trainperf.scale.node_sweep import Step, steps_of
 
 BASIC = ["tiny-arcface", "--nodes", "2"]
 
@@ -82,6 +88,28 @@ def slurm_namespace(*argv: str):
     return build_parser().parse_args(["slurm", *argv])
 
 
+def test_plans_are_made_for_the_nodes_devices_not_this_hosts(tmp_path):
+    """A login node has no GPU: a job asking for GPU nodes is planned for CUDA (bf16 for
+    Paddle, CUDA graphs for torch, which a CPU does not run), one without for the CPU."""
+    gpu = slurm_namespace("tiny-arcface", "--nodes", "2", "--gpus-per-node", "8",
+                          "--framework", "torch,paddle,jax", "--precision", "bf16",
+                          "--out", str(tmp_path / "a"))
+    job = slurm_cli.job_from_args(gpu)
+    assert "--device" in job.run_argv and job.run_argv[job.run_argv.index("--device") + 1] \
+        == "cuda"
+    assert job.steps == (Step(2, (8,)),)
+    graphs = slurm_namespace("tiny-arcface", "--nodes", "2", "--gpus-per-node", "8", "--mode",
+                             "compile-cudagraphs", "--out", str(tmp_path / "b"))
+    slurm_cli.job_from_args(graphs)
+    cpu = slurm_namespace(*BASIC, "--framework", "paddle", "--precision", "bf16",
+                          "--out", str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="paddle"):
+        slurm_cli.job_from_args(cpu)
+    with pytest.raises(ValueError, match="--gpus-per-node"):
+        slurm_cli.job_from_args(slurm_namespace(*BASIC, "--device", "cuda",
+                                                "--out", str(tmp_path / "d")))
+
+
 def test_run_options_round_trip():
     argv = ["--batch-size", "16,32", "--precision", "bf16",
             "--fc", "pfc", "--sample-ratio", "0.25", "--pfc-update", "dense",
@@ -95,21 +123,39 @@ def test_run_options_round_trip():
     args = slurm_namespace(*BASIC, "--devices", "2", *argv)
     carried = slurm_cli.run_argv(args)
     back = build_parser().parse_args(["run", "tiny-arcface", *carried])
-    for dest in [*slurm_cli.run_option_defaults(), "devices"]:
+    for dest in slurm_cli.run_option_defaults():
         assert getattr(back, dest) == getattr(args, dest), dest
-    # Every option above differs from run's default, so every one is carried, and no other.
+    # Every option above differs from run's default, so every one is carried, and no other
+    # (the devices per node are each node count's own).
     flags = {w for w in argv if w.startswith("--")}
-    assert {w for w in carried if w.startswith("--")} == flags | {"--devices"}
+    assert {w for w in carried if w.startswith("--")} == flags
     assert "--framework" not in slurm_cli.run_argv(slurm_namespace(*BASIC, "--framework",
                                                                    "torch"))
 
 
-def test_defaults_carry_only_the_devices():
-    assert slurm_cli.run_argv(slurm_namespace(*BASIC, "--devices", "1")) == ["--devices", "1"]
+def test_defaults_carry_only_the_nodes_device(tmp_path):
+    assert slurm_cli.run_argv(slurm_namespace(*BASIC, "--devices", "1")) == []
+    job = slurm_cli.job_from_args(slurm_namespace(*BASIC, "--out", str(tmp_path / "a")))
+    assert job.run_argv == ("--device", "cpu") and job.steps == (Step(2, (1,)),)
     # One process per GPU unless told otherwise.
-    args = slurm_namespace(*BASIC, "--gpus-per-node", "4")
+    args = slurm_namespace(*BASIC, "--gpus-per-node", "4", "--out", str(tmp_path / "b"))
     job = slurm_cli.job_from_args(args)
-    assert job.run_argv == ("--devices", "4")
+    assert job.run_argv == ("--device", "cuda") and job.steps == (Step(2, (4,)),)
+
+
+@pytest.mark.parametrize("argv,steps", [
+    (["--nodes", "1,2,4", "--devices", "1,8"],
+     [Step(1, (1, 8)), Step(2, (1, 8)), Step(4, (1, 8))]),
+    (["--nodes", "4,1"], [Step(1, (1,)), Step(4, (1,))]),
+    (["--cases", "1n1g,1n8g,2n8g,4n8g"],  # DLPerf's rows 1n1g, 1n8g, 2n16g, 4n32g
+     [Step(1, (1, 8)), Step(2, (8,)), Step(4, (8,))]),
+    (["--nodes", "1,2", "--cases", "2n1g,1n1g,1n2g"], [Step(1, (1, 2)), Step(2, (1,))]),
+])
+def test_node_counts_and_cases_make_the_steps(argv, steps):
+    nodes = argv[argv.index("--nodes") + 1] if "--nodes" in argv else ""
+    devices = argv[argv.index("--devices") + 1] if "--devices" in argv else None
+    cases = argv[argv.index("--cases") + 1] if "--cases" in argv else None
+    assert steps_of(nodes, devices, cases) == steps
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -124,6 +170,11 @@ def test_defaults_carry_only_the_devices():
     ([*BASIC, "--partition", "a b"], "#SBATCH"),
     ([*BASIC, "--rdzv-port", "70000"], "--rdzv-port"),
     ([*BASIC, "--job-name", "it's"], "#SBATCH"),
+    ([*BASIC[:1], "--nodes", "1,1"], "twice"),
+    ([*BASIC[:1], "--nodes", "1", "--cases", "1n1g,2n1g"], "--nodes says 1"),
+    ([*BASIC, "--cases", "2n1g,2n1g"], "twice"),
+    ([*BASIC, "--cases", "2n1g", "--devices", "1"], "drop --devices"),
+    ([*BASIC, "--cases", "two"], "NnGg"),
 ])
 def test_usage_errors(tmp_path, argv, needle, capsys):
     assert main(["slurm", *argv, "--out", str(tmp_path / "o")]) == 2
@@ -169,7 +220,7 @@ def test_every_run_option_is_carried_or_refused(capsys):
                                  f"{slurm_cli.SET_BY_SCRIPT[dest]}"), last
             continue
         if dest in slurm_cli.OWN_DESTS:
-            continue  # the tests of --out, --devices and --resume below
+            continue  # the tests of --out, --devices (each step's) and --resume
         words = [flag, *sample_words(action)]
         carried = slurm_cli.run_argv(slurm_namespace(*BASIC, *words))
         assert flag in carried, flag
@@ -215,48 +266,71 @@ def test_a_bad_data_path_is_refused_before_submitting(tmp_path, capsys):
 
 # -- resuming an earlier job's node folders ---------------------------------------------------
 
-def earlier_job(out: Path, roles: list[str | None]) -> None:
-    """Node folders as a job leaves them: a results.json by role (None: none, the job ended
-    before that node recorded a run)."""
+def earlier_job(out: Path, roles: list[str | None], plan: str = ".") -> None:
+    """Node folders as a job leaves them: a plan's results.json by role (None: none, the job
+    ended before that node recorded a run)."""
     for i, role in enumerate(roles):
-        folder = out / f"node-{i}"
-        folder.mkdir(parents=True)
+        folder = out / f"node-{i}" / plan
+        folder.mkdir(parents=True, exist_ok=True)
         if role is not None:
             doc = {"role": "follower"} if role == "follower" else {}
             (folder / "results.json").write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("roles,leader", [
+@pytest.mark.parametrize("holds,first", [
     (["follower", "leader", "follower"], 1),
-    ([None, None, None], 0),  # nothing recorded anywhere: any folder will do
+    ([None, None, None], 0),  # nothing recorded anywhere: the rendezvous's order stands
     (["follower", "follower", None], 2),  # node 0 ended before it recorded the run
+    (["leader", "follower"], 0),
 ])
-def test_the_folder_with_the_measurements_is_resumed_as_node_0(tmp_path, roles, leader):
-    earlier_job(tmp_path, roles)
-    assert slurm.resume_leader(tmp_path, 3) == leader
+def test_the_node_with_the_measurements_becomes_node_0(holds, first):
+    order = rank_order(holds)
+    assert order[0] == first and sorted(order) == list(range(len(holds)))
+
+
+def test_two_nodes_with_measurements_meet_no_further():
+    with pytest.raises(RendezvousError, match="each hold measurements"):
+        rank_order(["leader", "follower", "leader"])
+
+
+def test_the_leader_is_found_per_plan(tmp_path):
+    """Each plan's nodes meet on their own, so one plan's measurements may be on node 1 and
+    another's on node 0: a job's documents are each joined from its own leader."""
+    earlier_job(tmp_path, ["follower", "leader"], "torch")
+    earlier_job(tmp_path, ["leader", "follower"], "jax")
+    assert node_sweep.leader_of(tmp_path, "torch") == (tmp_path / "node-1", None)
+    assert node_sweep.leader_of(tmp_path, "jax") == (tmp_path / "node-0", None)
+    earlier_job(tmp_path, ["leader", "leader"], "paddle")
+    leader, why = node_sweep.leader_of(tmp_path, "paddle")
+    assert leader is None and "node-0, node-1 each hold measurements" in why
+    leader, why = node_sweep.leader_of(tmp_path, "oneflow")
+    assert leader is None and "no node folder" in why
+
+
+def plan_folders(job: slurm.SlurmJob, step: Step) -> list:
+    """The plans node 0 of ``step`` makes, as check_with_run plans them."""
+    fresh = replace(job, resume=False)
+    return slurm_cli.check_with_run(fresh)[list(job.steps).index(step)]
 
 
 def test_a_resumed_job_resumes_each_node_folder(tmp_path):
     out = tmp_path / "out"
     earlier_job(out, ["follower", "leader"])
-    plans = slurm_cli.check_with_run(slurm.SlurmJob("tiny-arcface", ("--devices", "1"), out,
-                                                    nodes=2))
-    settings = plans[0].settings()
-    # The layout --memory-format auto picks follows the host's GPUs, which a login node
-    # may lack: a node folder planned on a GPU node is still this plan's.
-    settings["workload"]["channels_last"] = True
-    for folder in slurm.node_dirs(out):
-        (folder / "plan.json").write_text(json.dumps(settings))
+    job = slurm_cli.job_from_args(slurm_namespace(*BASIC, "--out", str(out / "x")))
+    job = replace(job, out_dir=out)
+    (plan,) = plan_folders(job, job.steps[0])
+    for folder in node_sweep.node_dirs(out):
+        (folder / "plan.json").write_text(json.dumps(plan.settings()))
     args = slurm_namespace(*BASIC, "--breakdown", "--resume", str(out))
     job = replace(slurm_cli.job_from_args(args), python=str(tmp_path / "bin" / "python"))
-    assert job.resume_from == 1
+    assert job.resume
     calls = run_script_with_fakes(tmp_path, job)
-    run = ["-m", "trainperf.cli", "run", "tiny-arcface", "--devices", "1", "--breakdown",
-           "--nnodes", "2"]
-    # Task 0 runs on the first host: node 0, hosting the meeting, in the measurements' folder.
-    meet = ["--master-addr", "gpu-a17", "--master-port", "29634"]
-    assert calls == [run + ["--node-rank", "0", *meet, "--resume", str(out / "node-1")],
-                     run + ["--node-rank", "1", *meet, "--resume", str(out / "node-0")],
+    run = ["-m", "trainperf.cli", "run", "tiny-arcface", "--device", "cpu", "--breakdown",
+           "--devices", "1", "--nnodes", "2", "--rdzv", "10.1.0.17:29634"]
+    # Each task resumes its own folder; the rendezvous makes the one with the measurements
+    # node 0 (rank_order).
+    assert calls == [run + ["--resume", str(out / "node-0")],
+                     run + ["--resume", str(out / "node-1")],
                      ["-m", "trainperf.scale.slurm", str(out)]]
     for call in calls[:2]:
         assert slurm_cli.run_parser().parse_args(call[3:]).resume
@@ -267,7 +341,7 @@ def test_a_resumed_job_resumes_each_node_folder(tmp_path):
     (None, [], "no node folders"),
     (["leader", "follower", "follower"], [], "give the --nodes"),
     (["leader", "leader"], [], "each hold measurements"),
-    (["follower", "follower"], [], "no node folder holds the measurements"),
+    (["follower", "follower"], [], "none the measurements"),
     (["leader", "follower"], ["--out", "elsewhere"], "drop --out"),
     (["leader", "follower"], ["--runs", "3"], "another plan (differs in measure)"),
     (["leader", "follower"], ["--framework", "torch,jax"], "a plan this job does not make"),
@@ -276,9 +350,9 @@ def test_a_resume_that_cannot_work_is_refused(tmp_path, setup, argv, needle, cap
     out = tmp_path / "out"
     if setup is not None:
         earlier_job(out, setup)
-        plans = slurm_cli.check_with_run(slurm.SlurmJob("tiny-arcface", ("--devices", "1"),
-                                                        out, nodes=2))
-        (out / "node-0" / "plan.json").write_text(json.dumps(plans[0].settings()))
+        job = slurm_cli.job_from_args(slurm_namespace(*BASIC, "--out", str(tmp_path / "x")))
+        (plan,) = plan_folders(replace(job, out_dir=out), job.steps[0])
+        (out / "node-0" / "plan.json").write_text(json.dumps(plan.settings()))
     assert main(["slurm", *BASIC, *argv, "--resume", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and err.startswith("trainperf: error:") and "\n" not in err
@@ -306,17 +380,25 @@ def test_submit_without_sbatch_is_a_usage_error(tmp_path, monkeypatch, capsys):
 # -- the script's steps, run through bash with a fake srun ------------------------------------
 
 FAKE_SRUN = """#!/bin/bash
-# Records its own options, then runs the command once per task as srun would, with the
-# variables Slurm gives each task.
+# Records its own options, then runs the command once per task of the step as srun would,
+# with the variables Slurm gives each task.
 opts=()
-while [[ $1 == -* ]]; do opts+=("$1"); shift; done
-printf '%s\\n' "${opts[@]}" > "$RECORD/srun-options"
-for ((i = 0; i < FAKE_NTASKS; i++)); do
-    SLURM_PROCID=$i SLURM_NTASKS=$FAKE_NTASKS "$@"
+ntasks=1
+while [[ $1 == -* ]]; do
+    opts+=("$1")
+    [[ $1 == --ntasks=* ]] && ntasks=${1#--ntasks=}
+    shift
+done
+printf '%s\\n' "${opts[*]}" >> "$RECORD/srun-options"
+for ((i = 0; i < ntasks; i++)); do
+    SLURM_PROCID=$i SLURM_NTASKS=$ntasks "$@"
 done
 """
 FAKE_SCONTROL = """#!/bin/bash
-[[ "$1 $2" == "show hostnames" ]] && printf 'gpu-a17\\ngpu-a18\\n'
+[[ "$1 $2" == "show hostnames" ]] && printf 'gpu-a17\\ngpu-a18\\ngpu-a19\\ngpu-a20\\n'
+[[ "$1 $2" == "show node" ]] && echo "NodeName=$3 Arch=x86_64 CoresPerSocket=8"
+[[ "$1 $2 $3" == "show node gpu-a17" ]] && echo "   NodeAddr=10.1.0.17 NodeHostName=gpu-a17"
+exit 0
 """
 FAKE_PYTHON = """#!{python}
 import json, os, sys
@@ -335,9 +417,8 @@ def run_script_with_fakes(tmp_path: Path, job: slurm.SlurmJob, **env: str) -> li
         (bin_dir / name).chmod(0o755)
     script = slurm.write_script(job)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RECORD": str(record),
-           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_JOB_ID": "81234",
-           "SLURM_CPUS_ON_NODE": "16", "FAKE_NTASKS": str(job.nodes * job.tasks_per_node),
-           **env}
+           "SLURM_JOB_NODELIST": "gpu-a[17-20]", "SLURM_JOB_ID": "81234",
+           "SLURM_CPUS_ON_NODE": "16", **env}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return [json.loads(ln) for ln in (record / "calls.jsonl").read_text().splitlines()]
@@ -345,27 +426,61 @@ def run_script_with_fakes(tmp_path: Path, job: slurm.SlurmJob, **env: str) -> li
 
 def test_each_task_runs_run_as_one_node(tmp_path):
     fake_python = str(tmp_path / "bin" / "python")
-    job = slurm.SlurmJob("tiny-arcface", ("--devices", "2", "--runs", "3"), tmp_path / "out",
-                         nodes=2, python=fake_python)
+    job = slurm.SlurmJob("tiny-arcface", ("--runs", "3"), tmp_path / "out",
+                         steps=(Step(2, (2,)),), python=fake_python)
     calls = run_script_with_fakes(tmp_path, job)
-    run = ["-m", "trainperf.cli", "run", "tiny-arcface", "--devices", "2", "--runs", "3",
-           "--nnodes", "2", "--rdzv", "gpu-a17:29634"]  # 29400 + 81234 % 1000
+    # 29400 + 81234 % 1000; the address Slurm reaches the first host by
+    run = ["-m", "trainperf.cli", "run", "tiny-arcface", "--runs", "3", "--devices", "2",
+           "--nnodes", "2", "--rdzv", "10.1.0.17:29634"]
     assert calls == [run + ["--out", str(tmp_path / "out" / "node-0")],
                      run + ["--out", str(tmp_path / "out" / "node-1")],
                      ["-m", "trainperf.scale.slurm", str(tmp_path / "out")]]
     options = (tmp_path / "record" / "srun-options").read_text().split()
     assert "--ntasks-per-node=1" in options and '--cpus-per-task=16' in options
+    assert "--nodes=2" in options and "--nodelist=gpu-a17,gpu-a18" in options
+
+
+def test_a_node_sweep_runs_each_count_on_the_first_hosts(tmp_path):
+    """One allocation of the largest count; each count a step on the allocation's first
+    hosts, meeting on a port of its own, its node folders under nodes-N; under --mode best
+    every count after the first takes the first one's choice."""
+    out = tmp_path / "out"
+    args = slurm_namespace("tiny-arcface", "--nodes", "1,2,4", "--devices", "1,2",
+                           "--framework", "torch,jax", "--runs", "2", "--out", str(out))
+    job = replace(slurm_cli.job_from_args(args), python=str(tmp_path / "bin" / "python"))
+    assert job.mode_from_first  # several frameworks: --mode best
+    assert sbatch_lines(slurm.render_script(job))[1] == "--nodes=4"
+    calls = run_script_with_fakes(tmp_path, job)
+    base = ["-m", "trainperf.cli", "run", "tiny-arcface", "--framework", "torch,jax",
+            "--device", "cpu", "--runs", "2", "--devices", "1,2"]
+    first = str(out / "nodes-1")
+    assert calls[0] == base + ["--out", str(out / "nodes-1" / "node-0")]
+    assert calls[1:3] == [base + ["--mode-from", first, "--nnodes", "2", "--rdzv",
+                                  "10.1.0.17:29635", "--out", str(out / "nodes-2" / f"node-{i}")]
+                          for i in range(2)]
+    assert calls[3:7] == [base + ["--mode-from", first, "--nnodes", "4", "--rdzv",
+                                  "10.1.0.17:29636", "--out", str(out / "nodes-4" / f"node-{i}")]
+                          for i in range(4)]
+    assert calls[7] == ["-m", "trainperf.scale.slurm", str(out)]
+    steps = (tmp_path / "record" / "srun-options").read_text().splitlines()
+    assert ["--nodes=1 --nodelist=gpu-a17", "--nodes=2 --nodelist=gpu-a17,gpu-a18",
+            "--nodes=4 --nodelist=gpu-a17,gpu-a18,gpu-a19,gpu-a20"] == \
+        [" ".join(line.split()[:2]) for line in steps]
+    job_record = json.loads((out / "job.json").read_text())
+    assert job_record["steps"] == [{"nodes": n, "devices_per_node": [1, 2]} for n in (1, 2, 4)]
+    for call in calls[:7]:
+        slurm_cli.run_parser().parse_args(call[3:])  # run's own parser takes each
 
 
 def test_the_port_can_be_chosen(tmp_path):
-    job = slurm.SlurmJob("tiny-arcface", ("--devices", "1"), tmp_path / "out", nodes=1,
+    job = slurm.SlurmJob("tiny-arcface", (), tmp_path / "out", steps=(Step(1, (1,)),),
                          tasks_per_node=2, rdzv_port=31000, python=str(tmp_path / "bin/python"))
     calls = run_script_with_fakes(tmp_path, job)
-    assert [c[c.index("--rdzv") + 1] for c in calls[:2]] == ["gpu-a17:31000"] * 2
+    assert [c[c.index("--rdzv") + 1] for c in calls[:2]] == ["10.1.0.17:31000"] * 2
     options = (tmp_path / "record" / "srun-options").read_text().split()
     assert "--cpus-per-task=8" in options  # the host's CPUs shared by its two tasks
     calls = run_script_with_fakes(tmp_path / "again", job, TRAINPERF_RDZV_PORT="4242")
-    assert calls[0][calls[0].index("--rdzv") + 1] == "gpu-a17:4242"
+    assert calls[0][calls[0].index("--rdzv") + 1] == "10.1.0.17:4242"
 
 
 # -- following a job, on a fake Slurm ---------------------------------------------------------
@@ -429,40 +544,119 @@ def test_cancel_waits_for_the_job_to_leave():
     assert fake.calls[0] == ["scancel", "7"] and fake.states == []
 
 
-def test_the_leader_is_the_folder_that_is_no_follower(tmp_path):
-    for name, doc in (("node-0", {"role": "follower"}), ("node-1", {}),
-                      ("node-2", {"role": "follower"})):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "results.json").write_text(json.dumps(doc))
-    assert slurm.find_leader(tmp_path) == tmp_path / "node-1"
-    (tmp_path / "node-2" / "results.json").write_text("{}")
-    with pytest.raises(ValueError, match="node-1, node-2"):
-        slurm.find_leader(tmp_path)
-    with pytest.raises(ValueError, match="none"):
-        slurm.find_leader(tmp_path / "node-0")
+# -- a real Slurm of two nodes ------------------------------------------------------------------
+
+TINY = ["--runs", "1", "--iters", "5", "--warmup", "2", "--time", "5"]
 
 
-# -- a real Slurm -----------------------------------------------------------------------------
+def submit(slurm_cluster, out: Path, *argv: str) -> tuple[int, str]:
+    rc = main(["slurm", "tiny-arcface", *argv, *TINY, "--rdzv-port",
+               str(reserved_ports(3)[0]), "--out", str(out), "--submit"])
+    return rc
+
+
+def job_documents(out: Path) -> dict[str, dict]:
+    """The job's documents by plan, as job.json lists them."""
+    listed = json.loads((out / "job.json").read_text())["documents"]
+    return {str(Path(rel).parent): results.load(out / rel) for rel in listed}
+
 
 @pytest.mark.slow
-def test_a_submitted_two_node_job_completes_and_reports(slurm_cluster, tmp_path, capsys):
+def test_a_node_sweep_of_two_frameworks_completes_and_reports(slurm_cluster, tmp_path,
+                                                             capsys):
+    """torch and JAX (each in its default mode, as asked) at 1 node of 1 and 2 processes and
+    at 2 nodes of 1: one document per framework with all three cases, speedups against 1n1g
+    on every row, report.md, exit 0."""
     out = tmp_path / "job"
     started = time.monotonic()
-    rc = main(["slurm", "tiny-arcface", "--nodes", "1", "--tasks-per-node", "2",
-               "--devices", "1", "--runs", "1", "--iters", "6", "--warmup", "2",
-               "--device", "cpu", "--time", "3", "--rdzv-port", str(reserved_ports()[0]),
-               "--out", str(out), "--submit"])
+    rc = submit(slurm_cluster, out, "--framework", "torch,jax", "--mode", "default",
+                "--cases", "1n1g,1n2g,2n1g")
     printed = capsys.readouterr().out
-    took = time.monotonic() - started
     assert rc == 0, printed
     assert "COMPLETED" in printed and (out / "report.md").exists()
-    leader = slurm.find_leader(out)
-    doc = results.load(leader)
-    (case,) = doc["cases"]
-    assert case["world_size"] == 2 and case["nodes"] == 2
-    (run,) = case["runs"]
-    assert run["status"] == "ok" and run["samples_per_s"] > 0
-    (follower,) = [p for p in slurm.node_dirs(out) if p != leader]
-    assert json.loads((follower / "results.json").read_text())["role"] == "follower"
+    docs = job_documents(out)
+    assert set(docs) == {"torch", "jax"}
+    for doc in docs.values():
+        assert [c["case"] for c in doc["cases"]] == ["1n1g", "1n2g", "2n1g"]
+        assert all(c["speedup"] is not None and c["runs"][0]["status"] == "ok"
+                   for c in doc["cases"])
+        assert doc["cases"][0]["speedup"] == 1.0
+        assert {c["measured_in"].split("/")[0] for c in doc["cases"]} == {"nodes-1", "nodes-2"}
+    report = (out / "report.md").read_text()
+    assert "## Comparison" in report
     assert slurm_cluster.job_ids() == []  # nothing left in the queue
-    print(f"job submitted, run and reported in {took:.1f} s")
+    print(f"sweep submitted, run and reported in {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_real_data_job_writes_its_report(slurm_cluster, tmp_path, capsys):
+    prefix = tmp_path / "faces"
+    assert main(["data", "synth", "--identities", "4", "--images-per-identity", "4",
+                 "--size", "32", "--val-pairs", "0", "--out", str(prefix)]) == 0
+    out = tmp_path / "job"
+    rc = submit(slurm_cluster, out, "--nodes", "2", "--data", str(prefix),
+                "--loader-workers", "1")
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    docs = job_documents(out)
+    assert set(docs) == {"real", "synthetic"}
+    assert all(d["cases"][0]["case"] == "2n1g" for d in docs.values())
+    assert "real-data" in (out / "report.md").read_text()
+
+
+def kill_the_leader_after_its_first_run(out: Path, timeout_s: float = 180.0) -> Path:
+    """Kill the node that keeps the measurements, runner and runs, once it has recorded its
+    first run: a node lost in the middle of a job. Its folder."""
+    deadline = time.monotonic() + timeout_s
+    leader = None
+    while leader is None:
+        assert time.monotonic() < deadline, f"no node of {out} recorded a run"
+        for node in node_sweep.node_dirs(out):
+            try:
+                doc = json.loads((node / "results.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if doc.get("role") != "follower" and doc["cases"] and doc["cases"][0]["runs"]:
+                leader = node
+        time.sleep(0.2)
+    runners = [p for p in psutil.process_iter(["cmdline"])
+               if str(leader) in (p.info["cmdline"] or [])]
+    victims = [c for p in runners for c in p.children(recursive=True)] + runners
+    for p in victims:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return leader
+
+
+@pytest.mark.slow
+def test_a_job_whose_node_was_killed_finishes_with_resume(slurm_cluster, tmp_path, capsys):
+    out = tmp_path / "job"
+    port = str(reserved_ports(3)[0])
+    argv = ["slurm", "tiny-arcface", "--nodes", "2", "--runs", "2", "--iters", "6",
+            "--warmup", "2", "--time", "5", "--rdzv-port", port, "--rdzv-timeout", "20"]
+    killed: list[Path] = []
+    killer = threading.Thread(
+        target=lambda: killed.append(kill_the_leader_after_its_first_run(out)))
+    killer.start()
+    rc = main([*argv, "--out", str(out), "--submit"])
+    killer.join()
+    capsys.readouterr()
+    assert rc == 1 and killed  # a node was lost: the job did not measure everything
+    first = json.loads((killed[0] / "results.json").read_text())["cases"][0]["runs"]
+    assert [r["run"] for r in first] == [1]
+    rc = main([*argv, "--resume", str(out), "--submit"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    (doc,) = job_documents(out).values()
+    (case,) = doc["cases"]
+    assert [r["run"] for r in case["runs"]] == [1, 2]
+    assert all(r["status"] == "ok" and r["samples_per_s"] > 0 for r in case["runs"])
+    # Run 1 is the one measured before the kill, in the folder that kept it; run 2 was
+    # measured there too, whichever task the resumed job's rendezvous ranked first.
+    assert case["runs"][0] == first[0]
+    assert case["measured_in"] == killed[0].name
+    roles = {node.name: role_of(node / "results.json") for node in node_sweep.node_dirs(out)}
+    assert roles[killed[0].name] == "leader" and sorted(roles.values()) == ["follower",
+                                                                            "leader"]

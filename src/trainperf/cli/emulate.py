@@ -16,6 +16,10 @@ from pathlib import Path
 
 from ..emulated_nodes import EmulatedNodes, EmulationError, parse_rate, rate_text
 from ..env import gpu_count
+from ..result_files import JOB
+from ..results import write_json_atomic
+from ..scale.node_sweep import (JOB_SCHEMA, Step, all_runs_ok, collect, is_sweep, step_dir,
+                                steps_of)
 from .common import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE
 
 COMMANDS = ("run", "commbench")
@@ -31,9 +35,18 @@ def register(sub) -> None:
         "machine: a network namespace per node, its own address and a link of a chosen rate",
         description="Every node runs the command as it would on a cluster (--nnodes, its "
         "node rank, node 0's address), in a network namespace of its own on one bridge, on its "
-        "share of the cores and GPUs; node k writes OUT/node-k. Needs root. Everything made "
+        "share of the cores and GPUs; node k writes OUT/node-k (OUT/nodes-N/node-k for each "
+        "count N of a list). A `run` ends with one document per plan at the top of OUT, as "
+        "run lays them out, with OUT/job.json and OUT/report.md. Needs root. Everything made "
         "is removed at the end, and what a killed earlier call left is removed at the start.")
-    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--nodes", metavar="N[,N...]",
+                   help="emulated nodes (default 2); a list (1,2) runs `run` at each node "
+                        "count in turn, on nodes 0..N-1 of the largest, and joins them into "
+                        "one document per plan with every count's speedups")
+    p.add_argument("--cases", metavar="NnGg[,...]",
+                   help="with `run`: exactly these cases, named as DLPerf and the results name "
+                        "them (1n1g,1n2g,2n1g: nodes, processes per node), instead of run's "
+                        "--devices at every node count")
     p.add_argument("--rate", help="each node's link rate, both ways, e.g. 100mbit, 1gbit "
                    "(default: unshaped)")
     p.add_argument("--gpus-per-node", type=int,
@@ -116,15 +129,49 @@ def split_command(argv: list[str]) -> tuple[str, list[str], Path]:
     return command, rest, Path(out)
 
 
+def take_option(args: list[str], flag: str) -> tuple[list[str], str | None]:
+    """``args`` without ``flag``'s value (``--flag V`` or ``--flag=V``), and the value."""
+    value, rest = None, []
+    it = iter(args)
+    for a in it:
+        if a == flag:
+            value = next(it, None)
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return rest, value
+
+
 def node_argv(command: str, args: list[str], cluster: EmulatedNodes, node: int,
-              out: Path) -> list[str]:
+              out: Path, nnodes: int | None = None, port: int = MASTER_PORT) -> list[str]:
+    """What node ``node`` runs: the command as on a cluster of ``nnodes`` (all of the
+    cluster's by default), writing ``out/node-<node>``."""
+    nnodes = cluster.nodes if nnodes is None else nnodes
     if command == "run":
         meet = ["--node-rank", str(node), "--master-addr", cluster.addr(0),
-                "--master-port", str(MASTER_PORT)]
+                "--master-port", str(port)]
     else:  # commbench meets only through a rendezvous
-        meet = ["--rdzv", f"{cluster.addr(0)}:{MASTER_PORT}"]
+        meet = ["--rdzv", f"{cluster.addr(0)}:{port}"]
     return [sys.executable, "-m", "trainperf.cli", command, *args, "--nnodes",
-            str(cluster.nodes), *meet, "--out", str(out / f"node-{node}")]
+            str(nnodes), *meet, "--out", str(out / f"node-{node}")]
+
+
+def check_run(args: list[str], steps: list[Step], out: Path) -> bool:
+    """Plan every step's `run` here, where its nodes run, so that a usage error or a refused
+    case is told before anything is made; whether its plans run ``--mode best`` (then every
+    step after the first takes the first one's choice)."""
+    from ..config import MODE_BEST
+    from .run import add_run_command_arguments, run_plans_of
+
+    parser = argparse.ArgumentParser(prog="trainperf run")
+    add_run_command_arguments(parser)
+    best = False
+    for step in steps:
+        parsed = parser.parse_args([*args, "--devices", ",".join(map(str, step.devices)),
+                                    "--nnodes", str(step.nodes), "--out", str(out / "node-0")])
+        best |= any(p.tuning.mode == MODE_BEST for p in run_plans_of(parsed))
+    return best
 
 
 def steps_so_far(events: Path) -> int:
@@ -188,12 +235,28 @@ def cmd_emulate(args: argparse.Namespace) -> int:
               + (f": {', '.join(removed)}" if removed else ""))
         return EXIT_OK
     command, rest, out = split_command(args.argv)
+    rest, devices = take_option(rest, "--devices")
+    steps = steps_of(args.nodes or ("" if args.cases else "2"),
+                     devices if command == "run" else None, args.cases)
+    if command != "run" and (args.cases or is_sweep(steps)):
+        raise ValueError("a list of node counts and --cases are for `run`; commbench measures "
+                         "one node count")
+    if is_sweep(steps) and (args.cut_link or args.slow_link):
+        raise ValueError("--cut-link and --slow-link count node 0's steps in one node count: "
+                         "give --nodes one count")
+    if command == "commbench" and devices is not None:
+        rest += ["--devices", devices]
+    nodes = steps[-1].nodes
     rate = parse_rate(args.rate) if args.rate else None
-    faults = ([Fault.parse("cut", t, args.nodes) for t in args.cut_link]
-              + [Fault.parse("slow", t, args.nodes) for t in args.slow_link])
-    gpus = gpu_count() if args.gpus_per_node is None else args.gpus_per_node * args.nodes
-    per_node = gpus // max(1, args.nodes)
-    cluster = EmulatedNodes(args.nodes, rate, tuple(range(per_node * args.nodes)))
+    faults = ([Fault.parse("cut", t, nodes) for t in args.cut_link]
+              + [Fault.parse("slow", t, nodes) for t in args.slow_link])
+    if command == "run" and (out / JOB).exists():
+        raise ValueError(f"{out} already holds a job's folders; choose another --out")
+    mode_from_first = check_run(rest, steps, out) and is_sweep(steps) if command == "run" \
+        else False
+    gpus = gpu_count() if args.gpus_per_node is None else args.gpus_per_node * nodes
+    per_node = gpus // max(1, nodes)
+    cluster = EmulatedNodes(nodes, rate, tuple(range(per_node * nodes)))
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         cluster.make()
@@ -201,36 +264,71 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         print(f"trainperf: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     out.mkdir(parents=True, exist_ok=True)
-    record = {"tag": cluster.tag, "nodes": args.nodes, "rate": rate_text(rate),
+    if command == "run":
+        write_json_atomic(out / JOB, {"schema": JOB_SCHEMA, "kind": "emulated",
+                                      "steps": [s.to_dict() for s in steps], "documents": [],
+                                      "plans": []})
+    record = {"tag": cluster.tag, "nodes": nodes, "rate": rate_text(rate),
               "subnet": f"{cluster.subnet}.0/24",
-              "addrs": [cluster.addr(n) for n in range(args.nodes)],
-              "gpus": [cluster.node_gpus(n) for n in range(args.nodes)],
-              "cores": [cluster.node_cores(n) for n in range(args.nodes)],
-              "command": [command, *rest], "faults": []}
-    print(f"emulated {args.nodes} node(s) at {', '.join(record['addrs'])}, links "
-          f"{rate_text(rate)}; node k writes {out}/node-k", flush=True)
+              "addrs": [cluster.addr(n) for n in range(nodes)],
+              "gpus": [cluster.node_gpus(n) for n in range(nodes)],
+              "cores": [cluster.node_cores(n) for n in range(nodes)],
+              "command": [command, *rest], "steps": [s.to_dict() for s in steps],
+              "faults": []}
+    print(f"emulated {nodes} node(s) at {', '.join(record['addrs'])}, links "
+          f"{rate_text(rate)}; node k writes {step_dir(out, steps, steps[0])}/node-k"
+          + (f" (each node count: {out}/nodes-N/node-k)" if is_sweep(steps) else ""),
+          flush=True)
     plan = FaultPlan(cluster, faults, out / "node-0" / "events.jsonl", args.restore_after)
-    codes: list[int | None] = []
+    codes: list[list[int | None]] = []
     try:
-        procs = []
-        for node in range(args.nodes):
-            log = None if node == 0 else open(out / f"node-{node}.log", "wb")
-            procs.append(cluster.start(node, node_argv(command, rest, cluster, node, out),
-                                       stdout=log,
-                                       stderr=None if log is None else subprocess.STDOUT))
-        plan.start()
-        codes = [p.wait() for p in procs]
+        for index, step in enumerate(steps):
+            where = step_dir(out, steps, step)
+            argv = list(rest)
+            if command == "run":
+                argv += ["--devices", ",".join(map(str, step.devices))]
+                if mode_from_first and index > 0:
+                    argv += ["--mode-from", str(step_dir(out, steps, steps[0]))]
+            if is_sweep(steps):
+                print(f"-- {step.nodes} node(s), {','.join(map(str, step.devices))} "
+                      f"process(es) per node: {where}", flush=True)
+            where.mkdir(parents=True, exist_ok=True)
+            procs = []
+            for node in range(step.nodes):
+                log = None if node == 0 else open(where / f"node-{node}.log", "wb")
+                # Each count meets on a port of its own: a store an earlier count left
+                # behind is never met again.
+                procs.append(cluster.start(node, node_argv(command, argv, cluster, node, where,
+                                                           step.nodes, MASTER_PORT + index),
+                                           stdout=log,
+                                           stderr=None if log is None else subprocess.STDOUT))
+            if index == 0:
+                plan.start()
+            codes.append([p.wait() for p in procs])
     except KeyboardInterrupt:
         print("trainperf: interrupted; the emulated nodes are removed", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         plan.stop.set()
         record["faults"] = plan.done
-        record["exit_codes"] = codes
+        record["exit_codes"] = codes[0] if not is_sweep(steps) and codes else codes
         (out / "emulation.json").write_text(json.dumps(record, indent=2) + "\n")
         cluster.remove()
-    worst = max((c for c in codes if c), default=0)
+    worst = max((c for step_codes in codes for c in step_codes if c), default=0)
     if worst:
-        print(f"node exit codes {codes}; node 1's and later logs: {out}/node-k.log",
-              file=sys.stderr)
+        print(f"node exit codes {codes}; node 1's and later logs: node-k.log beside node 0's "
+              "folder", file=sys.stderr)
+    if command == "run":
+        try:
+            docs, report, missing = collect(out, steps, "emulated")
+        except ValueError as exc:
+            print(f"trainperf: {exc}", file=sys.stderr)
+            return EXIT_RUN_FAILED if worst != EXIT_USAGE else EXIT_USAGE
+        for line in missing:
+            print(f"trainperf: not measured: {line}", file=sys.stderr)
+        for doc in docs:
+            print(f"results: {doc}")
+        print(f"report: {report}")
+        if not worst and not all_runs_ok(docs, missing):
+            worst = EXIT_RUN_FAILED
     return EXIT_OK if not worst else (EXIT_USAGE if worst == EXIT_USAGE else EXIT_RUN_FAILED)

@@ -210,6 +210,9 @@ def describe(doc: dict) -> str:
               else f"{env.get('framework', '')} {env.get('framework_version', '')} on "
                    f"{device_text(env)}, host {env.get('host', '?')}")
     lines = [f"{line}.", f"{origin}. {how}".strip()]
+    joined = joined_text(doc)
+    if joined:
+        lines.append(joined)
     data = doc.get("data") or {}
     if data.get("source", "synthetic") != "synthetic":
         lines.append(f"Data: `{data.get('prefix')}` ({data.get('layout')} layout, "
@@ -225,6 +228,19 @@ def describe(doc: dict) -> str:
     if basis:
         lines.append(f"MFU against the peak this work ran at: {basis}.")
     return "  \n".join(lines)
+
+
+def joined_text(doc: dict) -> str | None:
+    """Where a joined document's cases were measured (``trainperf join``, a node sweep's
+    steps): each part's node counts, folder and host; speedups are against its 1-device case
+    wherever that was measured."""
+    parts = doc.get("joined_from") or []
+    if len(parts) < 2:
+        return None
+    words = [f"{'/'.join(map(str, p.get('nodes') or []))} node(s) in `{p.get('source')}`"
+             + (f" on {p['host']}" if p.get("host") else "") for p in parts]
+    return (f"Measured in {len(parts)} parts, joined: {'; '.join(words)}. Every speedup is "
+            "against the 1-device case of the whole.")
 
 
 def settings_text(doc: dict) -> str:

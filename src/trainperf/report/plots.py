@@ -30,20 +30,27 @@ def plot_scaling(docs: list[dict], labels: list[str], out_dir: Path) -> list[str
     fig_s, ax_s = plt.subplots(figsize=(7, 4.5))
     max_world = 1
     for doc, label in zip(docs, labels):
-        for batch in sorted({c["batch_size_per_device"] for c in doc["cases"]}):
+        batches = sorted({c["batch_size_per_device"] for c in doc["cases"]})
+        # A node sweep's document: a line per node count, so that 1n2g and 2n1g (two
+        # devices each) are two points of two lines, not a zigzag of one.
+        node_counts = sorted({c["nodes"] for c in doc["cases"]})
+        for batch, nodes in [(b, n) for b in batches for n in node_counts]:
             cases = sorted((c for c in doc["cases"] if c["batch_size_per_device"] == batch
-                            and c["median_samples_per_s"] is not None),
+                            and c["nodes"] == nodes and c["median_samples_per_s"] is not None),
                            key=lambda c: c["world_size"])
             if not cases:
                 continue
-            name = label if len({c["batch_size_per_device"] for c in doc["cases"]}) == 1 else (
-                f"{label} b{batch}")
+            name = label if len(batches) == 1 else f"{label} b{batch}"
+            if len(node_counts) > 1:
+                name += f" {nodes} node{'s' if nodes > 1 else ''}"
             worlds = [c["world_size"] for c in cases]
             max_world = max(max_world, *worlds)
             line, = ax_t.plot(worlds, [c["median_samples_per_s"] for c in cases], "o-",
                               label=name)
-            base = next((c for c in cases if c["world_size"] == 1), None)
-            if base is not None:
+            base = next((c for c in doc["cases"] if c["world_size"] == 1
+                         and c["batch_size_per_device"] == batch
+                         and c["median_samples_per_s"] is not None), None)
+            if base is not None and nodes == node_counts[0]:
                 ax_t.plot([1, max(worlds)], [base["median_samples_per_s"],
                                              base["median_samples_per_s"] * max(worlds)], "--",
                           color=line.get_color(), alpha=0.5, label=f"{name} ideal")

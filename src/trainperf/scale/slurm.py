@@ -1,20 +1,27 @@
 """Benchmarks across a Slurm allocation: the sbatch script, and a submitted job followed to its
 end.
 
-The script starts one task per node with ``srun``; every task runs the same
-``trainperf run ... --nnodes $SLURM_NTASKS --rdzv HEAD:PORT --out OUT/node-$SLURM_PROCID``.
-HEAD is the allocation's first host, where the nodes meet (torch's c10d rendezvous) and get their
-node ranks; the task that ends up node rank 0 keeps the measurements, the others mark their
-folders ``"role": "follower"``. OUT must be on a filesystem every node sees. The script is meant
-to be read and resubmitted by hand: it holds absolute paths only and explains every step.
+The script runs one step per node count of the job (``--nodes 1,2,4``: an allocation of the
+largest, each count a step inside it, on the allocation's first hosts), and each step starts
+one task per node with ``srun``; every task runs the same
+``trainperf run ... --nnodes N --rdzv HEAD:PORT --out STEP/node-$SLURM_PROCID``. HEAD is the
+allocation's first host, where the nodes meet (torch's c10d rendezvous) and get their node ranks;
+for each plan, the task that ends up node rank 0 keeps its measurements, the others mark their
+folders ``"role": "follower"``. Under ``--mode best`` the first step's probe decides, and every
+later step takes its choice (``run --mode-from``). OUT must be on a filesystem every node sees.
+The script is meant to be read and resubmitted by hand: it holds absolute paths only and
+explains every step.
 
-A job that resumes an earlier one (``SlurmJob.resume_from``) runs ``trainperf run --resume`` on
-the node folders already in OUT instead. The ranks are then fixed rather than met for: the
-folder that kept the measurements must be node 0's again, or its runs would be taken back by a
-follower and the new measurements land beside runs without figures.
+At its end the job's documents, one per plan joined across its steps, ``job.json`` and
+``report.md`` are written at the top of OUT (``node_sweep.collect``).
 
-``python -m trainperf.scale.slurm OUT [--fabric COMMBENCH]`` writes ``OUT/report.md`` from
-whichever node folder holds the measurements; the script ends with it.
+A job that resumes an earlier one (``SlurmJob.resume``) runs ``trainperf run --resume`` on each
+task's node folder instead; the nodes meet as before, and for each plan the node whose folder
+holds its measurements becomes node 0 (``rendezvous.rank_order``), so a job stopped anywhere
+finishes with its figures where they are.
+
+``python -m trainperf.scale.slurm OUT [--fabric COMMBENCH]`` writes the job's documents and
+report from its node folders; the script ends with it.
 """
 
 from __future__ import annotations
@@ -29,13 +36,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import results
+from ..result_files import JOB
+from ..results import write_json_atomic
+from .node_sweep import JOB_SCHEMA, Step, all_runs_ok, collect, is_sweep, node_dirs
+
 
 SCRIPT_NAME = "trainperf.sbatch"
 RDZV_PORT_BASE = 29400
 RDZV_PORT_SPAN = 1000
 PORT_ENV = "TRAINPERF_RDZV_PORT"
-NODE_DIR = "node-{}"
+STEP_PORTS = 1
+"""Each step meets on a port of its own (the job's port plus the step's index): a step's
+rendezvous never finds what an earlier step's store left."""
 # Once the first task of the step ends, the others have this long before srun ends them: the
 # nodes finish their last run together, and one that died early must not leave the rest
 # waiting out the rendezvous timeout.
@@ -55,11 +67,13 @@ class SlurmJob:
 
     recipe: str
     run_argv: tuple[str, ...]
-    """``trainperf run`` options every node gets (devices, measure, workload), without the
-    node count, rendezvous and output folder, which the script sets from Slurm's variables."""
+    """``trainperf run`` options every node gets (measure, workload, tuning), without the
+    devices per node (each step's own), the node count, rendezvous and output folder, which
+    the script sets from Slurm's variables."""
     out_dir: Path
-    """Shared by every node; each writes under ``node-<task id>``. Made absolute."""
-    nodes: int
+    """Shared by every node; each writes under its step's ``node-<task id>``. Made absolute."""
+    steps: tuple[Step, ...]
+    """The node counts the job runs, smallest first, each with its processes per node."""
     gpus_per_node: int = 0
     """GPUs asked of Slurm per node (``--gpus-per-node``); 0 for CPU nodes."""
     tasks_per_node: int = 1
@@ -71,10 +85,12 @@ class SlurmJob:
     rdzv_port: int | None = None
     """None: ``RDZV_PORT_BASE`` + job id mod ``RDZV_PORT_SPAN``, so jobs that share a first
     host rarely share a port."""
-    resume_from: int | None = None
-    """None: a new job, whose OUT holds no node folders yet. Otherwise the job finishes the
-    node folders an earlier job left in OUT, and this is the one of them that kept the
-    measurements (``resume_leader``): task 0, on the first host, resumes it as node 0."""
+    resume: bool = False
+    """Finish the node folders an earlier job of the same steps left in OUT (every task runs
+    ``run --resume`` on its own)."""
+    mode_from_first: bool = False
+    """``--mode best``: every step after the first takes the mode the first step's probe
+    chose (``run --mode-from``)."""
     fabric: tuple[str, ...] = ()
     """commbench results the report at the top of OUT sets the exposed communication
     against (run's ``--fabric``, which the tasks get in ``run_argv``)."""
@@ -84,8 +100,11 @@ class SlurmJob:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir).absolute())
-        if self.nodes < 1:
-            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        object.__setattr__(self, "steps", tuple(self.steps))
+        if not self.steps or any(s.nodes < 1 for s in self.steps):
+            raise ValueError("--nodes must name counts of 1 or more")
+        if [s.nodes for s in self.steps] != sorted({s.nodes for s in self.steps}):
+            raise ValueError("a job's node counts go smallest first, each once")
         if self.gpus_per_node < 0:
             raise ValueError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if self.tasks_per_node < 1:
@@ -93,8 +112,9 @@ class SlurmJob:
         if self.tasks_per_node > 1 and self.gpus_per_node > 0:
             raise ValueError("--tasks-per-node above 1 makes several nodes of one host's CPUs; "
                              "with GPUs every task would see the same devices")
-        if self.rdzv_port is not None and not 0 < self.rdzv_port < 65536:
-            raise ValueError(f"--rdzv-port must be 1..65535, got {self.rdzv_port}")
+        if self.rdzv_port is not None and not 0 < self.rdzv_port < 65536 - len(self.steps):
+            raise ValueError(f"--rdzv-port must be 1..{65535 - len(self.steps)}, got "
+                             f"{self.rdzv_port}")
         sbatch_values = {"--out": str(self.out_dir), "--partition": self.partition,
                          "--time": self.time_limit, "--account": self.account,
                          "--job-name": self.job_name}
@@ -110,13 +130,15 @@ class SlurmJob:
                              f"pattern (%j: the job id); choose a path without")
         if not Path(self.python).is_absolute():
             raise ValueError(f"the interpreter must be an absolute path, got {self.python!r}")
-        if self.resume_from is not None and not 0 <= self.resume_from < self.ntasks:
-            raise ValueError(f"node folder {self.resume_from} is not one of the job's "
-                             f"{self.ntasks}")
+
+    @property
+    def nodes(self) -> int:
+        """The hosts to allocate: the largest step's."""
+        return self.steps[-1].nodes
 
     @property
     def ntasks(self) -> int:
-        """The nodes of the benchmark: one per task."""
+        """The nodes of the benchmark's largest step: one per task."""
         return self.nodes * self.tasks_per_node
 
     @property
@@ -126,6 +148,11 @@ class SlurmJob:
     @property
     def name(self) -> str:
         return self.job_name or f"trainperf-{self.recipe}"
+
+    def step_dir(self, step: Step) -> Path:
+        """Where a step's node folders go: OUT itself for a job of one node count, else
+        ``OUT/nodes-N``."""
+        return self.out_dir / step.folder(is_sweep(list(self.steps)))
 
     def output_path(self, job_id: str) -> Path:
         """The job's own log (``--output``), where Slurm writes the script's and tasks' output."""
@@ -168,24 +195,62 @@ def _wrap(words: list[str], indent: str = "    ") -> list[str]:
 
 # Runs in each task, so the variables are the task's own (SLURM_PROCID differs per task). exec:
 # the task is trainperf itself, so Slurm's SIGTERM at the time limit reaches the runner, which
-# stops its runs and keeps what they measured.
-TASK_SNIPPET = ('exec "$@" --nnodes "$SLURM_NTASKS" --rdzv "$RDZV_HOST:$RDZV_PORT" '
-                '--out "$OUT/node-$SLURM_PROCID"')
-# Resuming: task 0 runs on the first host, so it can host the nodes' store there as node 0
-# (run's --node-rank/--master-addr); the folders turn with it so that it gets the one that
-# kept the measurements, and every other task a follower's.
-RESUME_SNIPPET = ('exec "$@" --nnodes "$SLURM_NTASKS" --node-rank "$SLURM_PROCID" '
-                  '--master-addr "$RDZV_HOST" --master-port "$RDZV_PORT" '
-                  '--resume "$OUT/node-$(( (SLURM_PROCID + MEASURED) % SLURM_NTASKS ))"')
+# stops its runs and keeps what they measured. A step of several tasks meets at the rendezvous;
+# a step of one task is one node and meets nobody.
+TASK_SNIPPET = ('exec "$@" --nnodes "$SLURM_NTASKS" --rdzv "$RDZV_HOST:$STEP_PORT" '
+                '--{folder} "$STEP_DIR/node-$SLURM_PROCID"')
+ONE_TASK_SNIPPET = 'exec "$@" --{folder} "$STEP_DIR/node-$SLURM_PROCID"'
+
+
+def task_snippet(tasks: int, resume: bool) -> str:
+    return (TASK_SNIPPET if tasks > 1 else ONE_TASK_SNIPPET).format(
+        folder="resume" if resume else "out")
 
 
 FRESH_HEAD = [
-    "# Every task below runs one `trainperf run` acting as one node; the nodes meet through",
+    "# Every task of a step runs one `trainperf run` acting as one node; the nodes meet through",
     "# torch's c10d rendezvous on the allocation's first host and get their node ranks there.",
-    "# The node that becomes node rank 0 keeps the measurements (its results.json); the others",
-    "# mark theirs as followers. Results: one folder per task under the output folder, which",
-    "# every node must see (a shared filesystem).",
+    "# For each plan, the node that becomes node rank 0 keeps the measurements (its",
+    "# results.json); the others mark theirs as followers. Each step's results: one folder per",
+    "# task, under the output folder, which every node must see (a shared filesystem).",
 ]
+RESUME_HEAD = [
+    "# This job finishes an earlier one: every task below runs one `trainperf run --resume`",
+    "# acting as one node, on the node folder its task of that job left in the output folder,",
+    "# and runs only what did not end there. The nodes meet as before; for each plan the node",
+    "# whose folder holds the measurements becomes node 0, so the figures go on where they",
+    "# are. Every node must see the output folder (a shared filesystem).",
+]
+
+
+def _step_lines(job: SlurmJob, index: int, step: Step, run_words: list[str]) -> list[str]:
+    q = shlex.quote
+    tasks = step.nodes * job.tasks_per_node
+    first = job.step_dir(job.steps[0])
+    words = [*run_words, "--devices", ",".join(str(d) for d in step.devices)]
+    mode_from = job.mode_from_first and index > 0
+    if mode_from:
+        words += ["--mode-from", q(str(first))]
+    hosts = "${HOSTS[*]:0:%d}" % step.nodes
+    return [
+        "",
+        f"# Step {index + 1} of {len(job.steps)}: {step.nodes} node(s), "
+        f"{','.join(str(d) for d in step.devices)} process(es) per node"
+        + (", on the allocation's first host" if step.nodes == 1 else
+           f", on the allocation's first {step.nodes} hosts") + ".",
+        *(["# --mode best: this step runs each plan in the mode the first step's probe chose."]
+          if mode_from else []),
+        f"STEP_DIR={q(str(job.step_dir(step)))}",
+        f"STEP_PORT=$(( RDZV_PORT + {index * STEP_PORTS} ))",
+        "export STEP_DIR STEP_PORT",
+        f'STEP_HOSTS=$(IFS=,; echo "{hosts}")',
+        f"srun --nodes={step.nodes} --nodelist=\"$STEP_HOSTS\" --ntasks={tasks} "
+        f"--ntasks-per-node={job.tasks_per_node} --cpus-per-task=\"$CPUS_PER_TASK\" "
+        f"--wait={STRAGGLER_S} --label \\",
+        f"    bash -c {q(task_snippet(tasks, job.resume))} trainperf-node \\",
+        *[ln + " \\" for ln in _wrap(['"$PY"', *words])],
+        "    || status=$?",
+    ]
 
 
 def render_script(job: SlurmJob, command_line: str | None = None) -> str:
@@ -193,11 +258,9 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
     q = shlex.quote
     port = (str(job.rdzv_port) if job.rdzv_port is not None
             else f"$(( {RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN} ))")
-    total = job.ntasks
-    resuming = job.resume_from is not None
-    measured = NODE_DIR.format(job.resume_from) if resuming else None
-    layout = (f"{job.nodes} node(s)" if job.tasks_per_node == 1 else
-              f"{job.nodes} host(s) x {job.tasks_per_node} tasks, each task acting as a node")
+    counts = ",".join(str(s.nodes) for s in job.steps)
+    layout = (f"{counts} node(s)" if job.tasks_per_node == 1 else
+              f"{counts} host(s) x {job.tasks_per_node} tasks, each task acting as a node")
     run_words = [q(w) for w in ("-m", "trainperf.cli", "run", job.recipe, *job.run_argv)]
     head = [
         "#!/bin/bash",
@@ -205,15 +268,11 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         f"# Written by: {command_line}" if command_line else None,
         f"# Submit it (again) with: sbatch {q(str(job.script_path))}",
         "#",
-        *(FRESH_HEAD if not resuming else [
-            "# This job finishes an earlier one: every task below runs one `trainperf run",
-            "# --resume` acting as one node, on a node folder that job left in the output folder,",
-            "# and runs only what did not end there. Node 0 must resume the folder that kept the",
-            f"# measurements, {measured}, so the node ranks are fixed rather than handed out:",
-            "# task 0, on the allocation's first host, is node 0, resumes that folder and hosts",
-            "# the nodes' meeting; the others resume the followers' folders. Every node must see",
-            "# the output folder (a shared filesystem).",
-        ]),
+        *(RESUME_HEAD if job.resume else FRESH_HEAD),
+        *(["#",
+           "# One step per node count, smallest first, in one allocation of the largest; at",
+           "# the end one document per plan holds every count's cases, each with its speedup",
+           "# against the 1-device case."] if is_sweep(list(job.steps)) else []),
         "#",
         "# --exclusive and --mem=0: whole nodes with all their memory, so nothing else running on",
         "# them takes a share of what is measured.",
@@ -224,8 +283,7 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         "",
         "# The interpreter that wrote this script; on a shared filesystem every node runs it.",
         f"PY={q(job.python)}",
-        ("# Each task writes into OUT/node-<its task id>." if not resuming else
-         "# The node folders the tasks resume."),
+        "# The job's folder: its node folders, then its documents and report.",
         f"OUT={q(str(job.out_dir))}",
         "",
         'if [ ! -x "$PY" ]; then',
@@ -234,9 +292,11 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         "    exit 2",
         "fi",
         "",
-        "# The nodes meet on the allocation's first host.",
+        "# The nodes meet on the allocation's first host, at the address Slurm reaches it by.",
         'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        'RDZV_HOST=${HOSTS[0]}',
+        'RDZV_HOST=$(scontrol show node "${HOSTS[0]}" 2>/dev/null '
+        '| sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\' || true)',
+        'RDZV_HOST=${RDZV_HOST:-${HOSTS[0]}}',
         *(["# Set by the job id, so two jobs that share a first host rarely collide; submit",
            f"# with {PORT_ENV}=<port> in the environment to choose one."]
           if job.rdzv_port is None else
@@ -248,27 +308,22 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
         "# srun hands the tasks this environment; unbuffered output reaches the job's log as it",
         "# happens rather than when a buffer fills.",
         "export OUT RDZV_HOST RDZV_PORT PYTHONUNBUFFERED=1",
-        "",
-        *(["# Task 0 resumes OUT/node-$MEASURED, the folder with the measurements; task i the",
-           "# one i places after it.",
-           f"MEASURED={job.resume_from}",
-           "export MEASURED"] if resuming else []),
-        f'echo "trainperf: {total} nodes meet at $RDZV_HOST:$RDZV_PORT; results under $OUT"',
+        f'echo "trainperf: {counts} node(s) meet at $RDZV_HOST:$RDZV_PORT; results under $OUT"',
         "",
         ("# One task per node." if job.tasks_per_node == 1 else
          f"# {job.tasks_per_node} tasks per host, each acting as a node."),
         "# --label prefixes each output line with the task's id. --wait: once one task has",
         f"# ended, the others get {STRAGGLER_S} s to end too, so a node that fails early does not",
-        "# hold the rest until the rendezvous times out.",
+        "# hold the rest until the rendezvous times out. A step that fails does not stop the",
+        "# next: each node count's figures stand on their own.",
         "status=0",
-        f"srun --ntasks-per-node={job.tasks_per_node} --cpus-per-task=\"$CPUS_PER_TASK\" "
-        f"--wait={STRAGGLER_S} --label \\",
-        f"    bash -c {q(RESUME_SNIPPET if resuming else TASK_SNIPPET)} trainperf-node \\",
-        *[ln + " \\" for ln in _wrap(['"$PY"', *run_words])],
-        "    || status=$?",
+    ]
+    for index, step in enumerate(job.steps):
+        body += _step_lines(job, index, step, run_words)
+    body += [
         "",
-        "# Whichever task became node rank 0 holds the measurements: put its report at the top",
-        "# of the output folder (also after a failure, for the runs that did finish).",
+        "# The job's documents (one per plan, every node count's cases in it) and its report at",
+        "# the top of the output folder, also after a failure, for the runs that did finish.",
         'if ! "$PY" -m trainperf.scale.slurm "$OUT"'
         + "".join(f" --fabric {q(path)}" for path in job.fabric)
         + ' && [ "$status" -eq 0 ]; then',
@@ -279,11 +334,20 @@ def render_script(job: SlurmJob, command_line: str | None = None) -> str:
     return "\n".join([ln for ln in head if ln is not None] + sbatch_lines(job) + body) + "\n"
 
 
+def job_record(job: SlurmJob) -> dict:
+    """``job.json`` as the script is written: the steps, and no documents yet (the job's end
+    lists them)."""
+    return {"schema": JOB_SCHEMA, "kind": "slurm", "steps": [s.to_dict() for s in job.steps],
+            "documents": [], "plans": []}
+
+
 def write_script(job: SlurmJob, command_line: str | None = None) -> Path:
     path = job.script_path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_script(job, command_line), encoding="utf-8")
     path.chmod(0o755)
+    if not job.resume:
+        write_json_atomic(job.out_dir / JOB, job_record(job))
     return path
 
 
@@ -399,96 +463,43 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 # -- results of a finished job ----------------------------------------------------------------
 
-def node_dirs(out_dir: Path) -> list[Path]:
-    return sorted(p for p in Path(out_dir).glob(NODE_DIR.format("*")) if p.is_dir())
-
-
-def _role(folder: Path) -> str | None:
-    """"leader" or "follower" as the folder's results.json says; None without one."""
+def steps_of_job(out_dir: Path) -> list[Step]:
+    """The steps ``job.json`` in ``out_dir`` names; ValueError where it is not a job's folder."""
     try:
-        doc = json.loads((folder / "results.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return "follower" if doc.get("role") == "follower" else "leader"
+        job = json.loads((Path(out_dir) / JOB).read_text(encoding="utf-8"))
+        return [Step(s["nodes"], tuple(s["devices_per_node"])) for s in job["steps"]]
+    except FileNotFoundError:
+        raise ValueError(f"{out_dir}: no {JOB}, so no trainperf job's folder") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{Path(out_dir) / JOB} does not read ({exc})") from None
 
 
-def resume_leader(out_dir: Path, ntasks: int) -> int:
-    """The node folder that kept the measurements of the earlier job in ``out_dir``, for a job
-    of ``ntasks`` tasks to resume; ValueError, in one line, where there is no such job to
-    resume."""
-    folders = node_dirs(out_dir)
-    if not folders:
-        raise ValueError(f"--resume {out_dir}: no node folders of an earlier job there; "
-                         f"drop --resume to start one")
-    names = sorted(p.name for p in folders)
-    if names != sorted(NODE_DIR.format(i) for i in range(ntasks)):
-        raise ValueError(f"--resume {out_dir}: the earlier job's node folders are "
-                         f"{', '.join(names)}, this job's would be node-0..node-{ntasks - 1}: "
-                         f"give the --nodes and --tasks-per-node it had")
-    roles = [_role(out_dir / NODE_DIR.format(i)) for i in range(ntasks)]
-    leaders = [i for i, role in enumerate(roles) if role == "leader"]
-    unknown = [i for i, role in enumerate(roles) if role is None]
-    if len(leaders) == 1:
-        return leaders[0]
-    if leaders:
-        raise ValueError(f"--resume {out_dir}: node folders "
-                         f"{', '.join(NODE_DIR.format(i) for i in leaders)} each hold "
-                         f"measurements (one job's have exactly one)")
-    if len(unknown) == ntasks:
-        return 0  # no run ended anywhere: any folder can be node 0's
-    if len(unknown) == 1:
-        # Node 0 ended before it recorded a run its followers did: its folder is the one
-        # without results.
-        return unknown[0]
-    rest = f"; {len(unknown)} have no results" if unknown else ""
-    raise ValueError(f"--resume {out_dir}: no node folder holds the measurements (those with "
-                     f"results are followers'{rest})")
-
-
-def find_leader(out_dir: Path) -> Path:
-    """The node folder with the measurements (its results.json has no follower role);
-    ValueError when there is none or more than one."""
-    roles = {folder: _role(folder) for folder in node_dirs(out_dir)}
-    leaders = [folder for folder, role in roles.items() if role == "leader"]
-    seen = sum(role is not None for role in roles.values())
-    if len(leaders) != 1:
-        what = "none" if not leaders else ", ".join(p.name for p in leaders)
-        raise ValueError(f"{out_dir}: {seen} node folder(s) with results, and {what} holding "
-                         f"the measurements (exactly one should)")
-    return leaders[0]
-
-
-def all_runs_ok(folder: Path) -> bool:
-    doc = results.load(folder)
-    runs = [r for c in doc["cases"] for r in c["runs"]]
-    return bool(runs) and all(r["status"] == "ok" for r in runs)
-
-
-def collect(out_dir: Path, fabric: Sequence[str] = ()) -> tuple[Path, Path]:
-    """Write ``out_dir/report.md`` from the leader's folder: (leader folder, report path).
-    ``fabric``: commbench results to set the exposed communication against, as run's."""
-    from ..report.assemble import write_report
-    from .bottleneck import analyser
-
-    leader = find_leader(out_dir)
-    return leader, write_report([str(leader)], Path(out_dir), False,
-                                analyser(list(fabric) or None))
+def job_folders(out_dir: Path) -> list[Path]:
+    """Every node folder of the job in ``out_dir``, of every step."""
+    out_dir = Path(out_dir)
+    found = node_dirs(out_dir)
+    for step in sorted(out_dir.glob("nodes-*")):
+        found += node_dirs(step)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainperf.scale.slurm",
-                                     description="write a finished job's report")
+                                     description="write a finished job's documents and report")
     parser.add_argument("out", metavar="OUT", help="the job's output folder")
     parser.add_argument("--fabric", action="append", default=[], metavar="COMMBENCH",
                         help="as for run")
     args = parser.parse_args(argv)
     try:
-        leader, path = collect(Path(args.out), args.fabric)
+        docs, path, missing = collect(Path(args.out), steps_of_job(Path(args.out)), "slurm",
+                                      args.fabric)
     except ValueError as exc:
         print(f"trainperf: error: {exc}", file=sys.stderr)
         return 1
-    print(f"trainperf: measurements in {leader}; report: {path}")
-    return 0
+    for line in missing:
+        print(f"trainperf: not measured: {line}", file=sys.stderr)
+    print(f"trainperf: {len(docs)} document(s); report: {path}")
+    return 0 if all_runs_ok(docs, missing) else 1
 
 
 if __name__ == "__main__":
