@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -25,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
+from . import gpufit
 from .backends import BACKENDS, get_backend
 from .backends.base import DEVICE_KINDS, Backend, SourceBuild
 from .env import gpu_count
@@ -390,6 +392,39 @@ def check_tools(build: SourceBuild, cuda: bool) -> None:
                          f"install {'them' if len(missing) > 1 else 'it'} and run again")
 
 
+def nvcc_release(nvcc: str) -> tuple[int, int] | None:
+    """The CUDA release of an nvcc, from ``nvcc --version`` (``release 11.7, V11.7.99``)."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def check_nvcc(build: SourceBuild, cuda: str, framework: str) -> None:
+    """ValueError, before anything is built, where the nvcc a CUDA source build would compile
+    with is of another CUDA major version than the framework's CUDA build (``EnvSpec.cuda``).
+    The major is what must agree: the CUDA runtime is one library per major version
+    (``libcudart.so.11.0`` serves every 11.x), so an extension compiled by nvcc 11.8 shares
+    MXNet 11.7's runtime, while one compiled by 12.x loads a second runtime beside it. A
+    missing nvcc is ``check_tools``'s to name."""
+    nvcc = _tool_path("nvcc", build)
+    if not nvcc or not cuda:
+        return
+    want = gpufit.cuda_release(cuda)
+    got = nvcc_release(nvcc)
+    home = f"${build.cuda_home_var or 'CUDA_HOME'}"
+    if got is None:
+        raise ValueError(f"`{nvcc} --version` names no CUDA release; building "
+                         f"{build.requirement} for {framework}'s CUDA {cuda} build needs a "
+                         f"CUDA {want[0]}.x toolkit's nvcc: point {home} at one")
+    if got[0] != want[0]:
+        raise ValueError(f"{nvcc} is CUDA {got[0]}.{got[1]}, and {framework}'s CUDA build is "
+                         f"CUDA {cuda}: building {build.requirement} for it needs a CUDA "
+                         f"{want[0]}.x toolkit's nvcc; point {home} at one")
+
+
 def build_env(build: SourceBuild, cuda: bool, site: Path) -> dict[str, str]:
     """The variables ``build`` compiles under: this process's, the build's own, one compile
     job per core unless MAKEFLAGS says otherwise, and on a CUDA machine the CUDA ones, with the
@@ -477,6 +512,8 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
             return current
         for build in backend.env.source_builds:
             check_tools(build, cuda)
+            if cuda and build.cuda_env:
+                check_nvcc(build, backend.env.cuda, name)
         indexes = package_indexes(packages)
         shutil.rmtree(path, ignore_errors=True)
         started = time.monotonic()
@@ -520,3 +557,4 @@ def package_link_dir(where: Path) -> Path:
         link.unlink(missing_ok=True)
         link.symlink_to(package, target_is_directory=True)
     return folder
+
