@@ -159,6 +159,50 @@ def test_horovods_build_takes_nccl_from_the_wheel_where_there_is_cuda(monkeypatc
         envs.check_tools(horovod, True)
 
 
+def test_horovods_cuda_build_refuses_an_nvcc_of_another_cuda_major_before_compiling(
+        env_root, monkeypatch, tmp_path):
+    """MXNet's CUDA build is CUDA 11.7: an nvcc of 12.x is refused in one line before the
+    environment is touched, one of 11.8 goes ahead, and a CPU build asks nothing of nvcc."""
+    nvcc = tmp_path / "cuda/bin/nvcc"
+    nvcc.parent.mkdir(parents=True)
+    monkeypatch.setattr(envs, "_tool_path",
+                        lambda tool, build=None: str(nvcc) if tool == "nvcc" else tool)
+    monkeypatch.setattr(envs, "base_python", lambda backend: sys.executable)
+    monkeypatch.setattr(envs.gpufit, "real_gpus", lambda: None)  # no GPU's code is checked
+    monkeypatch.delenv(envs.gpufit.STANDIN_VAR, raising=False)
+    started = []
+
+    def build(path, python, packages, no_deps, log):
+        started.append(packages)
+        raise RuntimeError("stop: the decision is what is tested")
+
+    monkeypatch.setattr(envs, "_build", build)
+
+    def release(line: str) -> None:
+        nvcc.write_text(f"#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\necho '{line}'\n")
+        nvcc.chmod(0o755)
+
+    release("Cuda compilation tools, release 12.4, V12.4.131")
+    with pytest.raises(ValueError) as refused:
+        envs.create("mxnet", cuda=True)
+    assert str(refused.value) == (
+        f"{nvcc} is CUDA 12.4, and mxnet's CUDA build is CUDA 11.7: building horovod==0.28.1 "
+        "for it needs a CUDA 11.x toolkit's nvcc; point $HOROVOD_CUDA_HOME at one")
+    assert not envs.env_dir("mxnet").exists() and started == []
+    release("Build cuda_11.8.r11.8/compiler.31833905_0")
+    with pytest.raises(ValueError, match="names no CUDA release; building horovod==0.28.1 for "
+                                         "mxnet's CUDA 11.7 build needs a CUDA 11.x toolkit"):
+        envs.create("mxnet", cuda=True)
+    release("Cuda compilation tools, release 11.8, V11.8.89")
+    with pytest.raises(RuntimeError, match="stop"):
+        envs.create("mxnet", cuda=True)
+    release("Cuda compilation tools, release 12.4, V12.4.131")
+    with pytest.raises(RuntimeError, match="stop"):
+        envs.create("mxnet", cuda=False)
+    assert started == [list(get_backend("mxnet").env.cuda_packages),
+                       list(get_backend("mxnet").env.packages)]
+
+
 def test_the_cuda_toolkit_is_one_with_every_header_the_build_includes(monkeypatch, tmp_path):
     """A wrapper ``nvcc`` on PATH outside its toolkit, or a toolkit without cuBLAS's headers
     (which a CUDA MXNet's headers include), is passed over for one that has them."""

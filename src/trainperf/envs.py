@@ -13,8 +13,11 @@ last, so a folder without it is an unfinished build.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import json
 import os
+import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -25,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Sequence
 
+from . import gpucode, gpufit
 from .backends import BACKENDS, get_backend
 from .backends.base import DEVICE_KINDS, Backend, SourceBuild
 from .env import gpu_count
@@ -390,6 +394,39 @@ def check_tools(build: SourceBuild, cuda: bool) -> None:
                          f"install {'them' if len(missing) > 1 else 'it'} and run again")
 
 
+def nvcc_release(nvcc: str) -> tuple[int, int] | None:
+    """The CUDA release of an nvcc, from ``nvcc --version`` (``release 11.7, V11.7.99``)."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def check_nvcc(build: SourceBuild, cuda: str, framework: str) -> None:
+    """ValueError, before anything is built, where the nvcc a CUDA source build would compile
+    with is of another CUDA major version than the framework's CUDA build (``EnvSpec.cuda``).
+    The major is what must agree: the CUDA runtime is one library per major version
+    (``libcudart.so.11.0`` serves every 11.x), so an extension compiled by nvcc 11.8 shares
+    MXNet 11.7's runtime, while one compiled by 12.x loads a second runtime beside it. A
+    missing nvcc is ``check_tools``'s to name."""
+    nvcc = _tool_path("nvcc", build)
+    if not nvcc or not cuda:
+        return
+    want = gpufit.cuda_release(cuda)
+    got = nvcc_release(nvcc)
+    home = f"${build.cuda_home_var or 'CUDA_HOME'}"
+    if got is None:
+        raise ValueError(f"`{nvcc} --version` names no CUDA release; building "
+                         f"{build.requirement} for {framework}'s CUDA {cuda} build needs a "
+                         f"CUDA {want[0]}.x toolkit's nvcc: point {home} at one")
+    if got[0] != want[0]:
+        raise ValueError(f"{nvcc} is CUDA {got[0]}.{got[1]}, and {framework}'s CUDA build is "
+                         f"CUDA {cuda}: building {build.requirement} for it needs a CUDA "
+                         f"{want[0]}.x toolkit's nvcc; point {home} at one")
+
+
 def build_env(build: SourceBuild, cuda: bool, site: Path) -> dict[str, str]:
     """The variables ``build`` compiles under: this process's, the build's own, one compile
     job per core unless MAKEFLAGS says otherwise, and on a CUDA machine the CUDA ones, with the
@@ -477,6 +514,10 @@ def create(name: str, force: bool = False, cuda: bool | None = None, log=None) -
             return current
         for build in backend.env.source_builds:
             check_tools(build, cuda)
+            if cuda and build.cuda_env:
+                check_nvcc(build, backend.env.cuda, name)
+        if cuda:
+            check_gpus(name, log)
         indexes = package_indexes(packages)
         shutil.rmtree(path, ignore_errors=True)
         started = time.monotonic()
@@ -520,3 +561,240 @@ def package_link_dir(where: Path) -> Path:
         link.unlink(missing_ok=True)
         link.symlink_to(package, target_is_directory=True)
     return folder
+
+
+# --- Each CUDA build against this machine's GPUs and driver --------------------------------
+
+WHEEL_DIR_VAR = "TRAINPERF_WHEEL_DIR"
+GPU_CODE = ".{name}.gpucode.json"
+"""Beside the environments: what the installed build's libraries hold, read once per build."""
+
+
+def wheel_root() -> Path:
+    """Where the CUDA builds' wheels are downloaded to be read, with what was read of each
+    (``gpucode.read_wheel``); they are never installed from here."""
+    return Path(os.environ.get(WHEEL_DIR_VAR) or Path.home() / ".cache/trainperf/wheels")
+
+
+def wheel_python(backend: Backend) -> str:
+    """The Python version whose wheels the environment takes: trainperf's own where the
+    framework has wheels for it, else the first it has (a build's device code is the same in
+    each Python's wheel)."""
+    assert backend.env is not None
+    own = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    wanted = backend.env.pythons
+    return own if not wanted or own in wanted else wanted[0]
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _name_and_version(requirement: str) -> tuple[str, str]:
+    name, eq, version = requirement.partition("==")
+    if not eq:
+        raise ValueError(f"{requirement}: a wheel to read is named as NAME==VERSION")
+    return name.split("[", 1)[0].strip(), version.strip()
+
+
+def cached_wheel(requirement: str, python: str) -> Path | None:
+    """The wheel of ``requirement`` (``name==version``) for Python ``python`` and this
+    machine's processor in ``wheel_root()``, if one was downloaded."""
+    name, version = _name_and_version(requirement)
+    cp = "cp" + python.replace(".", "")
+    for path in sorted(wheel_root().glob("*.whl")):
+        parts = path.name[:-4].split("-")
+        if len(parts) < 5 or _normal(parts[0]) != _normal(name) or parts[1] != version:
+            continue
+        tags = parts[-3].split(".")
+        if any(t in (cp, "py3") for t in tags) and platform.machine() in parts[-1]:
+            return path
+    return None
+
+
+def fetch_wheel(requirement: str, python: str, options: Sequence[str] = (), log=None) -> Path:
+    """The wheel of ``requirement``, downloaded into ``wheel_root()`` by pip (without its
+    dependencies, for Python ``python``) unless it is there; ``options``: index options the
+    build's requirements name. A one-line ValueError where pip cannot get it."""
+    found = cached_wheel(requirement, python)
+    if found:
+        return found
+    root = wheel_root()
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"downloading {requirement} to read its GPU code (into {root})", file=log or sys.stderr,
+          flush=True)
+    out = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                          "--only-binary=:all:", "--python-version", python, "--dest", str(root),
+                          *options, requirement], capture_output=True, text=True)
+    found = cached_wheel(requirement, python)
+    if out.returncode or not found:
+        lines = out.stderr.strip().splitlines()
+        why = lines[-1] if lines else "pip saved no wheel for this machine"
+        # pip says last only that it found no such version; that an index it was given
+        # could not be reached is in its retries' warnings.
+        broken = [line for line in lines if "connection broken by" in line]
+        if broken:
+            cause = re.search(r"Failed to establish a new connection: ([^'\")]+)", broken[-1])
+            why += f" (an index could not be reached: {cause[1] if cause else 'connection broken'})"
+        raise ValueError(f"could not download {requirement}: {why}")
+    return found
+
+
+@dataclass(frozen=True)
+class GpuCode:
+    """What a CUDA build's libraries hold, and where it was read."""
+
+    libraries: dict[str, gpucode.LibraryCode]
+    main: str
+    """The key of the framework's own library (``EnvSpec.gpu_library``)."""
+    source: str
+
+
+def _main_library(libraries: dict, pattern: str, where: str) -> str:
+    for path in sorted(libraries):
+        if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path, "*/" + pattern):
+            return path
+    raise ValueError(f"no library matching {pattern} holds device code in {where}")
+
+
+def _installed_gpu_code(name: str) -> GpuCode | None:
+    """What the installed build of trainperf's holds, where it serves CUDA; read once and kept
+    beside the environments, keyed by the build's time."""
+    backend = get_backend(name)
+    st = state(name)
+    if st.state not in ("ready", "outdated") or not st.cuda:
+        return None
+    path = env_dir(name)
+    created = (_read_manifest(path) or {}).get("created")
+    cache = env_root() / GPU_CODE.format(name=name)
+    try:
+        doc = json.loads(cache.read_text(encoding="utf-8"))
+        if doc.get("created") != created or doc.get("format") != gpucode.SUMMARY_FORMAT:
+            doc = None
+    except (OSError, json.JSONDecodeError):
+        doc = None
+    if doc is None:
+        libraries = gpucode.tree_code(path)
+        doc = {"format": gpucode.SUMMARY_FORMAT, "created": created,
+               "libraries": {k: v.to_json() for k, v in sorted(libraries.items())}}
+        _write_json(cache, doc)
+    libraries = gpucode.libraries_of(doc)
+    assert backend.env is not None
+    where = f"the installed environment {path}"
+    return GpuCode(libraries, _main_library(libraries, backend.env.gpu_library, where), where)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def gpu_code(name: str, fetch: bool = False, log=None) -> GpuCode | None:
+    """What the backend's CUDA build holds: from its wheels (``EnvSpec.gpu_wheels``) where
+    they were downloaded, else from its installed CUDA build, else, with ``fetch``, from its
+    wheels downloaded now. None: not read (or no CUDA build declared). ValueError where a
+    wheel cannot be had or read."""
+    backend = get_backend(name)
+    spec = backend.env
+    if spec is None or not spec.gpu_wheels:
+        return None
+    python = wheel_python(backend)
+    wheels = [cached_wheel(r, python) for r in spec.gpu_wheels]
+    if not all(wheels):
+        installed = _installed_gpu_code(name)
+        if installed is not None or not fetch:
+            return installed
+        options = [p for p in spec.cuda_packages if p.startswith("--")]
+        wheels = [fetch_wheel(r, python, options, log) for r in spec.gpu_wheels]
+    libraries: dict[str, gpucode.LibraryCode] = {}
+    for wheel in wheels:
+        assert wheel is not None
+        libraries.update(gpucode.libraries_of(gpucode.read_wheel(wheel)))
+    names = ", ".join(w.name for w in wheels if w is not None)
+    return GpuCode(libraries, _main_library(libraries, spec.gpu_library, names),
+                   f"its wheels in {wheel_root()}")
+
+
+def cuda_build_text(backend: Backend) -> str:
+    """``mxnet-cu117==1.9.1, nvidia-nccl-cu11==2.21.5 (CUDA 11.7)``."""
+    assert backend.env is not None
+    return f"{', '.join(backend.env.gpu_wheels)} (CUDA {backend.env.cuda})"
+
+
+def gpu_text(gpus: Sequence[gpufit.Gpu]) -> str:
+    """This machine's GPUs in a line: their compute capabilities and the driver."""
+    caps = sorted({g.capability for g in gpus})
+    driver = next((g.driver for g in gpus if g.driver), None)
+    standin = f" (a stand-in: ${gpufit.STANDIN_VAR})" if any(g.standin for g in gpus) else ""
+    return (f"compute capability {', '.join(f'{a}.{b}' for a, b in caps)}, "
+            f"driver {driver or 'not known'}{standin}")
+
+
+def gpu_fits(name: str, gpus: Sequence[gpufit.Gpu], code: GpuCode) -> list[gpufit.BuildFit]:
+    """The backend's CUDA build on each compute capability among ``gpus``."""
+    backend = get_backend(name)
+    assert backend.env is not None
+    seen: dict[tuple[int, int], gpufit.BuildFit] = {}
+    for gpu in gpus:
+        if gpu.capability not in seen:
+            seen[gpu.capability] = gpufit.build_fit(code.libraries, code.main,
+                                                    backend.env.cuda, gpu)
+    return list(seen.values())
+
+
+def instead_text(name: str) -> str:
+    backend = get_backend(name)
+    assert backend.env is not None
+    return backend.env.cuda_instead or f"trainperf declares no other CUDA build of {name}"
+
+
+def gpu_line(name: str, gpus: Sequence[gpufit.Gpu], fetch: bool = False, log=None
+             ) -> str | None:
+    """One line on the backend's CUDA build on these GPUs (None for trainperf's own
+    interpreter, whose torch is the user's): whether it has code for each, the driver, and
+    what to use instead where it cannot run; or why it was not read."""
+    backend = get_backend(name)
+    if backend.env is None or not backend.env.gpu_wheels:
+        return None
+    head = f"{name}: {cuda_build_text(backend)}"
+    try:
+        code = gpu_code(name, fetch=fetch, log=log)
+    except (ValueError, OSError, gpucode.FatbinError) as exc:
+        return f"{head}: not read: {exc}"
+    if code is None:
+        return (f"{head}: not read: its wheels are not in {wheel_root()} and no CUDA build is "
+                f"installed (`trainperf env create {name}` reads them on a GPU machine before "
+                "it builds)")
+    fits = gpu_fits(name, gpus, code)
+    text = " | ".join(f.line for f in fits)
+    if not all(f.runs for f in fits):
+        text += f"; cannot run here; instead: {instead_text(name)}"
+    return f"{head}, read from {code.source}: {text}"
+
+
+def check_gpus(name: str, log=None) -> None:
+    """Before a CUDA build is made: a one-line ValueError where it cannot run on this
+    machine's GPUs (no code for one of them, or a driver too old), naming what to use
+    instead (`trainperf env create` prints what it found once the build is made). Nothing is
+    checked where no GPU's compute capability is known; a build whose code cannot be read is
+    built all the same, with a line saying so."""
+    found = gpufit.gpus()
+    if not found:
+        return
+    log = log or sys.stderr
+    backend = get_backend(name)
+    try:
+        code = gpu_code(name, fetch=True, log=log)
+    except (ValueError, OSError, gpucode.FatbinError) as exc:
+        print(f"{name}: the CUDA build's GPU code was not read ({exc}); building without that "
+              "check", file=log, flush=True)
+        return
+    if code is None:
+        return
+    fits = gpu_fits(name, found, code)
+    bad = [f for f in fits if not f.runs]
+    if bad:
+        raise ValueError(f"the {name} CUDA build, {cuda_build_text(backend)}, cannot run on "
+                         f"this machine's GPUs ({gpu_text(found)}): {bad[0].line}; instead: "
+                         f"{instead_text(name)}")

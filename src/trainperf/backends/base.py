@@ -64,6 +64,21 @@ class EnvSpec:
     does not declare)."""
     source_builds: tuple[SourceBuild, ...] = ()
     """Compiled in the environment after everything else, in order."""
+    cuda: str = ""
+    """The CUDA release the CUDA build was compiled with (``11.7`` for mxnet-cu117): the
+    driver it needs follows from it (``trainperf.gpufit``), and a source build's nvcc must be
+    of its major version."""
+    gpu_wheels: tuple[str, ...] = ()
+    """The requirements (``name==version``) whose wheels carry the CUDA build's device code:
+    the framework's own and the NVIDIA libraries the build pins. They are downloaded without
+    their dependencies and read (``trainperf.gpucode``) to tell which GPUs the build runs on."""
+    gpu_library: str = ""
+    """The library in those wheels that holds the framework's own kernels (a path in its
+    wheel, ``*`` for a hash in the name): whether it has code for a GPU decides whether the
+    build runs there; the others' gaps are named beside it."""
+    cuda_instead: str = ""
+    """What to use where the CUDA build has no code for a GPU: another build, or why there is
+    none. Empty: trainperf declares no other."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ from .common import EXIT_OK, EXIT_RUN_FAILED
 def register(sub) -> None:
     env = sub.add_parser("env", help="per-framework environments")
     env_sub = env.add_subparsers(dest="env_command", required=True)
-    create = env_sub.add_parser("create", help="build a framework's environment")
+    create = env_sub.add_parser("create", help="build a framework's environment (on a GPU "
+                                "machine its CUDA build, refused where it has no code for the "
+                                "GPUs or the driver is too old)")
     create.add_argument("names", nargs="+", metavar="FRAMEWORK")
     create.add_argument("--force", action="store_true", help="rebuild even if it is ready")
     create.add_argument("--cpu", action="store_true",
@@ -27,7 +29,8 @@ def register(sub) -> None:
     env_sub.add_parser("list", help="each framework's environment: its state, CPU or CUDA "
                                     "build, versions, packages, the package indexes they came "
                                     "from and its size on disk (`trainperf list --frameworks`: "
-                                    "what each runs)"
+                                    "what each runs); on a GPU machine, whether each CUDA "
+                                    "build has code for its GPUs and its driver runs it"
                        ).set_defaults(handler=cmd_list)
 
     align = sub.add_parser("align", help="check that a framework trains the same numbers as "
@@ -77,7 +80,22 @@ def cmd_create(args: argparse.Namespace) -> int:
             line += (f"; {st.detail}: it runs CPU runs, all --cpu asks for (`trainperf env "
                      f"create {name}` builds it for the GPUs)")
         print(line)
+    _print_gpu_lines(args.names)
     return EXIT_OK
+
+
+def _print_gpu_lines(names: list[str]) -> None:
+    """On a GPU machine (or with a stand-in GPU): whether each framework's CUDA build has
+    code for the GPUs, and whether the driver runs it (``envs.gpu_line``)."""
+    from .. import envs, gpufit
+
+    gpus = gpufit.gpus()
+    if not gpus:
+        return
+    lines = [line for line in (envs.gpu_line(name, gpus) for name in names) if line]
+    if lines:
+        print(f"GPUs: {envs.gpu_text(gpus)}")
+        print("\n".join(lines))
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -93,7 +111,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         # Short words stay whole on a narrow terminal; the long cells fold instead.
         tbl.add_column(col, overflow="fold",
                        no_wrap=col in ("framework", "state", "build", "size"))
-    for st in envs.states():
+    states = envs.states()
+    for st in states:
         versions = "\n".join(f"{k} {v}" for k, v in st.versions.items()) or "-"
         ours = st.state not in ("built-in", "external")
         build = "-" if st.cuda is None else "CUDA" if st.cuda else "CPU"
@@ -110,6 +129,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a log or a pipe: keep every cell whole, as `list` does
         console = Console(width=200)
     console.print(tbl)
+    _print_gpu_lines([st.name for st in states])
     return EXIT_OK
 
 

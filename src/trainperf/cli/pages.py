@@ -142,6 +142,50 @@ def _cuda_builds(_: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cuda_drivers(results: Path) -> str:
+    """The CUDA release and the driver each framework's CUDA build needs (``EnvSpec.cuda``,
+    ``trainperf.gpufit``'s tables), and the GPU code its own library carries, as
+    benchmarks/gpucode_wheels.py read it from the wheels."""
+    import json
+
+    from ..backends import BACKENDS
+    from ..gpucode import LibraryCode, sm_text
+    from ..gpufit import MINOR_FLOOR, code_fit, cuda_release, driver_for
+
+    path = results / "gpucode_wheels.json"
+    record = json.loads(path.read_text(encoding="utf-8"))
+    read = {b["framework"]: b for b in record["builds"]}
+    lines = [f"Read by `{record['command']}` on {record['date']} "
+             f"(`{path.relative_to(results.parent.parent)}`).", "",
+             "| framework | CUDA build (the wheels read) | CUDA | driver | by minor version "
+             "compatibility | its own library's GPU code | on sm_90 |",
+             "|---|---|---|---|---|---|---|"]
+    for name, backend in BACKENDS.items():
+        spec = backend.env
+        if spec is None or not spec.gpu_wheels:
+            lines.append(f"| {name} | trainperf's own torch | the one its build names | - | - "
+                         "| not read | - |")
+            continue
+        release = cuda_release(spec.cuda)
+        build = read.get(name, {})
+        if "main" in build:
+            wheel = next(w for w in build["wheels"]
+                         if build["main"] in w["libraries"])
+            code = LibraryCode.from_json(wheel["libraries"][build["main"]])
+            ptx = ("PTX " + sm_text((sm for sm, _ in code.ptx), "compute_") + " (ISA "
+                   + ", ".join(isa for _, isa in code.ptx) + ")") if code.ptx else "no PTX"
+            own = f"`{build['main'].rsplit('/', 1)[-1]}`: cubins {sm_text(code.cubins)}; {ptx}"
+            fit = code_fit(code, (9, 0))
+            on90 = {"cubin": "yes", "ptx": "PTX, compiled just in time", "none": "no"}[fit.kind]
+        else:
+            own = "not read: its wheel could not be downloaded where this was recorded"
+            on90 = "not read"
+        lines.append(f"| {name} | {', '.join(f'`{w}`' for w in spec.gpu_wheels)} | {spec.cuda} "
+                     f"| {driver_for(release)} or newer | {MINOR_FLOOR[release[0]]} or newer, "
+                     f"where no PTX is compiled just in time | {own} | {on90} |")
+    return "\n".join(lines) + "\n"
+
+
 def _real_data(_: Path) -> str:
     """Which frameworks read real data and which train to a target, as declared."""
     from ..backends import BACKENDS
@@ -199,6 +243,7 @@ BLOCKS: dict[str, Block] = {
     "gpu-plan": Block(("docs/gpu-check.md",), _gpu_plan),
     "pythons": Block(("docs/install.md",), _pythons),
     "cuda-builds": Block(("docs/on-your-gpus.md",), _cuda_builds),
+    "cuda-drivers": Block(("docs/install.md",), _cuda_drivers),
     "real-data": Block(("docs/real-data.md", "docs/time-to-accuracy.md"), _real_data),
     "results-fields": Block(("docs/results-format.md",), _results_fields),
     "export-columns": Block(("docs/exports.md",), _export_columns),

@@ -9,6 +9,9 @@ from ..catalog import FAMILIES
 
 PACKAGES = ("jax==0.10.2", "flax==0.12.8", "optax==0.2.8")
 CUDA_PACKAGES = ("jax[cuda12]==0.10.2", "flax==0.12.8", "optax==0.2.8")
+# The CUDA build's device code: XLA's GPU runtime (the PJRT plugin) and the plugin's own
+# kernels. Their fatbins hold PTX of ISA 8.8, which CUDA 12.9 introduced.
+GPU_WHEELS = ("jax-cuda12-pjrt==0.10.2", "jax-cuda12-plugin==0.10.2")
 PROBE = ("import json, jax, flax, optax, numpy; print(json.dumps({'jax': jax.__version__, "
          "'flax': flax.__version__, 'optax': optax.__version__, "
          "'numpy': numpy.__version__}))")
@@ -46,7 +49,9 @@ of trainperf's changes that."""
 
 
 BACKEND = Backend(
-    name="jax", framework="jax", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    name="jax", framework="jax", launch=launch, env=EnvSpec(
+        PACKAGES, CUDA_PACKAGES, PROBE, cuda="12.9", gpu_wheels=GPU_WHEELS,
+        gpu_library="jax_plugins/xla_cuda12/xla_cuda_plugin.so"),
     capabilities=Capabilities(
         modes={"cpu": ("jit",), "cuda": ("jit",)},
         mode_words={"jit": "jax.jit of the whole step (JAX has no other training mode)"},

@@ -11,6 +11,12 @@ from ..catalog import FAMILIES
 PACKAGES = ("mxnet==1.9.1", "numpy<1.24")
 CUDA_PACKAGES = ("mxnet-cu117==1.9.1", "numpy<1.24", "nvidia-nccl-cu11==2.21.5")
 NCCL_LIB = "{site}/nvidia/nccl/lib"
+# Read from the wheels: libmxnet.so has cubins for sm_50 to sm_86 and no PTX, so that no
+# GPU of compute capability 9.0 or later runs it.
+GPU_WHEELS = ("mxnet-cu117==1.9.1", "nvidia-nccl-cu11==2.21.5")
+NO_NEWER_CUDA = ("none: 1.9.1 is MXNet's last release and cu117 its newest CUDA build (PyPI "
+                 "has no mxnet-cu118 or later); its CPU build runs anywhere (`trainperf "
+                 "env create mxnet --cpu`, `--device cpu`)")
 # numpy<1.24 has wheels up to Python 3.11 (pip finds none for 3.12 or 3.13): on a newer
 # trainperf Python the environment is made from one of these, found on PATH or in pyenv.
 PYTHONS = ("3.11", "3.10", "3.9")
@@ -97,7 +103,9 @@ def kvstore_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str
 
 BACKEND = Backend(
     name="mxnet", framework="mxnet", launch=launch,
-    env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE, pythons=PYTHONS, source_builds=(HOROVOD,)),
+    env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE, pythons=PYTHONS, source_builds=(HOROVOD,),
+                cuda="11.7", gpu_wheels=GPU_WHEELS, gpu_library="mxnet/libmxnet.so",
+                cuda_instead=NO_NEWER_CUDA),
     capabilities=Capabilities(
         modes={"cpu": MODES, "cuda": MODES},
         mode_words=MODE_WORDS,

@@ -25,6 +25,11 @@ PACKAGES = ("oneflow==0.9.0", "numpy<2")
 # Loaded by OneFlow's library at import, undeclared by its wheel; their ``lib`` folders go on
 # LD_LIBRARY_PATH.
 NO_DEPS = ("nvidia-cudnn-cu11==8.5.0.96", "nvidia-cublas-cu11==11.10.3.66")
+# Read from the wheels: liboneflow has cubins for sm_60 to sm_86 and no PTX (CUDA 11.7).
+GPU_WHEELS = ("oneflow==0.9.0", *NO_DEPS)
+NO_NEWER_CUDA = ("none on PyPI: 0.9.0, OneFlow's last release there, is this CUDA 11.7 "
+                 "build (PyPI has no oneflow-cu118 or oneflow-cu12x); it runs on the CPU "
+                 "too (`--device cpu`)")
 # Read from the installed metadata: importing oneflow needs LD_LIBRARY_PATH, which runs set.
 PROBE = ("import json, numpy; from importlib import metadata; print(json.dumps({'oneflow': "
          "metadata.version('oneflow'), 'numpy': numpy.__version__}))")
@@ -117,7 +122,9 @@ def mode_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str | 
 
 BACKEND = Backend(
     name="oneflow", framework="oneflow", launch=launch,
-    env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS),
+    env=EnvSpec(PACKAGES, PACKAGES, PROBE, pythons=PYTHONS, no_deps_packages=NO_DEPS,
+                cuda="11.7", gpu_wheels=GPU_WHEELS, gpu_library="oneflow.libs/liboneflow-*.so",
+                cuda_instead=NO_NEWER_CUDA),
     capabilities=Capabilities(
         float32_modes={"graph": GRAPH_FLOAT64},
         modes={"cpu": ("eager", "graph"), "cuda": ("eager", "graph")},

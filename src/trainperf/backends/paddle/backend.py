@@ -12,6 +12,9 @@ PACKAGES = ("paddlepaddle==3.3.1", "numpy>=1.26,<3")
 # Paddle's CUDA wheels of 3.x are published on its own index, not on PyPI.
 CUDA_PACKAGES = ("--extra-index-url=https://www.paddlepaddle.org.cn/packages/stable/cu126/",
                  "paddlepaddle-gpu==3.3.1", "numpy>=1.26,<3")
+# The layout of Paddle's CPU wheel (its CUDA wheel, on Paddle's own index, could not be
+# read where this was written).
+GPU_LIBRARY = "paddle/base/libpaddle.so"
 PROBE = ("import json, paddle, numpy; print(json.dumps({'paddle': paddle.__version__, "
          "'numpy': numpy.__version__, 'cuda': paddle.device.is_compiled_with_cuda()}))")
 
@@ -82,7 +85,9 @@ every run, an alignment run's too, keeps Paddle's rule (``alignment``)."""
 
 
 BACKEND = Backend(
-    name="paddle", framework="paddle", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    name="paddle", framework="paddle", launch=launch, env=EnvSpec(
+        PACKAGES, CUDA_PACKAGES, PROBE, cuda="12.6",
+        gpu_wheels=("paddlepaddle-gpu==3.3.1",), gpu_library=GPU_LIBRARY),
     capabilities=Capabilities(
         # Dygraph first on both: on a CPU to_static measured 0.73-0.75x dygraph on ResNet50
         # (issue 43); `--mode best` measures them on the device at hand.

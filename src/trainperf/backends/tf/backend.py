@@ -14,6 +14,9 @@ from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchReques
 
 PACKAGES = ("tensorflow-cpu==2.21.0",)
 CUDA_PACKAGES = ("tensorflow[and-cuda]==2.21.0",)
+# Its CUDA libraries come as the and-cuda extra's dependencies, from 12.5.82 on; its own
+# kernels' PTX is of ISA 8.5 at most, which CUDA 12.5 introduced.
+GPU_WHEELS = ("tensorflow==2.21.0",)
 PROBE = ("import json, tensorflow as tf, numpy; print(json.dumps({'tensorflow': tf.__version__,"
          " 'keras': tf.keras.__version__, 'numpy': numpy.__version__}))")
 
@@ -115,7 +118,9 @@ def mode_rules(workload: Workload, topology: Topology, tuning: Tuning) -> str | 
 # the fused BatchNorm kernel moves its running variance with the unbiased batch variance and
 # momentum 0.1, torch's rule (tests/test_tf_models_heads.py measures it on the CPU kernel).
 BACKEND = Backend(
-    name="tf", framework="tensorflow", launch=launch, env=EnvSpec(PACKAGES, CUDA_PACKAGES, PROBE),
+    name="tf", framework="tensorflow", launch=launch, env=EnvSpec(
+        PACKAGES, CUDA_PACKAGES, PROBE, cuda="12.5", gpu_wheels=GPU_WHEELS,
+        gpu_library="tensorflow/libtensorflow_cc.so.2"),
     capabilities=Capabilities(
         modes={"cpu": ("function", "xla"), "cuda": ("function", "xla")},
         mode_words={"function": "tf.function, jit_compile off",
