@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import nvml_standin
 from run_util import left_behind
 from trainperf import envs, parities
 from trainperf.backends.torch.memory_model import DeviceConstants, combine
@@ -488,28 +489,20 @@ def test_power_read_through_nvidia_smi(fake_smi):
     assert got.method == "nvidia-smi power readings" and got.mean_w == pytest.approx(250.5)
 
 
-def test_power_read_through_nvml(monkeypatch):
-    import types
-
-    state = {"mj": 0.0}
-
-    def energy(handle):
-        state["mj"] += 20.0  # 20 mJ a reading, a reading every 0.02 s: 1 W
-        return state["mj"]
-
-    fake = types.SimpleNamespace(
-        nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetPowerUsage=lambda h: 400_000, NVMLError=RuntimeError,
-        nvmlDeviceGetTotalEnergyConsumption=energy)
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(power.importlib.util, "find_spec", lambda name: object())
+def test_power_read_through_nvml(tmp_path, monkeypatch):
+    """Through trainperf's one NVML reader (``trainperf.energy``), against a stand-in NVML (no
+    GPU here): the board ``CUDA_VISIBLE_DEVICES`` names first, by a UUID's prefix as CUDA
+    takes it, read alone."""
+    standin = nvml_standin.install(monkeypatch, tmp_path / "nvml")
+    board = nvml_standin.BOARDS[2]  # 400 W, listed third
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{board['uuid'][:8]},0")
+    assert power.source() == "nvml"
     with power.PowerSampler(interval_s=0.02) as sampler:
         time.sleep(0.4)
     assert sampler.method == "nvml" and sampler.error is None
     got = sampler.window(sampler.times[-1], sampler.times[-1] - sampler.times[0])
-    assert got.method == "nvml energy counter" and got.mean_w > 0
-    # The counter, not the 400 W readings, gives the energy.
-    assert got.mean_w < 50
+    assert got.method == "nvml energy counter" and got.mean_w == pytest.approx(400.0, rel=0.01)
+    assert set(standin.READS) == {board["uuid"]}
 
 
 def test_a_gpu_torch_cannot_use_runs_the_cpu_mode_and_says_so(fake_smi):
