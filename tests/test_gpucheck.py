@@ -505,6 +505,22 @@ def test_power_read_through_nvml(tmp_path, monkeypatch):
     assert set(standin.READS) == {board["uuid"]}
 
 
+def test_the_runners_own_energy_record_comes_before_the_samplers(tmp_path):
+    """A run whose record holds the runner's joules (``run_energy``) takes them: the sampler's
+    readings are for the runs the runner could not read."""
+    from trainperf.gpucheck.runs import summarise
+
+    run = {"run": 1, "status": "ok", "samples_per_s": 100.0, "window_s": 4.0,
+           "window_samples": 400, "energy_j": 800.0,
+           "energy_method": "NVML energy counter, read every 0.05 s"}
+    doc = {"cases": [{"runs": [run], "world_size": 1, "batch_size_per_device": 8,
+                      "precision": "fp32", "median_samples_per_s": 100.0}]}
+    (got,) = summarise(doc, tmp_path, sampler=None)["runs"]
+    assert got["energy_j"] == 800.0 and got["mean_power_w"] == 200.0
+    assert got["samples_per_j"] == 0.5
+    assert got["power_method"] == "runner: NVML energy counter, read every 0.05 s"
+
+
 def test_a_gpu_torch_cannot_use_runs_the_cpu_mode_and_says_so(fake_smi):
     from trainperf.gpucheck.orchestrate import detect_mode
 
