@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import nvml_standin
 from run_util import left_behind
 from trainperf import envs, parities
 from trainperf.backends.torch.memory_model import DeviceConstants, combine
@@ -488,28 +489,36 @@ def test_power_read_through_nvidia_smi(fake_smi):
     assert got.method == "nvidia-smi power readings" and got.mean_w == pytest.approx(250.5)
 
 
-def test_power_read_through_nvml(monkeypatch):
-    import types
-
-    state = {"mj": 0.0}
-
-    def energy(handle):
-        state["mj"] += 20.0  # 20 mJ a reading, a reading every 0.02 s: 1 W
-        return state["mj"]
-
-    fake = types.SimpleNamespace(
-        nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetPowerUsage=lambda h: 400_000, NVMLError=RuntimeError,
-        nvmlDeviceGetTotalEnergyConsumption=energy)
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr(power.importlib.util, "find_spec", lambda name: object())
+def test_power_read_through_nvml(tmp_path, monkeypatch):
+    """Through trainperf's one NVML reader (``trainperf.energy``), against a stand-in NVML (no
+    GPU here): the board ``CUDA_VISIBLE_DEVICES`` names first, by a UUID's prefix as CUDA
+    takes it, read alone."""
+    standin = nvml_standin.install(monkeypatch, tmp_path / "nvml")
+    board = nvml_standin.BOARDS[2]  # 400 W, listed third
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{board['uuid'][:8]},0")
+    assert power.source() == "nvml"
     with power.PowerSampler(interval_s=0.02) as sampler:
         time.sleep(0.4)
     assert sampler.method == "nvml" and sampler.error is None
     got = sampler.window(sampler.times[-1], sampler.times[-1] - sampler.times[0])
-    assert got.method == "nvml energy counter" and got.mean_w > 0
-    # The counter, not the 400 W readings, gives the energy.
-    assert got.mean_w < 50
+    assert got.method == "nvml energy counter" and got.mean_w == pytest.approx(400.0, rel=0.01)
+    assert set(standin.READS) == {board["uuid"]}
+
+
+def test_the_runners_own_energy_record_comes_before_the_samplers(tmp_path):
+    """A run whose record holds the runner's joules (``run_energy``) takes them: the sampler's
+    readings are for the runs the runner could not read."""
+    from trainperf.gpucheck.runs import summarise
+
+    run = {"run": 1, "status": "ok", "samples_per_s": 100.0, "window_s": 4.0,
+           "window_samples": 400, "energy_j": 800.0,
+           "energy_method": "NVML energy counter, read every 0.05 s"}
+    doc = {"cases": [{"runs": [run], "world_size": 1, "batch_size_per_device": 8,
+                      "precision": "fp32", "median_samples_per_s": 100.0}]}
+    (got,) = summarise(doc, tmp_path, sampler=None)["runs"]
+    assert got["energy_j"] == 800.0 and got["mean_power_w"] == 200.0
+    assert got["samples_per_j"] == 0.5
+    assert got["power_method"] == "runner: NVML energy counter, read every 0.05 s"
 
 
 def test_a_gpu_torch_cannot_use_runs_the_cpu_mode_and_says_so(fake_smi):

@@ -63,15 +63,22 @@ def test_paddle_lists_every_rank_of_every_node():
                    "PADDLE_LOCAL_SIZE": "2", "FLAGS_selected_gpus": "1"}
 
 
-def test_jax_meets_at_node_zeros_coordinator():
+def test_jax_meets_at_node_zeros_coordinator(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     env = jax_backend.rank_env(1, two_nodes(1))
     assert env == {"TRAINPERF_COORDINATOR": "10.0.0.1:1000", "TRAINPERF_NUM_PROCESSES": "4",
                    "TRAINPERF_PROCESS_ID": "3", "CUDA_VISIBLE_DEVICES": "1"}
+    # A node given GPUs 4 and 6 (a scheduler, an emulated node): local rank 1 drives GPU 6.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert jax_backend.rank_env(1, two_nodes(1))["CUDA_VISIBLE_DEVICES"] == "6"
 
 
-def test_tf_config_names_every_worker_and_the_global_task():
+def test_tf_config_names_every_worker_and_the_global_task(monkeypatch):
     """And node 0's last port, which no rank listens on otherwise: where rank 0 waits for the
     others to be past the last barrier (``tf/departure.py``)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb")
+    assert tf_backend.rank_env(1, two_nodes(1))["CUDA_VISIBLE_DEVICES"] == "GPU-bb"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     env = tf_backend.rank_env(1, two_nodes(1))
     assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": ENDPOINTS},
                                             "task": {"type": "worker", "index": 3}}

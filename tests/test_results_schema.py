@@ -19,6 +19,7 @@ from referencing import Registry, Resource
 from trainperf import results, results_schema
 from trainperf.cli import main
 from trainperf.protocol import End, Eval, Start, Step
+from trainperf.run_energy import Part, RunEnergy
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDS = REPO / "benchmarks" / "results"
@@ -105,6 +106,8 @@ def written_doc() -> dict:
     run = results.run_record(1, [start, *steps, ev, end], "ok", exit_code=0)
     run["retries"] = [{"attempt": 1, "reason": "port", "error": None, "folder": "x"}]
     run["after_mode_probe"] = True  # the runner's, for a timed run
+    # A GPU run's energy, as the runner reads it (run_energy).
+    run.update(RunEnergy({0: Part(800.0, 4.0, ["GPU-1a7f"])}).fields(run["window_samples"]))
     # A multi-node run's: a node cut off, the links' probes, and a lasting change of step time.
     run["unreachable"] = {"node": 1, "step": 5, "link_down": True, "link": "eth0: no carrier",
                           "seen_by": [0, 1]}

@@ -25,6 +25,7 @@ from .procs import POLL_S, EventTail, kill_tree, log_tail
 from .progress import Progress
 from .protocol import LAUNCHED_AT_ENV, End, Eval, Event, ProtocolError, RunSpec, Step
 from .rendezvous import RendezvousError
+from .run_energy import RunEnergy, RunMeter
 
 MAX_ATTEMPTS = 3
 """Launches of one run at most: a run whose ports were taken by another process before its own
@@ -69,6 +70,8 @@ class Launched:
     """The run's collectives cross the network the probes do (``link_verdict``)."""
     nodes_lost: bool = False
     """The nodes could not meet for it (nothing launched)."""
+    energy: RunEnergy | None = None
+    """A timed run: its boards' energy over its window (``run_energy``)."""
 
     def record(self, run: int, run_dir: Path) -> dict:
         """The run's record (``results.run_record``) with what its launches add: on several
@@ -103,6 +106,8 @@ class Launched:
         record["warnings"] += warnings
         if self.retries:
             record["retries"] = self.retries
+        if self.energy is not None:
+            record.update(self.energy.fields(record["window_samples"]))
         return record
 
 
@@ -132,14 +137,15 @@ class RunLauncher:
         trainperf's environment, through this folder."""
 
     def launch(self, case: Case, run_dir: Path, spec: RunSpec, label: str,
-               tags: dict) -> Launched:
+               tags: dict, energy: bool = False) -> Launched:
         """The run, started again on fresh ports after a port was taken, ``MAX_ATTEMPTS`` in
-        all; failed, without a launch, where the nodes could not meet for it."""
+        all; failed, without a launch, where the nodes could not meet for it. ``energy``: read
+        its boards' energy over its window (a timed run)."""
         retries: list[dict] = []
         while True:
             attempt = len(retries) + 1
             try:
-                done = self._attempt(case, run_dir, spec, label, tags, attempt)
+                done = self._attempt(case, run_dir, spec, label, tags, attempt, energy)
             except RendezvousError as exc:
                 done = failed_to_meet(exc)
             if done.here.retry is None or attempt == MAX_ATTEMPTS:
@@ -166,7 +172,7 @@ class RunLauncher:
                 ports.LOOPBACK)
 
     def _attempt(self, case: Case, run_dir: Path, spec: RunSpec, label: str, tags: dict,
-                 attempt: int) -> Launched:
+                 attempt: int, energy: bool = False) -> Launched:
         """One launch of the run, watched to its end: its outcome, agreed with the other nodes
         where there are some."""
         measure = spec.measure
@@ -181,6 +187,9 @@ class RunLauncher:
         # long for it to come back before it stops them.
         link_limit_s = measure.stall_timeout_s or topo.rdzv_timeout_s
         watch = None
+        # The boards' counters are read from before the launch until the window is known:
+        # on several nodes, until node 0 has told it, after the outcome's agreement.
+        meter = RunMeter(topo, energy)
         try:
             cluster_path = run_dir / "cluster.json"
             cluster_path.write_text(cluster.to_json(), encoding="utf-8")
@@ -193,6 +202,7 @@ class RunLauncher:
             self.progress.run_started(label, measure.iters)
             if self.nodes.group is not None:
                 watch = self.nodes.watch(meeting, probe=True)
+            meter.start(env)
             done = self._watch(launch.argv, env, worker_events, log_path, tags, measure,
                                watch, link_limit_s)
             # Every line is in the folder's stream now, tagged with its run: one copy is kept.
@@ -200,17 +210,24 @@ class RunLauncher:
             here = self._outcome(done, log_path, measure, link_limit_s, watch)
             own = (held.ports if held else cluster.ports[cluster.node_rank])
             here = outcome.with_port_retry(here, done.seen, lambda: ports.taken(own, addr))
+        except BaseException:
+            meter.stop()
+            raise
         finally:
             if held is not None:
                 held.release()
             if watch is not None:
                 watch.stop()
-        if self.nodes.group is not None:
-            here = self.nodes.agree(meeting, here, done.peers_failed, topo.rdzv_timeout_s)
+        try:
+            if self.nodes.group is not None:
+                here = self.nodes.agree(meeting, here, done.peers_failed, topo.rdzv_timeout_s)
+            used = meter.settle(done.seen, here.status == "ok", self.nodes.group, meeting)
+        finally:
+            meter.stop()
         # On a CPU every rank reaches the others at the addresses the nodes met on, which the
         # probes cross too; NCCL may take InfiniBand or another interface.
         return Launched(here, done.seen, done.warnings, done.returncode, probes=done.probes,
-                        probes_share_path=device_kind(topo.device) == "cpu")
+                        probes_share_path=device_kind(topo.device) == "cpu", energy=used)
 
     def _outcome(self, done: Watched, log_path: Path, measure: Measure, link_limit_s: float,
                  watch: RunWatch | None) -> outcome.Outcome:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import results
+from .energy import wh_per_million
 from .result_files import json_files, superseded
 
 LEVELS = ("run", "case")
@@ -99,6 +100,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("scaling_efficiency", "Float64", BOTH, "the case's speedup over its world size"),
     Column("mfu", "Float64", BOTH, "the case's model FLOP utilisation: model FLOP/s over the "
            "devices' peak (empty where the peak is not known, e.g. CPUs)"),
+    Column("energy_j", "Float64", RUN, "GPU: joules the run's boards drew in its window, from "
+           "their energy counter; empty where not measured"),
+    Column("samples_per_j", "Float64", BOTH, "GPU: samples per joule over the window (a case: "
+           "the median over its counted runs); empty where not measured or where only some "
+           "nodes' boards were read"),
+    Column("wh_per_million_samples", "Float64", BOTH, "GPU: watt-hours per million samples, "
+           "10^6 / `samples_per_j` / 3600"),
     Column("peak_memory_bytes", "Int64", BOTH, "peak memory, of the kind `memory_kind` "
            "names (a case: the largest of its runs)"),
     Column("memory_kind", "string", BOTH, "what `peak_memory_bytes` is: allocator_peak, "
@@ -260,6 +268,8 @@ def _case_figures(case: dict) -> dict[str, Any]:
         "iqr_samples_per_s": case.get("iqr_samples_per_s"),
         "spread": case.get("spread"),
         "samples_per_s_per_device": _per_device(median, case["world_size"]),
+        "samples_per_j": case.get("median_samples_per_j"),
+        "wh_per_million_samples": case.get("wh_per_million_samples"),
         "peak_memory_bytes": case.get("peak_memory_bytes"),
         "memory_kind": case.get("memory_kind"),
         "device_used_bytes": case.get("device_used_bytes"),
@@ -279,6 +289,9 @@ def _run_figures(case: dict, run: dict) -> dict[str, Any]:
         "status": run["status"],
         "samples_per_s": speed,
         "samples_per_s_per_device": _per_device(speed, case["world_size"]),
+        "energy_j": run.get("energy_j"),
+        "samples_per_j": run.get("samples_per_j"),
+        "wh_per_million_samples": wh_per_million(run.get("samples_per_j")),
         "peak_memory_bytes": run.get("peak_memory_bytes"),
         "memory_kind": run.get("memory_kind") or case.get("memory_kind"),
         "device_used_bytes": run.get("device_used_bytes"),

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import stats
 from .devices import mfu_peak
+from .energy import case_energy
 from .protocol import End, Eval, Event, Start, Step
 
 SCHEMA = "trainperf.results/v1"
@@ -234,6 +235,7 @@ def case_record(key: CaseKey, precision: str, runs: list[dict], start: Start | N
         "data_wait_share": stats.median([r["data_wait_share"] for r in runs
                                          if r["status"] == "ok"
                                          and r.get("data_wait_share") is not None]),
+        **case_energy(runs),
         "flags": st.flags,
         **({"training": summary} if (summary := training_summary(runs)) else {}),
     }

@@ -80,6 +80,19 @@ RUN_FIELDS: list[Field] = [
     ("data_wait_share", "num?", False, "real data: the largest rank's wait as a share of the "
      "window"),
     ("train", "obj", False, "training runs: the outcome and the accuracy curve"),
+    ("energy_j", "num?", False, "GPU: joules the run's boards drew in the window, from their "
+     "energy counter (NVML), summed over the boards of every node read (energy_scope); null "
+     "where not measured"),
+    ("energy_error_j", "num?", False, "the most energy_j can be off, given the counter's "
+     "readings around the window's edges"),
+    ("samples_per_j", "num?", False, "window samples / energy_j, where every node's boards "
+     "were read; null otherwise (a part is never scaled to the whole)"),
+    ("energy_scope", "str?", False, "which nodes' boards energy_j covers: 1 node, all N "
+     "nodes, or node(s) K of N"),
+    ("energy_devices", "list[str]", False, "the boards read, by UUID"),
+    ("energy_method", "str?", False, "how energy_j was read"),
+    ("energy_note", "str?", False, "why energy was not measured (a CPU run, no NVML, a board "
+     "without a counter), or which nodes it lacks"),
     ("error", "str?", True, "why the run did not end ok, in one line"),
     ("exit_code", "int?", False, "the launcher's exit status"),
     ("retries", "list[obj]", False, "attempts given up (a port taken by another process) "
@@ -146,6 +159,12 @@ CASE_FIELDS: list[Field] = [
     ("memory_model_error", "num?", False, "median (predicted - measured) / measured peak"),
     ("memory_model", "obj?", False, "the memory model's terms"),
     ("data_wait_share", "num?", False, "real data: median over runs of data_wait_share"),
+    ("median_samples_per_j", "num?", False, "GPU: median samples_per_j over the runs "
+     "median_samples_per_s counts"),
+    ("wh_per_million_samples", "num?", False, "watt-hours per million samples: 10^6 / "
+     "median_samples_per_j / 3600"),
+    ("energy_note", "str?", False, "why the case has no samples per joule (its runs' first "
+     "energy_note)"),
     ("breakdown", "obj", False, "--breakdown: the profiled run's phases"),
     ("training", "obj", False, "training: runs that reached the target and their medians"),
     ("measured_in", "str", False, "a joined document (trainperf join, a multi-node job's "

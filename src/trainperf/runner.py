@@ -324,7 +324,10 @@ class Runner:
         results.write_json_atomic(run_dir / "spec.json", spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": kind.run, **kind.tags()}
         self._append_event({"event": "run_start", "t": time.time(), **tags})
-        launched = self.launcher.launch(case, run_dir, spec, label, tags)
+        # A timed throughput run's window is one stretch of steps, whose energy is read; a
+        # training run's steps are timed apart from its evaluations.
+        launched = self.launcher.launch(case, run_dir, spec, label, tags,
+                                        energy=isinstance(kind, TimedRun) and train is None)
         record = launched.record(kind.run, run_dir)
         if record.get("mode") is None and launched.here.status == "ok":
             # A follower node reads no start event (rank 0 writes it): the mode it ran is its

@@ -19,6 +19,20 @@ COLLECTIVE_TIMEOUT_ENV = "TRAINPERF_COLLECTIVE_TIMEOUT_S"
 """Seconds a rank waits in a collective before it gives its peer up (set for multi-node runs)."""
 
 
+def rank_gpu(local_rank: int, visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a process that drives one GPU, local rank ``local_rank``:
+    its entry of the list the launcher was given (``visible``, from the user's shell, a
+    scheduler or an emulated node; None: unset, every device, so the local rank), or none where
+    the list is shorter (a CPU run on fewer GPUs than ranks; a GPU run then fails in the
+    worker, saying it sees none). Setting the local rank alone would put a rank on a device
+    outside that list. The runner reads the energy of the same devices
+    (``energy.run_entries``)."""
+    if visible is None:
+        return str(local_rank)
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    return devices[local_rank] if local_rank < len(devices) else ""
+
+
 @dataclass(frozen=True)
 class SourceBuild:
     """A package compiled from its source distribution against the packages already in the

@@ -1,16 +1,19 @@
-"""The GPU's power through a measured window, for samples per joule.
+"""The GPU's power through a measured window, for the check's mean watts, and its samples per
+joule where the runner recorded none.
 
-A thread samples the driver every ``interval_s``: through NVML (``pynvml``, from the
-``nvidia-ml-py`` package) where it imports, which also gives the board's energy counter, else
-through ``nvidia-smi``. A run's window is known afterwards from its events (it ends when its
-``end`` event is written, and lasts ``window_s``), so energy is read from the samples that fall
-inside it: the energy counter's difference where the driver keeps one, else the mean of the
-power readings times the window. Where neither source exists the figure is "not measured".
+The runner records each timed run's energy from its boards' energy counter (``run_energy``),
+and the check takes it from there (``runs.summarise``). This sampler reads the power the driver
+reports every ``interval_s``: through trainperf's one NVML reader (``trainperf.energy``: the
+same board lookup, the same optional ``nvidia-ml-py``) where NVML opens, keeping the energy
+counter beside each reading where the board has one, else through ``nvidia-smi``. A run's
+window is known afterwards from its events (it ends when its ``end`` event is written, and
+lasts ``window_s``), so energy is read from the samples that fall inside it: the energy
+counter's difference where the driver keeps one, else the mean of the power readings times the
+window. Where neither source exists the figure is "not measured".
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +21,8 @@ import threading
 import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+
+from ..energy import NotMeasured, Nvml, run_entries
 
 MIN_SAMPLES = 3
 """Fewer power readings than this inside a window give no figure."""
@@ -31,31 +36,29 @@ class Energy:
     method: str
 
 
-def gpu_index() -> int:
-    """The physical index of the GPU a one-device run uses (the first visible one)."""
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return int(first) if first.isdigit() else 0
+def gpu_device() -> str:
+    """The GPU a one-device run uses, as ``CUDA_VISIBLE_DEVICES`` names it (its first entry:
+    an index or a UUID, which NVML and ``nvidia-smi -i`` both take); ``0`` where unset."""
+    entries = run_entries(os.environ.get("CUDA_VISIBLE_DEVICES"), 1)
+    return entries[0] if entries else "0"
 
 
 def source() -> str | None:
     """``nvml``, ``nvidia-smi`` or None: how power can be read here."""
-    if importlib.util.find_spec("pynvml") is not None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            return "nvml"
-        except Exception:  # noqa: BLE001 - any failure of the driver library means "not here"
-            pass
+    try:
+        Nvml().close()
+        return "nvml"
+    except NotMeasured:  # not installed, or the driver library does not start
+        pass
     return "nvidia-smi" if shutil.which("nvidia-smi") else None
 
 
 class PowerSampler:
     """Start it before the runs it covers and stop it after; then ask for each window."""
 
-    def __init__(self, interval_s: float = 0.05, index: int | None = None) -> None:
+    def __init__(self, interval_s: float = 0.05, device: str | None = None) -> None:
         self.interval_s = interval_s
-        self.index = gpu_index() if index is None else index
+        self.device = gpu_device() if device is None else device
         self.method = source()
         self.times: list[float] = []
         self.watts: list[float] = []
@@ -87,26 +90,27 @@ class PowerSampler:
         self.energy_mj.append(energy_mj)
 
     def _nvml_loop(self) -> None:
-        import pynvml
-
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
-            while not self._stop.is_set():
-                watts = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
-                try:
-                    counter = float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
-                except pynvml.NVMLError:
-                    counter = None  # boards before Volta keep no counter
-                self._add(watts, counter)
-                self._stop.wait(self.interval_s)
-        except Exception as exc:  # noqa: BLE001 - recorded: the windows then say why
+            with Nvml() as nvml:
+                (board,) = nvml.resolve([self.device], os.environ.get("CUDA_DEVICE_ORDER"))
+                while not self._stop.is_set():
+                    watts = nvml.power_w(board)
+                    try:
+                        counter: float | None = nvml.energy_mj(board)
+                    except NotMeasured:
+                        counter = None  # boards before Volta keep no counter
+                    self._add(watts, counter)
+                    self._stop.wait(self.interval_s)
+        except NotMeasured as exc:  # recorded: the windows then say why
+            self.error = f"NVML: {exc}"
+        except Exception as exc:  # noqa: BLE001 - whatever else the binding raises, the same
             self.error = f"NVML: {exc}"
 
     def _smi_loop(self) -> None:
         ms = max(50, int(self.interval_s * 1000))
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "-i", str(self.index), "--query-gpu=power.draw",
+                ["nvidia-smi", "-i", self.device, "--query-gpu=power.draw",
                  "--format=csv,noheader,nounits", f"--loop-ms={ms}"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             for line in self._proc.stdout:

@@ -12,7 +12,7 @@ from .. import results
 from ..recipes import get_recipe
 from ..runner import Case as RunnerCase, Plan, Runner
 from .cases import Case
-from .power import PowerSampler
+from .power import Energy, PowerSampler
 
 TIMING_RTOL = 0.01
 """CUDA events against the host clock around ``synchronize``: the two windows agree within
@@ -69,7 +69,12 @@ def summarise(doc: dict, out_dir: Path, sampler: PowerSampler | None = None) -> 
     runs = []
     for r in c["runs"]:
         energy = None
-        if sampler is not None and r.get("window_s") and r["run"] in ends:
+        if r.get("energy_j") and r.get("window_s"):
+            # The runner read the boards' energy counter over the window itself: no power
+            # readings of this sampler go into it.
+            energy = Energy(r["energy_j"], r["energy_j"] / r["window_s"], 0,
+                            f"runner: {r['energy_method']}")
+        elif sampler is not None and r.get("window_s") and r["run"] in ends:
             energy = sampler.window(ends[r["run"]], r["window_s"])
         runs.append({
             "run": r["run"], "status": r["status"], "samples_per_s": r["samples_per_s"],

@@ -10,6 +10,7 @@ from ..result_files import plan_documents
 from .breakdown import Analyse, breakdown_section
 from .capacity import capacity_section
 from .classes import classes_section, plot_classes
+from .energy import energy_section
 from .input import input_section
 from .markdown import render_report, unique_labels
 from .plots import plot_scaling
@@ -45,6 +46,8 @@ def write_report(dirs: list[str], out: Path, with_references: bool = False,
     plots += plot_classes(docs, out)
     extra = [] if plots or not docs else [
         "(No plots: install the `plot` extra, matplotlib, to get them.)"]
+    if docs:
+        extra.insert(0, energy_section(docs, labels))
     # Training runs have no synthetic twin: their data waits are in their results.
     pipeline = input_section([d for d in docs if not is_training(d)])
     if pipeline:

@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
-from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
+import os
+
+from ..base import (Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest,
+                    rank_gpu)
 from ..catalog import FAMILIES
 
 PACKAGES = ("jax==0.10.2", "flax==0.12.8", "optax==0.2.8")
@@ -22,8 +25,9 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     return {"TRAINPERF_COORDINATOR": coordinator(cluster),
             "TRAINPERF_NUM_PROCESSES": str(cluster.world_size),
             "TRAINPERF_PROCESS_ID": str(cluster.global_rank(local_rank)),
-            # One GPU per process, as torch's workers; JAX would otherwise take them all.
-            "CUDA_VISIBLE_DEVICES": str(local_rank)}
+            # One GPU per process, as torch's workers; JAX would otherwise take them all. The
+            # local rank's entry of the list this node was given, not that index of the host.
+            "CUDA_VISIBLE_DEVICES": rank_gpu(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES"))}
 
 
 def launch(req: LaunchRequest) -> Launch:

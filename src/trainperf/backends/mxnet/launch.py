@@ -51,7 +51,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from ..base import COLLECTIVE_TIMEOUT_ENV, Cluster
+from ..base import COLLECTIVE_TIMEOUT_ENV, Cluster, rank_gpu
 from ..spawn import (Members, add_output_args, is_loopback, local_cluster, read_cluster,
                      run_supervised)
 from ..spawn import interface_of as spawn_interface_of
@@ -105,12 +105,8 @@ def dmlc_env(role: str, cluster: Cluster) -> dict[str, str]:
 
 def own_gpu(local_rank: int, visible: str | None) -> str:
     """``CUDA_VISIBLE_DEVICES`` for the worker of ``local_rank``: its entry of the launcher's
-    own list (``visible``; None: unset, every device), or none where the list is shorter (a CPU
-    run on fewer GPUs than ranks; a GPU run then fails in the worker, saying it sees none)."""
-    if visible is None:
-        return str(local_rank)
-    devices = [d.strip() for d in visible.split(",") if d.strip()]
-    return devices[local_rank] if local_rank < len(devices) else ""
+    own list (``base.rank_gpu``, which every one-GPU-per-process backend uses)."""
+    return rank_gpu(local_rank, visible)
 
 
 def interface_of(addr: str) -> str:

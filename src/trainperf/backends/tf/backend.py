@@ -10,7 +10,8 @@ import json
 import os
 
 from ...config import Topology, Tuning, Workload
-from ..base import Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest
+from ..base import (Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest,
+                    rank_gpu)
 
 PACKAGES = ("tensorflow-cpu==2.21.0",)
 CUDA_PACKAGES = ("tensorflow[and-cuda]==2.21.0",)
@@ -71,7 +72,9 @@ def rank_env(local_rank: int, cluster: Cluster) -> dict[str, str]:
     config = {"cluster": {"worker": rank_endpoints(cluster)},
               "task": {"type": "worker", "index": cluster.global_rank(local_rank)}}
     # Node 0's last port, which no rank listens on otherwise (spawn.PORTS_PER_RUN).
-    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": str(local_rank),
+    # The local rank's entry of the list this node was given, not that index of the host.
+    gpu = rank_gpu(local_rank, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return {"TF_CONFIG": json.dumps(config), "CUDA_VISIBLE_DEVICES": gpu,
             DEPARTURE_ENV: endpoint(cluster.addrs[0], cluster.ports[0][-1])}
 
 
