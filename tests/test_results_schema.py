@@ -112,6 +112,7 @@ def written_doc() -> dict:
     run["unreachable"] = {"node": 1, "step": 5, "link_down": True, "link": "eth0: no carrier",
                           "seen_by": [0, 1]}
     run["link_probes"] = {"1": [[0, 0.008], [7, 0.9]]}
+    run["nodes_lost"] = True  # failed for the lost node: a resumed plan runs it again
     run["step_change"] = {"at_step": 6, "before_s": 0.1, "after_s": 0.4, "ratio": 4.0,
                           "links": {"1": {"before_s": 0.008, "after_s": 0.9, "ratio": 112.5,
                                           "probes": [1, 1]}},
@@ -123,6 +124,13 @@ def written_doc() -> dict:
                            source={"format": "x"}, model="tiny", tuning={"mode": "default"})
     doc.update(framework="torch", data=None, train={"target": 0.9}, role="follower",
                mode_probe={"chosen": "eager"})
+    # A joined document's (trainperf join, a multi-node job's node counts), as join.join and
+    # node_sweep.collect write them.
+    case["measured_in"] = "nodes-1/node-0"
+    doc["joined_from"] = [{"source": "nodes-1/node-0", "nodes": [1], "host": "a",
+                           "mode_probe": True}]
+    doc["job"] = {"kind": "slurm", "folder": ".", "steps": [{"nodes": 1,
+                                                             "devices_per_node": [2]}]}
     return doc
 
 

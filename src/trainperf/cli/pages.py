@@ -233,6 +233,39 @@ def _emulated_scaling(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_spread(results: Path) -> str:
+    """How far apart the runs of one case lie, on a GPU and on a CPU, as the records show it:
+    the range of each case's run figures over their median, for every case with two ok runs
+    or more (a follower's records, which hold no figures, left out)."""
+    import json
+    import statistics
+
+    from ..result_files import json_files
+
+    spreads: dict[str, list[float]] = {"cuda": [], "cpu": []}
+    for _, text in json_files(results, ("results.json",)):
+        doc = json.loads(text)
+        kind = (doc.get("env") or {}).get("device_type")
+        if kind not in spreads or doc.get("role") == "follower":
+            continue
+        for case in doc["cases"]:
+            speeds = [r["samples_per_s"] for r in case["runs"]
+                      if r["status"] == "ok" and r.get("samples_per_s")]
+            if len(speeds) >= 2:
+                spreads[kind].append((max(speeds) - min(speeds)) / statistics.median(speeds))
+    lines = []
+    for kind, where in (("cuda", "On a GPU"), ("cpu", "On a CPU")):
+        got = spreads[kind]
+        if not got:
+            lines.append(f"- {where}: no record holds a case of two runs or more yet.")
+            continue
+        lines.append(f"- {where}: the runs of {sum(x < 0.01 for x in got)} of the {len(got)} "
+                     f"recorded cases of two runs or more lie within 1% of each other, those "
+                     f"of {sum(x >= 0.10 for x in got)} 10% or more apart (median "
+                     f"{100 * statistics.median(got):.1f}%, widest {100 * max(got):.0f}%).")
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS: dict[str, Block] = {
     "frameworks": Block(("README.md", "docs/frameworks.md"), _frameworks),
     "tuning": Block(("docs/frameworks.md",), _tuning),
@@ -248,6 +281,7 @@ BLOCKS: dict[str, Block] = {
     "results-fields": Block(("docs/results-format.md",), _results_fields),
     "export-columns": Block(("docs/exports.md",), _export_columns),
     "emulated-scaling": Block(("docs/scaling-model.md",), _emulated_scaling),
+    "run-spread": Block(("docs/compare.md",), _run_spread),
 }
 
 

@@ -49,9 +49,9 @@ def _short(name: str) -> str:
     return name.replace("NVIDIA ", "").strip() or "GPU"
 
 
-def from_results(doc: dict, path: str) -> list[tuple[str, str, str]]:
-    """(framework, path key, device name) of one trainperf results file, where it ran on a
-    GPU."""
+def from_results(doc: dict, path: str) -> list[tuple[str, str, str, str | None]]:
+    """(framework, path key, device name, framework version) of one trainperf results file,
+    where it ran on a GPU."""
     env = doc.get("env") or {}
     if env.get("device_type") != "cuda":
         return []
@@ -73,33 +73,35 @@ def from_results(doc: dict, path: str) -> list[tuple[str, str, str]]:
             keys.add("capacity")
         if (doc.get("data") or {}).get("role") == "real":
             keys.add("realdata")
-    return [(fw, k, name) for k in keys]
+    return [(fw, k, name, env.get("framework_version")) for k in keys]
 
 
-def from_parity(doc: dict) -> list[tuple[str, str, str]]:
+def from_parity(doc: dict) -> list[tuple[str, str, str, str | None]]:
     if doc.get("device") != "cuda":
         return []
     name = (doc.get("machine") or {}).get("device_name") or "GPU"
     out = []
     for r in doc.get("rows", []):
         if any(p.get("ratio") for p in r.get("pairs", [])):
+            ran = next((((p.get("trainperf_detail") or {}).get("versions") or {})
+                        .get("framework_version") for p in r["pairs"]), None)
             # trainperf's side of a pair is a training step of its own, with the dp head
-            out += [(r["framework"], key, name) for key in
+            out += [(r["framework"], key, name, ran) for key in
                     ("parity", doc.get("precision", "fp32"),
                      "classification" if r.get("model") == "rn50" else "dp")]
     return out
 
 
-def from_summary(doc: dict) -> list[tuple[str, str, str]]:
+def from_summary(doc: dict) -> list[tuple[str, str, str, str | None]]:
     if doc.get("mode") != "gpu":
         return []
     passed = any(i.get("kind") == "check" and i.get("status") == "pass"
                  and "losses on cuda match" in i.get("name", "")
                  for s in doc.get("stages", []) for i in s.get("items", []))
-    return [("torch", "correctness", doc.get("device") or "GPU")] if passed else []
+    return [("torch", "correctness", doc.get("device") or "GPU", None)] if passed else []
 
 
-def _read(name: str, text: bytes | str) -> list[tuple[str, str, str]]:
+def _read(name: str, text: bytes | str) -> list[tuple[str, str, str, str | None]]:
     try:
         doc = json.loads(text)
     except ValueError:
@@ -125,7 +127,8 @@ def observations(results: Path) -> list[dict]:
         for name, text in json_files(record, ("results.json", "parity.json", "summary.json")):
             found += _read(name, text)
         seen += [{"framework": fw, "key": key, "device": _short(dev), "date": date,
-                  "record": record.name} for fw, key, dev in found]
+                  "record": record.name, "version": version}
+                 for fw, key, dev, version in found]
     return seen
 
 
@@ -191,6 +194,24 @@ def listed(names: Sequence[str], last: str = "and") -> str:
     return f"{', '.join(names[:-1])} {last} {names[-1]}"
 
 
+def version_words(framework: str, label: str, seen: list[dict]) -> str:
+    """Which release of the framework those runs were, where the records say: a lent
+    machine runs the framework its image carries, which need not be the one `trainperf env
+    create` pins, and a page must not credit the pinned one with them."""
+    from ..backends import get_backend
+
+    versions = sorted({o["version"] for o in seen if o.get("version")})
+    if not versions:
+        return ""
+    env = get_backend(framework).env
+    pinned = env.packages[0].partition("==")[2] if env is not None else None
+    text = f", {label} {listed(versions)}"
+    if pinned and pinned not in versions:
+        text += (f", the lent machine's own, not the {pinned} of the environment "
+                 "`trainperf env create` builds")
+    return text
+
+
 def status(results: Path) -> str:
     """One paragraph: which frameworks have run on a GPU (and how many of the matrix's paths),
     which have not, from the same records as the matrix. The front page and the frameworks
@@ -204,7 +225,7 @@ def status(results: Path) -> str:
             continue
         newest = max(seen, key=lambda o: (o["date"], o["device"]))
         ran.append(f"{label} ({len(seen)} of the {len(ROWS)} paths; latest on "
-                   f"{newest['device']}, {newest['date']})")
+                   f"{newest['device']}, {newest['date']}{version_words(fw, label, seen)})")
     parts = []
     if ran:
         parts.append(f"Run on a GPU, as the records under `benchmarks/results/gpu-*` show: "
