@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, set[str]]] = [
     ("foundation", {"__init__", "config", "protocol", "faults", "stats", "devices", "outcome",
                     "recipes", "references", "results", "env", "procs", "bench",
                     "alignments", "records", "parities", "significance", "mode_choice",
-                    "result_files", "results_schema"}),
+                    "result_files", "results_schema", "stall"}),
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
     ("launch", {"envs", "rendezvous", "runner", "progress", "breakdown", "plan_model",

@@ -105,6 +105,7 @@ def written_doc() -> dict:
     run = results.run_record(1, [start, *steps, ev, end], "ok", exit_code=0)
     run["retries"] = [{"attempt": 1, "reason": "port", "error": None, "folder": "x"}]
     run["after_mode_probe"] = True  # the runner's, for a timed run
+    run["stall_timeout_s"] = 300.0  # the runner's: the stall limit it ran under
     # A multi-node run's: a node cut off, the links' probes, and a lasting change of step time.
     run["unreachable"] = {"node": 1, "step": 5, "link_down": True, "link": "eth0: no carrier",
                           "seen_by": [0, 1]}
