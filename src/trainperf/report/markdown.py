@@ -7,6 +7,7 @@ from typing import Iterable
 
 from .. import alignments, parities, significance
 from ..mode_choice import describe as describe_probe, trouble_in_runs
+from .limits import stall_line
 from .network import change_lines
 
 SPANS_ONE = "~"
@@ -210,6 +211,9 @@ def describe(doc: dict) -> str:
               else f"{env.get('framework', '')} {env.get('framework_version', '')} on "
                    f"{device_text(env)}, host {env.get('host', '?')}")
     lines = [f"{line}.", f"{origin}. {how}".strip()]
+    stall = stall_line(doc)
+    if stall:
+        lines.append(stall)
     data = doc.get("data") or {}
     if data.get("source", "synthetic") != "synthetic":
         lines.append(f"Data: `{data.get('prefix')}` ({data.get('layout')} layout, "
