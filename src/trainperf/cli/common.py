@@ -92,8 +92,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default: %(default)g)")
     p.add_argument("--stall-timeout", default="auto", metavar="auto|off|S",
                    help="stop a run as hung once it has gone this long without a step after "
-                        f"its first: auto (default) {STEP_MULTIPLE:g}x the median step of the "
-                        "case so far, at least --stall-floor; S seconds; off: only --timeout "
+                        f"its first: auto (default) {STEP_MULTIPLE:g}x the median step of "
+                        "the case so far, at least --stall-floor; S seconds; off: only --timeout "
                         "(a --breakdown's profiled run reports its steps at its end, so only "
                         "--timeout applies to it)")
     p.add_argument("--stall-floor", type=float, metavar="S",
@@ -106,6 +106,15 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "(default: the node's cores / processes)")
     add_tuning_options(p)
     p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
+
+
+def reword(p: argparse.ArgumentParser, **helps: str) -> None:
+    """Another help for options ``p`` shares with other commands (by their ``dest``), where
+    this command takes them otherwise: no help may promise what the command refuses."""
+    for action in p._actions:
+        if action.dest in helps:
+            action.help = helps.pop(action.dest)
+    assert not helps, f"no such options: {sorted(helps)}"
 
 
 def add_loader_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
