@@ -188,3 +188,43 @@ def test_a_folder_measured_before_the_stall_limit_resumes(tmp_path):
     assert "stall_timeout_s" not in first
     assert second["status"] == "ok" and second["stall_timeout_s"] == 300.0
     assert "Stall timeout: 300 s (sized" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_follower_holds_rank_0s_steps_to_the_limit_node_0_sized(tmp_path, monkeypatch):
+    """Two nodes on loopback; rank 0 (node 0) takes a second more at steps 1 to 4, so that its
+    sized limit (20x their median, 20 s or more) lies well above the 10 s floor, then hangs for
+    good at step 5. Node 1 sees no step of its own: it holds rank 0's steps, as node
+    0's beats tell them, to the limit node 0 sized from them, which the beats carry too (not
+    to its own, the bare floor), and both nodes stop the run as hung under that one limit."""
+    import threading
+
+    from run_util import left_behind, reserved_ports
+
+    slow = ",".join(f"sleep=1@{i}:2" for i in range(1, 5))
+    monkeypatch.setenv("TRAINPERF_FAULT", f"{slow},hang@5:2")
+    port = str(reserved_ports()[0])
+    codes = {}
+
+    def node(rank: int) -> None:
+        codes[rank] = main(["run", "tiny-arcface", "--devices", "1", "--nnodes", "2",
+                            "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                            "--master-port", port, "--runs", "1", "--iters", "10",
+                            "--warmup", "2", "--device", "cpu", "--timeout", "600",
+                            "--stall-floor", "10", "--out", str(tmp_path / f"node{rank}")])
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == {0: 1, 1: 1}
+    lead = results.load(tmp_path / "node0")["cases"][0]["runs"][0]
+    follower = json.loads((tmp_path / "node1" / "results.json").read_text())
+    told = follower["cases"][0]["runs"][0]
+    assert lead["status"] == told["status"] == "timeout", (lead["error"], told["error"])
+    sized = limit_s(Measure(stall_floor_s=10.0), steady_steps(lead))
+    assert sized >= 20.0 and lead["stall_timeout_s"] == sized
+    assert told["stall_timeout_s"] == sized
+    assert f"run went {sized:g} s without a step and was stopped as hung" in lead["error"]
+    assert left_behind(tmp_path) == []
