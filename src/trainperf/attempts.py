@@ -295,6 +295,9 @@ class RunLauncher:
         # A profiled run reports its profiled steps together, after them: only the timeout.
         profiled = bool(tags.get("profile"))
         follower = self.nodes.is_follower
+        # What holds until the first look at the run (one that ends before it keeps them).
+        done.link_limit_s = sizing.limit_s() or rdzv_timeout_s
+        done.stall_limit_s = None if profiled else sizing.limit_s()
         with open(log_path, "wb") as log:
             # Where every rank's start-up counts from (``End.startup_s``).
             env = {**env, LAUNCHED_AT_ENV: repr(time.time())}

@@ -93,7 +93,8 @@ class SearchOutcome:
 
 
 def step_for(value: int, resolution: float) -> int:
-    """How close the fitting and the failing value must come before the search stops."""
+    """How close the largest fitting value and the smallest out of memory must come before
+    the search stops."""
     return max(1, math.ceil(value * resolution)) if resolution > 0 else 1
 
 
