@@ -19,6 +19,7 @@ from trainperf.align import AlignRequest, Side, compare_losses, run_alignment
 from trainperf.align.rules import NOT_CHECKABLE, NOT_EXERCISED, check_workload
 from trainperf.align.tensors import FLOAT64, compare_runs
 from trainperf.backends.workerkit import StepState, write_dump
+from trainperf.cli import main
 from trainperf.recipes import get_recipe
 
 TINY = get_recipe("tiny-arcface").workload
@@ -229,6 +230,47 @@ def test_torch_is_aligned_with_itself_in_float64(torch_against_itself):
     assert all(s["grad_norm"]["torch"] > 0 for s in check["steps"])
     assert json.loads((out / "align.json").read_text())["aligned"]
     assert not list((out / "runs").glob("**/dump"))  # dumps are gone unless kept
+
+
+def test_both_sides_run_on_the_cpu_unless_told(torch_against_itself, tmp_path):
+    """The page's promise, float64 on the CPU, holds on a GPU machine too: the command's
+    request says cpu, never auto, and every run of a check was specified for the CPU."""
+    from trainperf.cli import build_parser
+    from trainperf.cli.env import align_request
+
+    args = build_parser().parse_args(["align", "tiny-arcface", "--framework", "paddle",
+                                      "--out", str(tmp_path / "a")])
+    assert args.device == "cpu" and align_request(args).device == "cpu"
+    outcome, out = torch_against_itself
+    specs = [json.loads(p.read_text()) for p in (out / "runs").glob("**/spec.json")]
+    assert len(specs) >= 3  # torch, its witness, the candidate and the controls
+    assert {s["device"] for s in specs} == {"cpu"}
+    assert outcome["device"] == "cpu"
+    assert "in float64 on the CPU" in align.render_table(outcome)
+
+
+@pytest.mark.parametrize("framework", ["mxnet", "paddle", "tf", "oneflow"])
+def test_a_worker_without_float64_on_a_gpu_is_refused_there(framework, tmp_path, capsys):
+    from trainperf.backends import get_backend
+
+    assert main(["align", "tiny-arcface", "--framework", framework, "--device", "cuda",
+                 "--out", str(tmp_path / "a")]) == 2
+    why = get_backend(framework).capabilities.why_not["float64"]
+    assert capsys.readouterr().err.strip() == (
+        f"trainperf: error: the {framework} backend's worker computes an alignment's float64 "
+        f"on a CPU only, not on a GPU ({why})")
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_gpu_check_needs_a_gpu(tmp_path, capsys):
+    from trainperf.env import gpu_count
+
+    if gpu_count():
+        pytest.skip("this machine has a GPU")
+    assert main(["align", "tiny-arcface", "--framework", "torch", "--mode", "compile",
+                 "--device", "cuda", "--out", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "trainperf: error: --device cuda: this machine has no CUDA device")
 
 
 def test_every_control_is_caught_and_names_where(torch_against_itself):

@@ -28,7 +28,7 @@ FLOORS: list[tuple[str, set[str]]] = [
                     "recipes", "references", "results", "env", "procs", "bench",
                     "alignments", "records", "parities", "significance", "mode_choice",
                     "result_files", "results_schema", "join", "gpucode", "gpufit",
-                    "energy"}),
+                    "energy", "stall"}),
     ("data", {"data", "verify"}),
     ("backends", {"backends"}),
     ("launch", {"envs", "rendezvous", "runner", "progress", "breakdown", "plan_model",

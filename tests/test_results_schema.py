@@ -108,6 +108,7 @@ def written_doc() -> dict:
     run["after_mode_probe"] = True  # the runner's, for a timed run
     # A GPU run's energy, as the runner reads it (run_energy).
     run.update(RunEnergy({0: Part(800.0, 4.0, ["GPU-1a7f"])}).fields(run["window_samples"]))
+    run["stall_timeout_s"] = 300.0  # the runner's: the stall limit it ran under
     # A multi-node run's: a node cut off, the links' probes, and a lasting change of step time.
     run["unreachable"] = {"node": 1, "step": 5, "link_down": True, "link": "eth0: no carrier",
                           "seen_by": [0, 1]}

@@ -26,6 +26,7 @@ from .progress import Progress
 from .protocol import LAUNCHED_AT_ENV, End, Eval, Event, ProtocolError, RunSpec, Step
 from .rendezvous import RendezvousError
 from .run_energy import RunEnergy, RunMeter
+from .stall import StallSizing
 
 MAX_ATTEMPTS = 3
 """Launches of one run at most: a run whose ports were taken by another process before its own
@@ -40,7 +41,13 @@ class Watched:
     warnings: list[str] = field(default_factory=list)
     timed_out: bool = False
     stalled: bool = False
-    """Stopped for going ``Measure.stall_timeout_s`` without a step (``timed_out`` too)."""
+    """Stopped for going ``stall_limit_s`` without a step (``timed_out`` too)."""
+    stall_limit_s: float | None = None
+    """The stall limit the launch was last under before its steps ended (``stall``); None
+    where none applied."""
+    link_limit_s: float = 0.0
+    """Several nodes: how long this node's own link could stay down before its ranks were
+    stopped, when the launch ended."""
     peers_failed: dict[int, dict] = field(default_factory=dict)
     """Several nodes: the other nodes whose part failed while this one ran."""
     link_down: bool = False
@@ -72,6 +79,8 @@ class Launched:
     """The nodes could not meet for it (nothing launched)."""
     energy: RunEnergy | None = None
     """A timed run: its boards' energy over its window (``run_energy``)."""
+    stall_limit_s: float | None = None
+    """The stall limit the run ran under (``Watched.stall_limit_s``)."""
 
     def record(self, run: int, run_dir: Path) -> dict:
         """The run's record (``results.run_record``) with what its launches add: on several
@@ -80,6 +89,7 @@ class Launched:
         from .results import run_record
 
         record = run_record(run, self.seen, self.here.status, self.here.error, self.returncode)
+        record["stall_timeout_s"] = self.stall_limit_s
         if self.here.unreachable is not None:
             record["unreachable"] = self.here.unreachable
         if self.here.status != "ok" and (self.nodes_lost or (self.probes is not None and (
@@ -137,15 +147,18 @@ class RunLauncher:
         trainperf's environment, through this folder."""
 
     def launch(self, case: Case, run_dir: Path, spec: RunSpec, label: str,
-               tags: dict, energy: bool = False) -> Launched:
+               tags: dict, energy: bool = False,
+               known_step_s: tuple[float, ...] = ()) -> Launched:
         """The run, started again on fresh ports after a port was taken, ``MAX_ATTEMPTS`` in
         all; failed, without a launch, where the nodes could not meet for it. ``energy``: read
-        its boards' energy over its window (a timed run)."""
+        its boards' energy over its window (a timed run). ``known_step_s``: the case's step
+        times so far, which size its stall limit."""
         retries: list[dict] = []
         while True:
             attempt = len(retries) + 1
             try:
-                done = self._attempt(case, run_dir, spec, label, tags, attempt, energy)
+                done = self._attempt(case, run_dir, spec, label, tags, attempt, energy,
+                                     known_step_s)
             except RendezvousError as exc:
                 done = failed_to_meet(exc)
             if done.here.retry is None or attempt == MAX_ATTEMPTS:
@@ -172,7 +185,8 @@ class RunLauncher:
                 ports.LOOPBACK)
 
     def _attempt(self, case: Case, run_dir: Path, spec: RunSpec, label: str, tags: dict,
-                 attempt: int, energy: bool = False) -> Launched:
+                 attempt: int, energy: bool = False,
+                 known_step_s: tuple[float, ...] = ()) -> Launched:
         """One launch of the run, watched to its end: its outcome, agreed with the other nodes
         where there are some."""
         measure = spec.measure
@@ -182,10 +196,7 @@ class RunLauncher:
         meeting = run_dir.name if attempt == 1 else f"{run_dir.name}-attempt{attempt}"
         cluster, held, addr = self._ports(case, meeting)
         topo = case.topology
-        # A node's ranks wait on an unreachable peer until their collective's timeout, or
-        # until the stall timeout where one is set: a node whose own link is down waits as
-        # long for it to come back before it stops them.
-        link_limit_s = measure.stall_timeout_s or topo.rdzv_timeout_s
+        stall = StallSizing(measure, list(known_step_s), sized=spec.train is None)
         watch = None
         # The boards' counters are read from before the launch until the window is known:
         # on several nodes, until node 0 has told it, after the outcome's agreement.
@@ -204,10 +215,10 @@ class RunLauncher:
                 watch = self.nodes.watch(meeting, probe=True)
             meter.start(env)
             done = self._watch(launch.argv, env, worker_events, log_path, tags, measure,
-                               watch, link_limit_s)
+                               watch, stall, topo.rdzv_timeout_s)
             # Every line is in the folder's stream now, tagged with its run: one copy is kept.
             worker_events.unlink(missing_ok=True)
-            here = self._outcome(done, log_path, measure, link_limit_s, watch)
+            here = self._outcome(done, log_path, measure, done.link_limit_s, watch)
             own = (held.ports if held else cluster.ports[cluster.node_rank])
             here = outcome.with_port_retry(here, done.seen, lambda: ports.taken(own, addr))
         except BaseException:
@@ -227,7 +238,8 @@ class RunLauncher:
         # On a CPU every rank reaches the others at the addresses the nodes met on, which the
         # probes cross too; NCCL may take InfiniBand or another interface.
         return Launched(here, done.seen, done.warnings, done.returncode, probes=done.probes,
-                        probes_share_path=device_kind(topo.device) == "cpu", energy=used)
+                        probes_share_path=device_kind(topo.device) == "cpu", energy=used,
+                        stall_limit_s=done.stall_limit_s)
 
     def _outcome(self, done: Watched, log_path: Path, measure: Measure, link_limit_s: float,
                  watch: RunWatch | None) -> outcome.Outcome:
@@ -260,7 +272,7 @@ class RunLauncher:
         follower = self.nodes.is_follower
         here = outcome.decide(done.seen, done.timed_out, has_rank0=not follower,
                               memory_capped=measure.memory_limit_bytes is not None,
-                              stalled_s=measure.stall_timeout_s if done.stalled else None,
+                              stalled_s=done.stall_limit_s if done.stalled else None,
                               rank0_steps=rank0_steps)
         if follower and here.status == "failed" and here.error is None and done.returncode == 0:
             # Rank 0 is on another node: a clean exit is all this node can report.
@@ -298,17 +310,21 @@ class RunLauncher:
 
     def _watch(self, argv: list[str], env: dict[str, str], worker_events: Path,
                log_path: Path, tags: dict, measure: Measure, watch: RunWatch | None,
-               link_limit_s: float) -> Watched:
+               sizing: StallSizing, rdzv_timeout_s: float) -> Watched:
         """Start the launcher and follow its events until it ends, its time is up, it has gone
-        ``stall_timeout_s`` without a step after its first (on a node without rank 0: without
-        rank 0's steps moving, as node 0's beats tell them), another node's part of the run
-        has failed, or this node's own link has been down for ``link_limit_s``."""
+        its stall limit (``sizing``, node 0's on a node without rank 0) without a step after
+        its first (on a node without rank 0: without rank 0's steps moving, as node 0's beats
+        tell them), another node's part of the run has failed, or this node's own link has
+        been down for as long as the stall limit, or ``rdzv_timeout_s`` without one."""
         tail = EventTail(worker_events)
         done = Watched()
         deadline = time.monotonic() + measure.timeout_s
         # A profiled run reports its profiled steps together, after them: only the timeout.
-        stall = None if tags.get("profile") else measure.stall_timeout_s
+        profiled = bool(tags.get("profile"))
         follower = self.nodes.is_follower
+        # What holds until the first look at the run (one that ends before it keeps them).
+        done.link_limit_s = sizing.limit_s() or rdzv_timeout_s
+        done.stall_limit_s = None if profiled else sizing.limit_s()
         with open(log_path, "wb") as log:
             # Where every rank's start-up counts from (``End.startup_s``).
             env = {**env, LAUNCHED_AT_ENV: repr(time.time())}
@@ -325,22 +341,34 @@ class RunLauncher:
                         progressed = len(done.seen)
                         steps += sum(isinstance(e, Step) for e in new)
                         moves += sum(isinstance(e, (Step, Eval)) for e in new)
+                        sizing.saw(new)
                         if any(isinstance(e, (Step, Eval)) for e in new):
                             last_step = time.monotonic()
                         if any(isinstance(e, End) for e in new):
-                            stall, ended = None, True  # measured: what is left is leaving
+                            ended = True  # measured: what is left is leaving
+                    limit = sizing.limit_s()
                     if watch is not None:
                         watch.steps, watch.progress, watch.ended = steps, moves, ended
+                        watch.stall_s = limit
                         if follower:
-                            # Rank 0's steps are node 0's to see; its beats carry them here.
+                            # Rank 0's steps are node 0's to see; its beats carry them here,
+                            # and the limit node 0 sized from them.
                             last_step = watch.node0_advanced_at
-                            if watch.node0_ended:
-                                stall = None
+                            ended = watch.node0_ended
+                            if watch.node0_stall_s is not None:
+                                limit = watch.node0_stall_s
+                    # A node's ranks wait on an unreachable peer until their collective's
+                    # timeout, or until the stall limit: a node whose own link is down waits
+                    # as long for it to come back before it stops them.
+                    done.link_limit_s = limit or rdzv_timeout_s
+                    stall = None if profiled or ended else limit
+                    if stall is not None:
+                        done.stall_limit_s = stall
                     done.stalled = (stall is not None and last_step is not None
                                     and time.monotonic() - last_step > stall)
                     if watch is not None and not done.stalled:
                         done.peers_failed = dict(watch.failed)
-                        done.link_down = watch.link_down_s() > link_limit_s
+                        done.link_down = watch.link_down_s() > done.link_limit_s
                     if time.monotonic() > deadline or done.stalled:
                         done.timed_out = True
                     if done.timed_out or done.peers_failed or done.link_down:

@@ -457,6 +457,14 @@ class Topology:
         return self.nnodes * self.devices_per_node
 
 
+STALL_FLOOR_S = 300.0
+"""The least a sized stall limit is (``Measure.stall_floor_s``), and all it is until a step of
+the case is known: long enough for a framework that compiles at its second or third step. The
+longest compilation recorded under ``benchmarks/results`` is 103.5 s (``compile_s``: JAX's jit
+of IResNet-100 on the CPU, ``modes-cpu/runs/jax-r100``; torch.compile of IResNet-50 took
+89.4 s there): the floor is about three times it."""
+
+
 @dataclass(frozen=True)
 class Measure:
     """How runs are timed (DLPerf: 5 runs of 120 iterations, the first 20 skipped)."""
@@ -468,7 +476,13 @@ class Measure:
     """Wall-clock limit of one run; past it every process of the run is killed."""
     stall_timeout_s: float | None = None
     """A run that has reported its first step and then reports nothing more for this long is
-    stopped as hung, whatever is left of ``timeout_s`` (None: only ``timeout_s``)."""
+    stopped as hung, whatever is left of ``timeout_s`` (None: sized from the case's step times,
+    ``trainperf.stall``, unless ``stall_auto`` is off)."""
+    stall_auto: bool = True
+    """Where no ``stall_timeout_s`` is fixed, size a stall limit from the case's step times
+    (``stall.limit_s``); False: only ``timeout_s`` (``--stall-timeout off``)."""
+    stall_floor_s: float = STALL_FLOOR_S
+    """The least a sized stall limit is, and all it is until a step of the case is known."""
     memory_limit_bytes: int | None = None
     """Per-process cap of the data segment (RLIMIT_DATA) for CPU runs (None: no cap)."""
     threads: int | None = None
@@ -488,6 +502,10 @@ class Measure:
             raise ValueError(f"--timeout must be > 0, got {self.timeout_s}")
         if self.stall_timeout_s is not None and self.stall_timeout_s <= 0:
             raise ValueError(f"--stall-timeout must be > 0, got {self.stall_timeout_s}")
+        if self.stall_timeout_s is not None and not self.stall_auto:
+            raise ValueError("a fixed --stall-timeout and --stall-timeout off at once")
+        if self.stall_floor_s <= 0:
+            raise ValueError(f"--stall-floor must be > 0, got {self.stall_floor_s}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
@@ -497,8 +515,13 @@ class Measure:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d["stall_timeout_s"] is None:
-            del d["stall_timeout_s"]  # folders measured before it existed resume as before
+        # Folders measured before these fields existed resume as before: a field at its
+        # default is left out (a folder without them now runs under the sized stall limit,
+        # and each run records the limit it ran under).
+        for key, default in (("stall_timeout_s", None), ("stall_auto", True),
+                             ("stall_floor_s", STALL_FLOOR_S)):
+            if d[key] == default:
+                del d[key]
         return d
 
     @classmethod

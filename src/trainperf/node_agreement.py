@@ -108,6 +108,9 @@ class RunWatch:
         measured against), which the runner's loop sets."""
         self.ended = False
         """Node 0: rank 0 wrote ``end``; nothing is left to stall."""
+        self.stall_s: float | None = None
+        """Node 0: the stall limit its steps sized (``stall``), which the other nodes hold
+        rank 0's steps to: they see no step times of their own."""
         self.heard_at = {n: started for n in self.listens_to}
         self.heard_steps: dict[int, int | None] = {n: None for n in self.listens_to}
         """Rank 0's steps when each node was last heard (node 0's own count, or the count
@@ -124,6 +127,8 @@ class RunWatch:
         self._node0_progress: int | None = None
         """Other nodes: rank 0's steps as node 0 last told them, and when they (or its
         evaluations) last moved."""
+        self.node0_stall_s: float | None = None
+        """Other nodes: node 0's stall limit as it last told it (None: not told)."""
         self.failed: dict[int, dict] = {}
         self.down_since: float | None = None
         self.down_steps: int | None = None
@@ -225,7 +230,8 @@ class RunWatch:
             # is not taken for a lost node.
             beat = {"n": count, "done": last}
             if self.rank == 0:
-                beat.update(steps=self.steps, progress=self.progress, ended=self.ended)
+                beat.update(steps=self.steps, progress=self.progress, ended=self.ended,
+                            stall_s=self.stall_s)
             try:
                 self.group.beat(self.meeting, beat)
                 if last:
@@ -263,6 +269,7 @@ class RunWatch:
             self.node0_advanced_at = now
         self._node0_progress = progress
         self.node0_steps, self.node0_ended = steps, bool(beat.get("ended"))
+        self.node0_stall_s = beat.get("stall_s")
         self.heard_steps[node] = steps
 
     def _probe(self) -> None:

@@ -95,6 +95,9 @@ RUN_FIELDS: list[Field] = [
      "without a counter), or which nodes it lacks"),
     ("error", "str?", True, "why the run did not end ok, in one line"),
     ("exit_code", "int?", False, "the launcher's exit status"),
+    ("stall_timeout_s", "num?", False, "seconds without a step after which the run would have "
+     "been stopped as hung, as it stood when its steps ended (sized from the case's step "
+     "times, or fixed by --stall-timeout); null where no stall limit applied"),
     ("retries", "list[obj]", False, "attempts given up (a port taken by another process) "
      "before this one"),
     ("unreachable", "obj", False, "several nodes: the node that became unreachable during "

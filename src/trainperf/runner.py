@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import breakdown, envs, protocol, results
+from . import breakdown, envs, protocol, results, stall
 from .attempts import RunLauncher
 from .backends import get_backend
 from .env import host_env
@@ -324,10 +324,14 @@ class Runner:
         results.write_json_atomic(run_dir / "spec.json", spec.to_dict())
         tags = {"case": case.key.name, "batch": case.batch_size, "run": kind.run, **kind.tags()}
         self._append_event({"event": "run_start", "t": time.time(), **tags})
-        # A timed throughput run's window is one stretch of steps, whose energy is read; a
-        # training run's steps are timed apart from its evaluations.
+        # The case's step times so far size the run's stall limit (``stall``). A timed
+        # throughput run's window is one stretch of steps, whose energy is read; a training
+        # run's steps are timed apart from its evaluations.
+        known = tuple(s for r in self.records.get((case.key.name, case.batch_size), [])
+                      for s in stall.steady_steps(r))
         launched = self.launcher.launch(case, run_dir, spec, label, tags,
-                                        energy=isinstance(kind, TimedRun) and train is None)
+                                        energy=isinstance(kind, TimedRun) and train is None,
+                                        known_step_s=known)
         record = launched.record(kind.run, run_dir)
         if record.get("mode") is None and launched.here.status == "ok":
             # A follower node reads no start event (rank 0 writes it): the mode it ran is its

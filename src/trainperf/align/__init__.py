@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import alignments, results
 from ..backends import get_backend
-from ..backends.base import require
+from ..backends.base import DEVICE_KINDS, require
 from ..config import AlignSpec, Measure, Topology, Tuning, Workload
 from ..progress import NullProgress
 from ..runner import Case, Plan, Runner
@@ -81,16 +81,23 @@ class AlignRequest:
     """A candidate made to differ on purpose (tests): worker rule breaks, workload fields."""
     mode: str = "default"
     """The candidate's execution mode (``Capabilities.modes``); torch's side runs eager."""
+    device: str = "cpu"
+    """Where both sides run: ``cpu`` (the default, where every worker computes float64) or
+    ``cuda``, for a framework whose worker declares float64 there
+    (``Capabilities.float64_on``)."""
 
 
 def request(recipe_name: str, framework: str, devices: list[int], fc_modes: list[str],
             steps: int, timeout_s: float, out: Path | None, batch_size: int | None = None,
             num_classes: int | None = None, controls: list[str] | None = None,
-            keep_dumps: bool = False, mode: str = "default") -> AlignRequest:
+            keep_dumps: bool = False, mode: str = "default",
+            device: str = "cpu") -> AlignRequest:
     """The alignment check of ``framework`` on the recipe, with its batch and class count
     changed where given; ``controls``: negative controls by name (``["all"]``: every one);
     ``out`` None: a new folder under ``results/``; ``mode``: the candidate's execution mode
-    (torch itself is a candidate in a mode other than eager, against its eager reference)."""
+    (torch itself is a candidate in a mode other than eager, against its eager reference);
+    ``device``: ``cpu`` or ``cuda``, where both sides run (never ``auto``: a GPU machine would
+    otherwise check a GPU's float64, which not every worker computes)."""
     from ..recipes import get_recipe
 
     recipe = get_recipe(recipe_name)
@@ -100,12 +107,21 @@ def request(recipe_name: str, framework: str, devices: list[int], fc_modes: list
     if num_classes:
         workload = workload.replace(num_classes=num_classes)
     backend = get_backend(framework)
+    if device not in DEVICE_KINDS:
+        raise ValueError(f"align runs on {' or '.join(DEVICE_KINDS)}, not --device {device}")
+    for side in (get_backend("torch"), backend):  # torch is the reference, on the same device
+        require(side.float64_refusal(device))
+    if device == "cuda":
+        from ..env import gpu_count
+
+        if not gpu_count():  # said now, not as every run's failure and a verdict filed
+            raise ValueError("--device cuda: this machine has no CUDA device")
     if mode == "best":
         raise ValueError("align checks one mode at a time: name it (--mode "
-                         f"{', '.join(backend.modes_on('cpu'))})")
-    require(backend.mode_refusal(mode, "cpu"))
-    require(backend.capabilities.float32_modes.get(backend.resolve_mode(mode, "cpu")))
-    if backend.name == "torch" and backend.resolve_mode(mode, "cpu") == "eager":
+                         f"{', '.join(backend.modes_on(device))})")
+    require(backend.mode_refusal(mode, device))
+    require(backend.capabilities.float32_modes.get(backend.resolve_mode(mode, device)))
+    if backend.name == "torch" and backend.resolve_mode(mode, device) == "eager":
         raise ValueError("align compares another framework, or torch in another mode, with "
                          "torch eager: pass --framework mxnet or --mode compile")
     if steps < 1:
@@ -114,7 +130,7 @@ def request(recipe_name: str, framework: str, devices: list[int], fc_modes: list
         control(name).name for name in controls or []]
     out = out or results.default_folder(f"align-{recipe.name}-{backend.name}")
     return AlignRequest(recipe.name, workload, backend.name, devices, fc_modes, steps,
-                        timeout_s, out, tuple(names), keep_dumps, mode=mode)
+                        timeout_s, out, tuple(names), keep_dumps, mode=mode, device=device)
 
 
 @dataclass
@@ -153,12 +169,15 @@ CACHE_ENV = "TRAINPERF_ALIGN_CACHE"
 start (tests set it, so that every framework's alignment shares one torch run per case)."""
 
 
-def _reference_key(workload: Workload, devices: int, steps: int, start: Path) -> str:
+def _reference_key(workload: Workload, devices: int, steps: int, start: Path,
+                   device: str = "cpu") -> str:
     import numpy as np
     import torch  # the reference side runs torch; its version is part of what it computed
 
-    h = hashlib.sha256(json.dumps([workload.to_dict(), devices, steps, DTYPE, torch.__version__],
-                                  sort_keys=True).encode())
+    # A GPU's kernels round otherwise: its torch runs are kept apart (the CPU's key as before).
+    where = [] if device == "cpu" else [device]
+    h = hashlib.sha256(json.dumps([workload.to_dict(), devices, steps, DTYPE, torch.__version__,
+                                   *where], sort_keys=True).encode())
     with np.load(start) as arrays:  # the contents: the zip's own bytes carry timestamps
         for name in sorted(arrays.files):
             h.update(name.encode())
@@ -174,15 +193,15 @@ def torch_side(req: AlignRequest, workload: Workload, devices: int, start: Path,
     folder = os.environ.get(CACHE_ENV)
     if not folder:
         return run_from_start(req.recipe, workload, align, out, req.steps, req.timeout_s,
-                              "torch", devices)
-    entry = Path(folder) / _reference_key(workload, devices, req.steps, start)
+                              "torch", devices, req.device)
+    entry = Path(folder) / _reference_key(workload, devices, req.steps, start, req.device)
     try:
         kept = json.loads((entry / "side.json").read_text(encoding="utf-8"))
         return Side(kept["record"], kept["params"], kept["version"], entry / "dump")
     except (OSError, ValueError, KeyError):
         pass
     side = run_from_start(req.recipe, workload, align, out, req.steps, req.timeout_s, "torch",
-                          devices)
+                          devices, req.device)
     if side.ok:
         tmp = Path(folder) / f".{entry.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -249,7 +268,7 @@ def candidate_side(req: AlignRequest, workload: Workload, devices: int, start: P
                    breaks: tuple[str, ...] = ()) -> Side:
     align = AlignSpec(str(start), DTYPE, str(out / "dump"), breaks)
     return run_from_start(req.recipe, workload, align, out, req.steps, req.timeout_s,
-                          req.framework, devices, tuning=Tuning(mode=req.mode))
+                          req.framework, devices, req.device, tuning=Tuning(mode=req.mode))
 
 
 def judge(ref: Side, cand: Side, steps: int, ranks: int, tol: Tolerance,
@@ -309,10 +328,10 @@ def run_alignment(req: AlignRequest) -> dict:
                                      if c["versions"]["other"]), None)}
     aligned = all(c["aligned"] for c in checks)
     controls_ok = all(c["caught"] or c["applicable"] is not True for c in controls.values())
-    mode = get_backend(req.framework).resolve_mode(req.mode, "cpu")
+    mode = get_backend(req.framework).resolve_mode(req.mode, req.device)
     outcome = {"recipe": req.recipe, "framework": req.framework, "mode": mode,
                "workload": base.to_dict(),
-               "steps": req.steps, "dtype": DTYPE, "versions": versions,
+               "steps": req.steps, "dtype": DTYPE, "device": req.device, "versions": versions,
                "tolerance": {"update": FLOAT64.update, "scalar": FLOAT64.scalar,
                              "why": FLOAT64.why, "witness_shift": WITNESS_SHIFT},
                "checks": checks, "controls": controls,
@@ -323,7 +342,7 @@ def run_alignment(req: AlignRequest) -> dict:
     results.write_json_atomic(req.out / "align.json", outcome)
     if not req.candidate_breaks and not req.candidate_changes:
         alignments.keep({"recipe": req.recipe, "framework": req.framework, "mode": mode,
-                         "versions": versions,
+                         "versions": versions, "device": req.device,
                          "dtype": DTYPE, "aligned": aligned, "t": time.time(),
                          "checked": [[c["fc"], c["ranks"]] for c in checks],
                          "worst_update": max((c.get("worst_update", {}).get("error") or 0.0

@@ -34,7 +34,8 @@ def render_table(outcome: dict[str, Any]) -> str:
     moved = (f", the rate x{w['lr_scales'][0]:g} from step {w['lr_steps'][0]}"
              if w.get("lr_steps") else "")
     lines = [f"{other} vs torch on {outcome['recipe']} ({outcome['steps']} steps in "
-             f"{outcome['dtype']}, dropout off{moved}): {verdict}",
+             f"{outcome['dtype']} on {'a GPU' if outcome.get('device') == 'cuda' else 'the CPU'}"
+             f", dropout off{moved}): {verdict}",
              f"tolerance: every tensor's update {tol['update']:g}, loss / gradient norm / rate "
              f"{tol['scalar']:g} (relative), or more where torch's witness (every weight moved "
              f"by {tol.get('witness_shift', 0):g}) shows rounding going further at that step: "

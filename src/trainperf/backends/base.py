@@ -198,6 +198,11 @@ class Capabilities:
     """Modes that cannot compute in float64, with why: `trainperf align` refuses them before
     torch's side runs (their equivalence with the framework's own default mode is tested in
     float32 instead)."""
+    float64_on: tuple[str, ...] = ("cpu",)
+    """Device kinds on which its worker computes a strict alignment run's float64 as the
+    check needs it (every kernel, or its stand-in, to float64 rounding): `trainperf align
+    --device` refuses any other, with ``why_not["float64"]``. Every worker does on a CPU,
+    where each float64 path and its stand-ins were measured."""
     channels_last: bool = False
     """Its backbones can run channels-last (``--memory-format channels_last``)."""
     channels_first: bool = True
@@ -271,6 +276,15 @@ class Backend:
         need = f"; {precision} needs {KIND_WORDS[where[0]]}" if where else ""
         return (f"the {self.name} backend runs --precision {', '.join(here)} on "
                 f"{KIND_WORDS[device_kind]}{need}{self._why(precision)}")
+
+    def float64_refusal(self, device_kind: str) -> str | None:
+        """Why this backend's worker does not compute an alignment's float64 on
+        ``device_kind``, or None."""
+        if device_kind in self.capabilities.float64_on:
+            return None
+        on = " and ".join(KIND_WORDS[k] for k in self.capabilities.float64_on)
+        return (f"the {self.name} backend's worker computes an alignment's float64 on {on} "
+                f"only, not on {KIND_WORDS[device_kind]}{self._why('float64')}")
 
     def modes_on(self, device_kind: str) -> tuple[str, ...]:
         """The modes it declares on ``device_kind``, its default first."""

@@ -4,11 +4,13 @@ settings the modules below take (``Topology``, ``Tuning``, ``Measure``, a plan's
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from ..backends import BACKENDS
-from ..config import (MEMORY_FORMATS, MXNET_KVSTORES, TF32_MODES, Measure, Topology, Tuning,
-                      parse_bytes, parse_int_list)
+from ..config import (MEMORY_FORMATS, MXNET_KVSTORES, STALL_FLOOR_S, TF32_MODES, Measure,
+                      Topology, Tuning, parse_bytes, parse_int_list)
+from ..stall import STEP_MULTIPLE
 
 EXIT_OK, EXIT_RUN_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130
@@ -88,16 +90,31 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run (default: %(default)g)")
-    p.add_argument("--stall-timeout", type=float, metavar="S",
-                   help="stop a run as hung once it has gone S seconds without a step after "
-                        "its first (default: only --timeout; a --breakdown's profiled run "
-                        "reports its steps at its end, so only --timeout applies to it)")
+    p.add_argument("--stall-timeout", default="auto", metavar="auto|off|S",
+                   help="stop a run as hung once it has gone this long without a step after "
+                        f"its first: auto (default) {STEP_MULTIPLE:g}x the median step of "
+                        "the case so far, at least --stall-floor; S seconds; off: only --timeout "
+                        "(a --breakdown's profiled run reports its steps at its end, so only "
+                        "--timeout applies to it)")
+    p.add_argument("--stall-floor", type=float, metavar="S",
+                   help="--stall-timeout auto: the least it is, and all it is until the case "
+                        f"has steps (default {STALL_FLOOR_S:g}: about 3x the longest "
+                        "compilation recorded)")
     p.add_argument("--memory-limit", help="per-process memory cap for CPU runs, e.g. 8GiB")
     p.add_argument("--threads", type=int,
                    help="CPU runs: intra-op threads per process, in every framework "
                         "(default: the node's cores / processes)")
     add_tuning_options(p)
     p.add_argument("--out", help="output folder (default results/<recipe>-<time>)")
+
+
+def reword(p: argparse.ArgumentParser, **helps: str) -> None:
+    """Another help for options ``p`` shares with other commands (by their ``dest``), where
+    this command takes them otherwise: no help may promise what the command refuses."""
+    for action in p._actions:
+        if action.dest in helps:
+            action.help = helps.pop(action.dest)
+    assert not helps, f"no such options: {sorted(helps)}"
 
 
 def add_loader_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -130,9 +147,30 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
 
 def measure_from_args(args: argparse.Namespace) -> Measure:
     return Measure(runs=args.runs, iters=args.iters, warmup=args.warmup,
-                   timeout_s=args.timeout, stall_timeout_s=args.stall_timeout,
+                   timeout_s=args.timeout, **stall_from_args(args),
                    memory_limit_bytes=parse_bytes(args.memory_limit) if args.memory_limit
                    else None, threads=getattr(args, "threads", None))
+
+
+def stall_from_args(args: argparse.Namespace) -> dict:
+    """``Measure``'s stall fields from ``--stall-timeout auto|off|S`` and ``--stall-floor``."""
+    text = str(args.stall_timeout).strip().lower()
+    floor = getattr(args, "stall_floor", None)
+    if text != "auto" and floor is not None:
+        raise ValueError(f"--stall-floor sizes --stall-timeout auto, not --stall-timeout "
+                         f"{args.stall_timeout}")
+    if text == "auto":
+        return {} if floor is None else {"stall_floor_s": floor}
+    if text == "off":
+        return {"stall_auto": False}
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise ValueError(f"--stall-timeout takes auto, off or seconds, got "
+                         f"{args.stall_timeout!r}")
+    return {"stall_timeout_s": seconds}
 
 
 def plan_from_args(args: argparse.Namespace) -> list:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..backends import BACKENDS, get_backend
 from ..config import parse_int_list, parse_list
 from .common import EXIT_OK, EXIT_RUN_FAILED
 
@@ -45,6 +46,11 @@ def register(sub) -> None:
     align.add_argument("--steps", type=int, default=5, help="SGD steps (default 5)")
     align.add_argument("--batch-size", type=int, help="per device (default: the recipe's)")
     align.add_argument("--num-classes", type=int)
+    on_gpu = ", ".join(n for n in BACKENDS if "cuda" in get_backend(n).capabilities.float64_on)
+    align.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help="where both sides run (default cpu, where every framework's "
+                            "worker computes float64; cuda only for a framework whose worker "
+                            f"declares float64 there: {on_gpu})")
     align.add_argument("--dtype", default="float64", choices=["float64"],
                        help="what both sides compute in: float64, the only dtype whose "
                             "rounding stays far under every difference of rule (every "
@@ -141,15 +147,22 @@ def size_text(n: int) -> str:
     return f"{n} B"
 
 
+def align_request(args: argparse.Namespace):
+    """The ``AlignRequest`` of `trainperf align`'s options, checked."""
+    from ..align import request
+
+    return request(args.recipe, args.framework, parse_int_list(args.devices, "--devices"),
+                   parse_list(args.fc), args.steps, args.timeout,
+                   Path(args.out) if args.out else None, args.batch_size, args.num_classes,
+                   parse_list(args.controls) if args.controls else None, args.keep_dumps,
+                   args.mode, args.device)
+
+
 def cmd_align(args: argparse.Namespace) -> int:
-    from ..align import render_table, request, run_alignment
+    from ..align import render_table, run_alignment
     from ..procs import interrupt_on_sigterm
 
-    req = request(args.recipe, args.framework, parse_int_list(args.devices, "--devices"),
-                  parse_list(args.fc), args.steps, args.timeout,
-                  Path(args.out) if args.out else None, args.batch_size, args.num_classes,
-                  parse_list(args.controls) if args.controls else None, args.keep_dumps,
-                  args.mode)
+    req = align_request(args)
     interrupt_on_sigterm()
     outcome = run_alignment(req)
     print(render_table(outcome))

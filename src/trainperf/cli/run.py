@@ -1,5 +1,5 @@
-"""`trainperf list`, `run`, `search`, `train`, `verify` and `bench`: measure, find a capacity,
-train to a target."""
+"""`trainperf list`, `run`, `search` (its handler in ``cli.search``), `train`, `verify` and
+`bench`: measure, find a capacity, train to a target."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..config import parse_accuracy, parse_int_list, parse_list
 from .common import (EXIT_OK, EXIT_RUN_FAILED, add_loader_options, add_run_options,
                      add_topology_options, add_tuning_options, plan_from_args,
                      topology_from_args, tuning_from_args)
+from .search import register_search
 
 
 def register(sub) -> None:
@@ -28,16 +29,7 @@ def register(sub) -> None:
     add_run_command_arguments(run)
     run.set_defaults(handler=cmd_run)
 
-    search = sub.add_parser("search", help="find the largest batch or number of classes")
-    search.add_argument("kind", choices=["max-batch", "max-classes"])
-    search.add_argument("recipe")
-    search.add_argument("--start", type=int, help="first value to probe (default: recipe's)")
-    search.add_argument("--resolution", type=float, default=None,
-                        help="stop when the failing value is within this fraction of the "
-                             "fitting one (default: exact for batch, 0.01 for classes)")
-    search.add_argument("--max-probes", type=int, default=24)
-    add_run_options(search)
-    search.set_defaults(runs=1, iters=6, warmup=2, timeout=900.0, handler=cmd_search)
+    register_search(sub)
 
     _register_train(sub)
     verify = sub.add_parser("verify", help="verification accuracy of a checkpoint")
@@ -290,40 +282,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(f"checkpoint {where}")
     print(verify.format_table(figures))
     return EXIT_OK
-
-
-def cmd_search(args: argparse.Namespace) -> int:
-    from ..procs import interrupt_on_sigterm
-    from ..report.capacity import write_capacity_report
-    from ..results import default_folder
-    from ..search import KINDS, prepare, run_search, write_outcome
-
-    if "," in args.devices:
-        raise ValueError("search takes one --devices value")
-    if args.runs != 1:
-        raise ValueError("a search probes each value once (--runs 1)")
-    if not args.out:
-        args.out = str(default_folder(f"search-{args.kind}-{args.recipe}"))
-    plans = plan_from_args(args)
-    if len(plans) > 1:
-        raise ValueError("search takes one --framework, --num-classes, --fc and --sample-ratio")
-    plan = plans[0]
-    start, resolution, settings = prepare(args.kind, plan, args.start, args.resolution)
-    field_name = KINDS[args.kind]
-    interrupt_on_sigterm()
-
-    def show(p) -> None:
-        peak = f"{p.peak_memory_bytes / 2**30:.2f} GiB" if p.peak_memory_bytes else "-"
-        print(f"probe {field_name}={p.value}: {p.status} (peak {peak})", file=sys.stderr,
-              flush=True)
-
-    outcome = run_search(args.kind, plan, start, resolution, args.max_probes,
-                         plan.measure.memory_limit_bytes, show)
-    outcome.settings = settings
-    path = write_outcome(outcome, plan.out_dir)
-    print(write_capacity_report(outcome.to_dict(), plan.out_dir))
-    print(f"search: {path}")
-    return EXIT_OK if outcome.answer is not None else EXIT_RUN_FAILED
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -29,7 +29,8 @@ def capacity_section(doc: dict) -> str:
     answer = doc["answer"]
     batch = answer if doc["kind"] == "max-batch" else s.get("batch_size")
     classes = answer if doc["kind"] == "max-classes" else s.get("num_classes")
-    row = [str(s.get("nnodes")), str(s.get("world_size")), str(batch), s.get("precision", ""),
+    row = [str(s.get("nnodes")), str(s.get("world_size")), "-" if batch is None else str(batch),
+           s.get("precision", ""),
            "yes" if fc in ("mp", "pfc") else "no",
            f"{s.get('sample_ratio')}" if fc == "pfc" else "no",
            f"{classes:,}" if classes else "-", gib(doc.get("peak_memory_bytes_at_answer")),
@@ -37,17 +38,44 @@ def capacity_section(doc: dict) -> str:
            f"{doc['smallest_fail']:,}" if doc.get("smallest_fail") else "none found"]
     header = ["node_num", "devices", "batch/device", "precision", "model parallel",
               "partial fc", "num_classes", "peak memory", "predicted", "model off by",
-              "smallest failing"]
+              "smallest out of memory"]
     limit = s.get("memory_limit_bytes")
     where = s.get("device_names") or s.get("device", "")
-    text = [f"### {doc['kind']} of `{doc['recipe']}`: {answer if answer is not None else 'none'}",
+    world = s.get("world_size")
+    framework = (f" ({s['framework']}, {world} device{'' if world == 1 else 's'})"
+                 if s.get("framework") else "")
+    text = [f"### {doc['kind']} of `{doc['recipe']}`{framework}: "
+            f"{answer if answer is not None else 'none'}",
             "", f"Device: {where}" + (f"; memory limit {gib(limit)} per process" if limit else ""),
             "", table(header, [row])]
+    ended = limited_text(doc)
+    if ended:
+        text += ["", ended]
     text += ["", probes_table(doc)]
     pub = published_rows(doc)
     if pub:
         text += ["", "Published (DLPerf, " + references.DEVICE + "):", "", pub]
     return "\n".join(text)
+
+
+def limited_text(doc: dict) -> str | None:
+    """What ended the search, in words (``search.limit_of``); None for a search recorded
+    before searches said it."""
+    limited = doc.get("limited_by") or {}
+    reason, value = limited.get("reason"), limited.get("value")
+    what = {"max-batch": "batch", "max-classes": "class count"}.get(doc["kind"], "value")
+    if reason == "failure":
+        return (f"**Ended on a failure, not a capacity**: the probe at {what} {value:,} "
+                f"{limited.get('status')}: {_short(limited.get('error'), 300)}. Only running "
+                "out of memory says that a value does not fit.")
+    if reason == "out_of_memory":
+        return f"Limited by memory: out of memory at {what} {value:,}."
+    if reason == "ceiling":
+        return f"Limited by the search's ceiling ({value:,}): nothing ran out of memory."
+    if reason == "max_probes":
+        return (f"Limited by --max-probes ({value}): the search stopped before it found where "
+                "memory runs out to its resolution.")
+    return None
 
 
 def _short(error: str | None, width: int = 90) -> str:

@@ -7,6 +7,7 @@ from typing import Iterable
 
 from .. import alignments, parities, significance
 from ..mode_choice import describe as describe_probe, trouble_in_runs
+from .limits import stall_line
 from .network import change_lines
 
 SPANS_ONE = "~"
@@ -213,6 +214,9 @@ def describe(doc: dict) -> str:
     joined = joined_text(doc)
     if joined:
         lines.append(joined)
+    stall = stall_line(doc)
+    if stall:
+        lines.append(stall)
     data = doc.get("data") or {}
     if data.get("source", "synthetic") != "synthetic":
         lines.append(f"Data: `{data.get('prefix')}` ({data.get('layout')} layout, "

@@ -63,7 +63,10 @@ BACKEND = Backend(
         precisions={"cpu": ("fp32", "bf16"),
                     "cuda": ("fp32", "fp16", "bf16")},
         families=FAMILIES, channels_last=True, channels_first=False,
-        layouts={"cpu": LAYOUT, "cuda": LAYOUT}, real_data=True, tuning=TUNING),
+        layouts={"cpu": LAYOUT, "cuda": LAYOUT}, real_data=True, tuning=TUNING,
+        # jax_enable_x64 on every device, and a float64 step refuses to run where its lowered
+        # program holds a narrower float (``TrainStep.check_program``), whatever the device.
+        float64_on=("cpu", "cuda")),
     runs_as="flax linen, optax; one jitted `shard_map` step; pfc's global batch up to the "
             "per-shard sample",
     ranks_start="one process per rank, `jax.distributed` coordinator")

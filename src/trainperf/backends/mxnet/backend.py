@@ -119,7 +119,10 @@ BACKEND = Backend(
                 "tf32": "NVIDIA_TF32_OVERRIDE=0 for off (MXNet 1.9.1 has no TF32 switch: "
                         "cuDNN's default math and its linalg GEMMs run TF32 on their own)"},
         why_not={"bf16": "MXNet 1.9's bfloat16 AMP is a oneDNN CPU path, "
-                         "not benchmarked here"}),
+                         "not benchmarked here",
+                 "float64": "its float64 stand-ins and the BatchNorm rule it declares are "
+                            "those of MXNet's CPU kernels; a GPU runs other kernels, whose "
+                            "rule it does not declare"}),
     runs_as="Gluon (the mode: hybridized or imperative); fp16 through AMP; pfc as "
             "insightface's memory bank, sparse or dense update",
     ranks_start="one process per rank over Horovod (gloo on a CPU, NCCL on GPUs), or a "

@@ -136,7 +136,9 @@ BACKEND = Backend(
         precisions={"cpu": ("fp32",), "cuda": ("fp32",)},
         families=("iresnet", "mobilefacenet", "resnet_v1b"), real_data=True, tuning=TUNING,
         why_not={"fp16": "OneFlow 0.9's eager mode has no dynamic loss "
-                         "scaler"}),
+                         "scaler",
+                 "float64": "its float64 stand-ins are bridged to OneFlow's CPU kernels "
+                            "only"}),
     runs_as="eager; mp and pfc as global tensors, `split(0)`; `--mode graph`: one nn.Graph",
     ranks_start="one process per rank, torch-style variables",
     refuse_more=mode_rules)

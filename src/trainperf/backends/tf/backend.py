@@ -141,7 +141,9 @@ BACKEND = Backend(
                                  "bytes_per_pack=) of the gradient all-reduce",
                 "tf_onednn": "TF_ENABLE_ONEDNN_OPTS",
                 "tf32": "tf.config.experimental.enable_tensor_float_32_execution"},
-        why_not={"fp16": "TensorFlow's mixed float16 is not run on a CPU"}),
+        why_not={"fp16": "TensorFlow's mixed float16 is not run on a CPU",
+                 "float64": "its float64 step, BatchNorm of tf.nn operations in place of the "
+                            "fused kernel, is measured against TensorFlow's CPU kernels only"}),
     runs_as="tf.Variable and tf.nn in one tf.function (XLA-compiled in --mode xla); pfc with "
             "a sparse (default) or dense update",
     ranks_start="`MultiWorkerMirroredStrategy` (`TF_CONFIG`, RING on CPU)",

@@ -42,6 +42,9 @@ BACKEND = Backend(
         # The H200 record (benchmarks/results/gpu-h200-2026-11-26/): R100 channels-last ran
         # 1.47x (fp32) to 1.97x (bf16) NCHW. On a CPU torch's convolutions stay channels-first.
         layouts={"cuda": "channels_last"},
+        # align's reference: torch's CUDA kernels take float64 for every operation of the
+        # step, and its optimizer and BatchNorm hold their hyperparameters as doubles.
+        float64_on=("cpu", "cuda"),
         tuning={"cudnn_benchmark": "torch.backends.cudnn.benchmark",
                 "ddp_bucket_mb": "DistributedDataParallel(bucket_cap_mb=)",
                 "ddp_static_graph": "DistributedDataParallel(static_graph=)",
