@@ -12,6 +12,7 @@ import pytest
 
 from trainperf.backends.torch.memory_model import (
     CONSTANTS, DeviceConstants, combine, constants_for)
+from trainperf.backends import get_backend
 from trainperf.cli import pages
 from trainperf.gpucheck import budget, cases, coverage, matrix, memfit
 
@@ -88,8 +89,9 @@ def test_made_tables_are_what_the_plan_and_the_records_say(capsys):
 
 
 def _results(framework: str, precision: str, fc: str, device: str = "NVIDIA H100 80GB HBM3",
-             role: str | None = None) -> dict:
-    return {"framework": framework, "env": {"device_type": "cuda", "device_names": [device]},
+             role: str | None = None, version: str | None = None) -> dict:
+    return {"framework": framework, "env": {"device_type": "cuda", "device_names": [device],
+                                            "framework_version": version},
             "workload": {"task": "face", "fc": fc}, "data": {"role": role} if role else None,
             "cases": [{"precision": precision, "world_size": 1,
                        "runs": [{"status": "ok"}]}]}
@@ -103,7 +105,7 @@ def test_matrix_takes_each_paths_latest_gpu(tmp_path, capsys):
     (old / "a" / "results.json").write_text(json.dumps(
         _results("torch", "bf16", "pfc", "NVIDIA H200")))
     (new / "b" / "results.json").write_text(json.dumps(_results("jax", "bf16", "mp",
-                                                                 role="real")))
+                                                                 role="real", version="0.11.2")))
     cpu = _results("paddle", "fp32", "dp")
     cpu["env"]["device_type"] = "cpu"
     (new / "b" / "cpu").mkdir()
@@ -111,7 +113,13 @@ def test_matrix_takes_each_paths_latest_gpu(tmp_path, capsys):
     last = matrix.latest(matrix.observations(tmp_path))
     assert last[("torch", "pfc")]["device"] == "H200"
     assert last[("jax", "bf16")] == {"framework": "jax", "key": "bf16", "device": "H100 80GB HBM3",
-                                     "date": "2026-12-03", "record": new.name}
+                                     "date": "2026-12-03", "record": new.name,
+                                     "version": "0.11.2"}
+    # The release that ran, where it is not the one `env create` pins, is named as such.
+    status = matrix.status(tmp_path)
+    pinned = get_backend("jax").env.packages[0].partition("==")[2]
+    assert f"JAX 0.11.2, the lent machine's own, not the {pinned}" in status
+    assert "torch (" in status and "torch None" not in status
     assert ("jax", "realdata") in last and ("paddle", "dp") not in last
     text = matrix.render(tmp_path)
     assert "| training step, bf16 | H200, 2026-11-26 | H100 80GB HBM3, 2026-12-03 | " \

@@ -19,18 +19,19 @@ from trainperf.cli import main
 from trainperf.emulated_nodes import missing_privilege
 from trainperf.result_files import plan_documents
 
-TINY = ["--device", "cpu", "--runs", "2", "--iters", "5", "--warmup", "1"]
+TINY = ["--device", "cpu", "--runs", "1", "--iters", "4", "--warmup", "1"]
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, Path]:
-    """Real tiny runs measured apart: one device, two devices, two devices in bf16, and two
-    frameworks side by side at one and two devices."""
+    """Real tiny runs measured apart: one device, two devices, two devices in bf16, and a
+    folder of two plans (the dp and mp heads, as `run --fc dp,mp` writes them) at one and at
+    two devices."""
     where = tmp_path_factory.mktemp("apart")
     runs = {"one": ["--devices", "1"], "two": ["--devices", "2"],
             "two-bf16": ["--devices", "2", "--precision", "bf16"],
-            "fw-one": ["--devices", "1", "--framework", "torch,jax", "--mode", "default"],
-            "fw-two": ["--devices", "2", "--framework", "torch,jax", "--mode", "default"]}
+            "fw-one": ["--devices", "1", "--fc", "dp,mp"],
+            "fw-two": ["--devices", "2", "--fc", "dp,mp"]}
     for name, argv in runs.items():
         assert main(["run", "tiny-arcface", *TINY, *argv, "--out", str(where / name)]) == 0
     return {name: where / name for name in runs}
@@ -85,7 +86,7 @@ def test_join_writes_each_plan_and_a_report_of_the_whole(measured, tmp_path, cap
                  "--out", str(out)]) == 0
     capsys.readouterr()
     docs = {p.parent.name: results.load(p) for p in plan_documents(out)}
-    assert set(docs) == {"torch", "jax"}
+    assert set(docs) == {"dp", "mp"}
     for doc in docs.values():
         assert [(c["case"], c["speedup"] is not None) for c in doc["cases"]] == \
             [("1n1g", True), ("1n2g", True)]
@@ -108,7 +109,7 @@ def test_a_folder_holds_its_plans_as_the_command_wrote_them(measured, tmp_path):
     """One plan's folder; several frameworks' sub-folders; a search's probes and a follower
     node's records are no plan's documents; a job's folder is the documents it lists."""
     assert plan_documents(measured["one"]) == [measured["one"] / "results.json"]
-    assert [p.parent.name for p in plan_documents(measured["fw-one"])] == ["jax", "torch"]
+    assert [p.parent.name for p in plan_documents(measured["fw-one"])] == ["dp", "mp"]
     root = tmp_path / "tree"
     shutil.copytree(measured["fw-one"], root / "a")
     shutil.copytree(measured["one"], root / "b" / "node-0")
@@ -119,7 +120,7 @@ def test_a_folder_holds_its_plans_as_the_command_wrote_them(measured, tmp_path):
     (root / "s" / "search.json").write_text("{}")
     shutil.copy(measured["one"] / "results.json", root / "s" / "probes" / "batch_size-8")
     assert [p.relative_to(root).as_posix() for p in plan_documents(root)] == \
-        ["a/jax/results.json", "a/torch/results.json", "b/node-0/results.json"]
+        ["a/dp/results.json", "a/mp/results.json", "b/node-0/results.json"]
     shutil.copy(measured["one"] / "results.json", root / "b" / "results.json")
     (root / "b" / "job.json").write_text(json.dumps({"documents": ["results.json"]}))
     assert "b/results.json" in [p.relative_to(root).as_posix() for p in plan_documents(root)]
@@ -127,19 +128,21 @@ def test_a_folder_holds_its_plans_as_the_command_wrote_them(measured, tmp_path):
                                            for p in plan_documents(root)]
 
 
-def test_follow_ups_read_a_folder_of_several_frameworks(measured, tmp_path, capsys):
-    """What `run --framework a,b` wrote is what report, project, compare and export take."""
+def test_follow_ups_read_a_folder_of_several_plans(measured, tmp_path, capsys):
+    """What a run of several plans wrote (`--framework a,b`, `--fc dp,mp`) is what report,
+    project, compare, history and export take."""
     folder = str(measured["fw-two"])
     assert main(["report", folder, "--out", str(tmp_path / "r")]) == 0
     assert "## Comparison" in (tmp_path / "r" / "report.md").read_text()
     assert main(["project", str(measured["fw-one"]), "--to", "2n1g", "--inter-bw", "1",
                  "--out", str(tmp_path / "p")]) == 0
     assert sorted(p.parent.name for p in (tmp_path / "p").rglob("project.json")) == \
-        ["jax", "torch"]
+        ["dp", "mp"]
     assert main(["compare", folder, folder]) == 0
+    assert main(["history", folder, folder, "--out", str(tmp_path / "h.html")]) == 0
     assert main(["export", folder, "--format", "dlperf", "--out",
                  str(tmp_path / "d.json")]) == 0
-    assert set(json.loads((tmp_path / "d.json").read_text())) == {"jax", "torch"}
+    assert set(json.loads((tmp_path / "d.json").read_text())) == {"dp", "mp"}
     capsys.readouterr()
 
 
@@ -152,21 +155,21 @@ needs_root = pytest.mark.skipif(missing_privilege() is not None,
 @needs_root
 @pytest.mark.slow
 def test_an_emulated_node_sweep_is_one_document_in_one_mode(tmp_path):
-    """1n1g and 1n2g on node 0, then 2n1g on both nodes: one document with all three cases
-    and a speedup on each; under --mode best the first count's probe decides and the second
-    count takes its choice without probing (JAX has one mode on a CPU: the probe's record is
-    made, and taken)."""
+    """1n1g on node 0, then 2n1g on both nodes: one document with both cases and a speedup
+    on each; under --mode best the first count's probe decides and the second count takes its
+    choice without probing (JAX has one mode on a CPU: the probe's record is made, and
+    taken). The Slurm tests run the same sweep of two frameworks on a real Slurm."""
     out = tmp_path / "sweep"
     done = subprocess.run(
-        [sys.executable, "-m", "trainperf.cli", "emulate", "--cases", "1n1g,1n2g,2n1g", "--",
-         "run", "tiny-arcface", "--framework", "jax", "--mode", "best", *TINY, "--runs", "1",
+        [sys.executable, "-m", "trainperf.cli", "emulate", "--cases", "1n1g,2n1g", "--",
+         "run", "tiny-arcface", "--framework", "jax", "--mode", "best", *TINY,
          "--out", str(out)], capture_output=True, text=True, timeout=900,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     job = json.loads((out / "job.json").read_text())
     assert [s["nodes"] for s in job["steps"]] == [1, 2]
     (doc,) = [results.load(p) for p in plan_documents(out)]
-    assert [c["case"] for c in doc["cases"]] == ["1n1g", "1n2g", "2n1g"]
+    assert [c["case"] for c in doc["cases"]] == ["1n1g", "2n1g"]
     assert all(c["speedup"] is not None for c in doc["cases"])
     assert {c["mode"] for c in doc["cases"]} == {doc["mode_probe"]["chosen"]}
     later = results.load(out / "nodes-2" / "node-0")

@@ -249,9 +249,10 @@ DROPPED = ("--precision", "--batch-size", "--partition", "--time", "--account",
 
 
 def cpu_sized(words: tuple[str, ...]) -> tuple[list[str], int]:
-    """A page's `run` or `slurm` at a CPU's size with the same plans' shape (its frameworks,
-    heads, data): the tiny recipe, fp32, one process per node, each framework in its default
-    mode (no probe), at most 2 nodes; and the node count to run it on."""
+    """A page's `run` or `slurm` at a CPU's size with the same shape of plans (several
+    frameworks, heads, data): the tiny recipe, fp32, one process per node, the first two of
+    its frameworks, each in its default mode (no probe), at most 2 nodes; and the node count
+    to run it on."""
     out, nodes = [words[0], "tiny-arcface"], int(_value(words, "--nnodes", "1"))
     it = iter(enumerate(words))
     for i, tok in it:
@@ -260,6 +261,10 @@ def cpu_sized(words: tuple[str, ...]) -> tuple[list[str], int]:
         flag = tok.split("=")[0]
         takes_value = "=" not in tok and i + 1 < len(words) \
             and not words[i + 1].startswith("--")
+        if flag == "--framework" and takes_value:
+            out += [tok, ",".join(words[i + 1].split(",")[:2])]
+            next(it, None)
+            continue
         if flag in DROPPED or flag in CAPPED or flag in ("--cases", "--nodes"):
             if flag == "--cases":
                 counts = {int(c.split("n")[0]) for c in _value(words, "--cases").split(",")}

@@ -564,20 +564,20 @@ def job_documents(out: Path) -> dict[str, dict]:
 @pytest.mark.slow
 def test_a_node_sweep_of_two_frameworks_completes_and_reports(slurm_cluster, tmp_path,
                                                              capsys):
-    """torch and JAX (each in its default mode, as asked) at 1 node of 1 and 2 processes and
-    at 2 nodes of 1: one document per framework with all three cases, speedups against 1n1g
-    on every row, report.md, exit 0."""
+    """torch and JAX (each in its default mode, as asked) at 1 node of 1 process and at 2
+    nodes of 1: one document per framework with both cases, speedups against 1n1g on every
+    row, report.md, exit 0."""
     out = tmp_path / "job"
     started = time.monotonic()
     rc = submit(slurm_cluster, out, "--framework", "torch,jax", "--mode", "default",
-                "--cases", "1n1g,1n2g,2n1g")
+                "--cases", "1n1g,2n1g")
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert "COMPLETED" in printed and (out / "report.md").exists()
     docs = job_documents(out)
     assert set(docs) == {"torch", "jax"}
     for doc in docs.values():
-        assert [c["case"] for c in doc["cases"]] == ["1n1g", "1n2g", "2n1g"]
+        assert [c["case"] for c in doc["cases"]] == ["1n1g", "2n1g"]
         assert all(c["speedup"] is not None and c["runs"][0]["status"] == "ok"
                    for c in doc["cases"])
         assert doc["cases"][0]["speedup"] == 1.0
