@@ -179,3 +179,24 @@ def test_an_emulated_node_sweep_is_one_document_in_one_mode(tmp_path):
     assert not [e for e in events if "probe" in e and e.get("event") != "mode_probe"]
     report = (out / "report.md").read_text()
     assert "Measured in 2 parts, joined" in report
+
+
+RECORD = Path(__file__).resolve().parents[1] / "benchmarks/results/node_sweep-emulated-cpu"
+
+
+def test_the_recorded_sweeps_documents_are_its_node_folders_joined():
+    """The record's documents and its README's table are what joining its node folders gives
+    today: each count's leader, every speedup against 1n1g, one mode per framework."""
+    from trainperf.scale import node_sweep
+
+    steps = [node_sweep.Step(s["nodes"], tuple(s["devices_per_node"]))
+             for s in json.loads((RECORD / "job.json").read_text())["steps"]]
+    readme = (RECORD / "README.md").read_text()
+    for plan in node_sweep.gather(RECORD, steps):
+        again = join.join(plan.parts)
+        stored = results.load(RECORD / plan.rel)
+        assert [(c["case"], c["median_samples_per_s"], c["speedup"]) for c in again["cases"]] \
+            == [(c["case"], c["median_samples_per_s"], c["speedup"]) for c in stored["cases"]]
+        assert len({c["mode"] for c in stored["cases"]}) == 1 and not plan.missing
+        for case in stored["cases"]:
+            assert f"{case['median_samples_per_s']:.2f} | {case['speedup']:.2f}" in readme
