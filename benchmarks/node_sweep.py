@@ -9,8 +9,8 @@ Needs root (emulated nodes are network namespaces). It runs
     trainperf emulate --cases 1n1g,1n2g,2n1g --rate 1gbit -- run tiny-arcface
         --framework torch,jax --runs 3 --iters 30 --warmup 10 --out OUT
 
-and keeps what the runs wrote, less each run's own copy of its events (the folders' streams
-hold them: ``compact_records.py``). On a 2-core machine each emulated node has one core: 1n2g
+and keeps what the runs wrote, less the runs' link to the source tree and each run's own
+copy of its events (the folders' streams hold them: ``compact_records.py``). On a 2-core machine each emulated node has one core: 1n2g
 puts two ranks on node 0's one core, so its speedup says what a second rank on a full node
 costs, not what a second device gives.
 """
@@ -18,6 +18,7 @@ costs, not what a second device gives.
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                            "--out", str(args.out)])
     if done.returncode not in (0, 1):
         return done.returncode
+    # A framework's runs see trainperf through a link to the source tree: not a result.
+    for link_dir in args.out.rglob(".pythonpath"):
+        shutil.rmtree(link_dir)
     subprocess.run([sys.executable, str(HERE / "compact_records.py"), str(args.out)],
                    check=True)
     print(f"trainperf {' '.join(COMMAND)} --out {args.out}: exit {done.returncode}")
