@@ -25,13 +25,11 @@ TINY = ["--device", "cpu", "--runs", "1", "--iters", "4", "--warmup", "1"]
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, Path]:
     """Real tiny runs measured apart: one device, two devices, two devices in bf16, and a
-    folder of two plans (the dp and mp heads, as `run --fc dp,mp` writes them) at one and at
-    two devices."""
+    folder of two plans (the dp and mp heads, as `run --fc dp,mp` writes them)."""
     where = tmp_path_factory.mktemp("apart")
     runs = {"one": ["--devices", "1"], "two": ["--devices", "2"],
             "two-bf16": ["--devices", "2", "--precision", "bf16"],
-            "fw-one": ["--devices", "1", "--fc", "dp,mp"],
-            "fw-two": ["--devices", "2", "--fc", "dp,mp"]}
+            "plans": ["--devices", "1", "--fc", "dp,mp"]}
     for name, argv in runs.items():
         assert main(["run", "tiny-arcface", *TINY, *argv, "--out", str(where / name)]) == 0
     return {name: where / name for name in runs}
@@ -82,20 +80,16 @@ def test_a_pair_timed_in_two_modes_is_refused(measured):
 
 def test_join_writes_each_plan_and_a_report_of_the_whole(measured, tmp_path, capsys):
     out = tmp_path / "joined"
-    assert main(["join", str(measured["fw-one"]), str(measured["fw-two"]),
-                 "--out", str(out)]) == 0
+    assert main(["join", str(measured["one"]), str(measured["two"]), "--out", str(out)]) == 0
     capsys.readouterr()
-    docs = {p.parent.name: results.load(p) for p in plan_documents(out)}
-    assert set(docs) == {"dp", "mp"}
-    for doc in docs.values():
-        assert [(c["case"], c["speedup"] is not None) for c in doc["cases"]] == \
-            [("1n1g", True), ("1n2g", True)]
-    report = (out / "report.md").read_text()
-    assert "Measured in 2 parts, joined" in report and "## Comparison" in report
-    # Every follow-up reads the joined folder as the run's own.
+    (doc,) = [results.load(p) for p in plan_documents(out)]
+    assert [(c["case"], c["speedup"] is not None) for c in doc["cases"]] == \
+        [("1n1g", True), ("1n2g", True)]
+    assert "Measured in 2 parts, joined" in (out / "report.md").read_text()
+    # Every follow-up reads the joined folder as a run's own.
     assert main(["export", str(out), "--format", "csv", "--level", "case",
                  "--out", str(tmp_path / "cases.csv")]) == 0
-    assert len((tmp_path / "cases.csv").read_text().splitlines()) == 1 + 4
+    assert len((tmp_path / "cases.csv").read_text().splitlines()) == 1 + 2
     capsys.readouterr()
     assert main(["join", str(measured["one"]), str(measured["two-bf16"]),
                  "--out", str(tmp_path / "refused")]) == 2
@@ -109,9 +103,9 @@ def test_a_folder_holds_its_plans_as_the_command_wrote_them(measured, tmp_path):
     """One plan's folder; several frameworks' sub-folders; a search's probes and a follower
     node's records are no plan's documents; a job's folder is the documents it lists."""
     assert plan_documents(measured["one"]) == [measured["one"] / "results.json"]
-    assert [p.parent.name for p in plan_documents(measured["fw-one"])] == ["dp", "mp"]
+    assert [p.parent.name for p in plan_documents(measured["plans"])] == ["dp", "mp"]
     root = tmp_path / "tree"
-    shutil.copytree(measured["fw-one"], root / "a")
+    shutil.copytree(measured["plans"], root / "a")
     shutil.copytree(measured["one"], root / "b" / "node-0")
     follower = {**results.load(measured["one"]), "role": "follower"}
     (root / "b" / "node-1").mkdir()
@@ -131,10 +125,11 @@ def test_a_folder_holds_its_plans_as_the_command_wrote_them(measured, tmp_path):
 def test_follow_ups_read_a_folder_of_several_plans(measured, tmp_path, capsys):
     """What a run of several plans wrote (`--framework a,b`, `--fc dp,mp`) is what report,
     project, compare, history and export take."""
-    folder = str(measured["fw-two"])
+    folder = str(measured["plans"])
     assert main(["report", folder, "--out", str(tmp_path / "r")]) == 0
-    assert "## Comparison" in (tmp_path / "r" / "report.md").read_text()
-    assert main(["project", str(measured["fw-one"]), "--to", "2n1g", "--inter-bw", "1",
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "fc=dp" in report and "fc=mp" in report
+    assert main(["project", folder, "--to", "2n1g", "--inter-bw", "1",
                  "--out", str(tmp_path / "p")]) == 0
     assert sorted(p.parent.name for p in (tmp_path / "p").rglob("project.json")) == \
         ["dp", "mp"]

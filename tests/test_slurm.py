@@ -635,7 +635,7 @@ def test_a_job_whose_node_was_killed_finishes_with_resume(slurm_cluster, tmp_pat
     out = tmp_path / "job"
     port = str(reserved_ports(3)[0])
     argv = ["slurm", "tiny-arcface", "--nodes", "2", "--runs", "2", "--iters", "6",
-            "--warmup", "2", "--time", "5", "--rdzv-port", port, "--rdzv-timeout", "20"]
+            "--warmup", "2", "--time", "5", "--rdzv-port", port, "--rdzv-timeout", "10"]
     killed: list[Path] = []
     killer = threading.Thread(
         target=lambda: killed.append(kill_the_leader_after_its_first_run(out)))
