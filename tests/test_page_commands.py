@@ -249,10 +249,10 @@ DROPPED = ("--precision", "--batch-size", "--partition", "--time", "--account",
 
 
 def cpu_sized(words: tuple[str, ...]) -> tuple[list[str], int]:
-    """A page's `run` or `slurm` at a CPU's size with the same shape of plans (several
-    frameworks, heads, data): the tiny recipe, fp32, one process per node, the first two of
-    its frameworks, each in its default mode (no probe), at most 2 nodes; and the node count
-    to run it on."""
+    """A page's `run` or `slurm` at a CPU's size with the same shape of folders (a folder per
+    framework where it compares several): the tiny recipe, fp32, one process per node, the
+    first two of its frameworks and the first of its heads, each framework in its default mode
+    (no probe), at most 2 nodes; and the node count to run it on."""
     out, nodes = [words[0], "tiny-arcface"], int(_value(words, "--nnodes", "1"))
     it = iter(enumerate(words))
     for i, tok in it:
@@ -261,8 +261,8 @@ def cpu_sized(words: tuple[str, ...]) -> tuple[list[str], int]:
         flag = tok.split("=")[0]
         takes_value = "=" not in tok and i + 1 < len(words) \
             and not words[i + 1].startswith("--")
-        if flag == "--framework" and takes_value:
-            out += [tok, ",".join(words[i + 1].split(",")[:2])]
+        if flag in ("--framework", "--fc") and takes_value:
+            out += [tok, ",".join(words[i + 1].split(",")[:2 if flag == "--framework" else 1])]
             next(it, None)
             continue
         if flag in DROPPED or flag in CAPPED or flag in ("--cases", "--nodes"):
