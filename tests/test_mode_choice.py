@@ -67,8 +67,10 @@ def test_a_default_that_failed_gives_way_to_the_fastest_clean_mode():
     assert probe["why"].startswith("the fastest mode that ran cleanly (its default eager")
 
 
-def test_nothing_clean_leaves_the_default_and_refused_modes_are_not_probed():
-    probe = choose(["graph", "eager", "static"], rounds(eager=[None, 90.0], static=[None, None]),
+def test_nothing_clean_leaves_a_default_that_ran_and_refused_modes_are_not_probed():
+    tried = rounds(eager=[80.0, 90.0], static=[None, None])
+    tried[0]["flags"] = ["loss_clamped"]  # eager ran every round, flagged in one
+    probe = choose(["graph", "eager", "static"], tried,
                    refused={"graph": "1n2g b8: graph runs dp only"})
     assert probe["chosen"] == "eager" and probe["default"] == "eager"
     assert "no mode ran cleanly" in probe["why"] and "graph" not in probe["rates"]
@@ -77,6 +79,16 @@ def test_nothing_clean_leaves_the_default_and_refused_modes_are_not_probed():
     one_left = choose(["function", "xla"], [], refused={"xla": "1n2g b8: no CPU collective"})
     assert one_left["chosen"] == "function"
     assert one_left["why"] == "the only mode every case can run (xla: 1n2g b8: no CPU collective)"
+
+
+def test_a_default_that_failed_with_nothing_clean_is_no_choice():
+    """Before, the default was timed anyway, though its own rounds had failed."""
+    probe = choose(["eager", "compile"], rounds(eager=[None, 90.0], compile=[None, None]))
+    assert probe["chosen"] is None and probe["runner_up"] is None
+    assert probe["why"] == ("no mode ran cleanly in every round and its default eager failed "
+                            "(round 1: RuntimeError: boom): no run was timed")
+    assert mode_choice.describe("torch", probe).startswith("torch: no mode, no mode ran")
+    assert mode_choice.trouble_in_runs(probe, {"case": "1n1g", "runs": []}) is None
 
 
 def test_rounds_alternate_their_order_and_take_the_plans_shape():

@@ -162,6 +162,37 @@ def test_best_probes_real_runs_and_records_the_choice(tmp_path):
     assert f"pytorch: {probe['chosen']}, " in report
 
 
+@pytest.mark.slow
+def test_a_plan_whose_every_mode_failed_its_probe_is_failed_not_timed(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Every round of every mode fails (a fault at step 0, before anything compiles): no mode
+    is chosen, no timed run is launched, and each run is recorded as failed with the probe's
+    reason, where before the default was timed anyway."""
+    monkeypatch.setenv("TRAINPERF_FAULT", "raise@0")
+    out = tmp_path / "out"
+    code = main(["run", "tiny-arcface", "--device", "cpu", "--mode", "best", "--runs", "2",
+                 "--iters", "6", "--warmup", "2", "--batch-size", "4", "--num-classes", "64",
+                 "--out", str(out)])
+    capsys.readouterr()
+    assert code == 1
+    doc = results.load(out)
+    probe = doc["mode_probe"]
+    modes = list(get_backend("torch").modes_on("cpu"))
+    assert probe["chosen"] is None and probe["clean"] == []
+    assert {r["mode"] for r in probe["rounds"]} == set(modes)
+    assert all(r["status"] == "failed" for r in probe["rounds"])
+    assert probe["why"].startswith(f"no mode ran cleanly in every round and its default "
+                                   f"{modes[0]} failed (round 1: ")
+    (case,) = doc["cases"]
+    assert [(r["run"], r["status"]) for r in case["runs"]] == [(1, "failed"), (2, "failed")]
+    assert all(r["error"].startswith("not timed: --mode best found no mode to time")
+               and r["samples_per_s"] is None for r in case["runs"])
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    launched = [e for e in events if e["event"] == "run_start"]
+    assert launched and all("probe" in e for e in launched), launched  # probe rounds only
+    assert "torch: no mode, no mode ran cleanly" in (out / "report.md").read_text()
+
+
 # ------------------------------------------------------------------- what reaches a run
 
 def test_the_mode_and_the_start_up_are_recorded_per_run(tmp_path):

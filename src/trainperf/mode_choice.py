@@ -22,7 +22,11 @@ The choice:
   ``NOISE_FLOOR``. Otherwise the default stays, and the record says "no clear winner" with the
   figures.
 - Where the default is not clean, the clean mode with the highest median is chosen; where none
-  is, the default stays and the record says so.
+  is, the default stays if every round of it ran (a flag is a finding about the runs, which
+  then show it), and the record says so.
+- Where no mode ran cleanly and a round of the default failed, no mode is chosen
+  (``chosen`` is None): the plan's runs are recorded as failed with the probe's reason, never
+  timed in a mode the probe saw fail.
 
 The rounds, the choice, the runner-up and the probe's wall time are kept in the plan's record
 (``mode_probe``) and shown in the report; none of them enters the statistics.
@@ -136,8 +140,11 @@ def choose(modes: list[str], rounds: list[dict[str, Any]],
     if default in clean:
         clear = [m for m in challengers if beats_clearly(rates[m], rates[default])]
         chosen = clear[0] if clear else default
+    elif challengers:
+        chosen = challengers[0]
     else:
-        chosen = challengers[0] if challengers else default
+        failed = any(r["mode"] == default and r.get("status") != "ok" for r in rounds)
+        chosen = None if failed else default
     others = sorted((m for m in clean if m != chosen), key=lambda m: -medians[m])
     runner_up = others[0] if others and chosen in medians else None
     probe = {"chosen": chosen, "default": default, "modes": modes, "rounds": rounds,
@@ -166,6 +173,9 @@ def _why(probe: dict[str, Any], probed: list[str]) -> str:
             return "the only mode it declares on this device"
         refused = "; ".join(f"{m}: {w}" for m, w in probe["refused"].items())
         return f"the only mode every case can run ({refused})"
+    if chosen is None:
+        return (f"no mode ran cleanly in every round and its default {default} failed "
+                f"({probe['unclean'][default]}): no run was timed")
     if not probe["clean"]:
         return "no mode ran cleanly in every round; the runs go on in its default"
     if chosen != default:
@@ -193,12 +203,16 @@ def describe(framework: str, probe: dict[str, Any]) -> str:
     where = f" on {probe['case']}" if probe.get("case") else ""
     cost = (f"; probe {probe['wall_s']:.0f} s{where}"
             if probe.get("rounds") and probe.get("wall_s") is not None else "")
-    return f"{framework}: {probe['chosen']}, {probe['why']}{cost}"
+    chosen = probe["chosen"] or "no mode"
+    return f"{framework}: {chosen}, {probe['why']}{cost}"
 
 
 def trouble_in_runs(probe: dict[str, Any], case: dict[str, Any]) -> str | None:
     """One line where the chosen mode failed or recompiled in a case's timed runs, naming the
-    probe's runner-up; None where every run ran cleanly."""
+    probe's runner-up; None where every run ran cleanly (or none ran: the probe's own line
+    says why)."""
+    if probe["chosen"] is None:
+        return None
     runs = [r for r in case.get("runs", []) if r.get("mode") in (None, probe["chosen"])]
     failed = [r for r in runs if r.get("status") != "ok"]
     recompiled = [r for r in runs if "recompiled_in_window" in (r.get("flags") or [])]

@@ -97,6 +97,14 @@ class PlanModes:
         assert self.shared.probe is not None, "the probe decides before the first timed run"
         return self.shared.probe["chosen"]
 
+    def not_timed(self) -> str | None:
+        """Why none of the plan's runs can be timed: its probe saw every mode fail, the
+        default's own rounds among them."""
+        probe = self.shared.probe
+        if self.best and probe is not None and probe["chosen"] is None:
+            return f"not timed: --mode best found no mode to time ({probe['why']})"
+        return None
+
     def restore(self, probe: dict[str, Any]) -> None:
         """A decision an earlier run of this folder recorded."""
         if self.shared.probe is not None and self.shared.probe["chosen"] != probe["chosen"]:

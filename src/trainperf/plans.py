@@ -288,8 +288,10 @@ def take_decided_modes(source: str | Path, plans: list[Plan], root: Path) -> Non
         folder = found[0]
         doc = json.loads((folder / RESULTS).read_text(encoding="utf-8"))
         probe = doc.get("mode_probe")
-        if not probe or not probe.get("chosen"):
+        if not probe:
             raise ValueError(f"--mode-from: {folder} holds no --mode best probe")
+        if not probe.get("chosen"):
+            raise ValueError(f"--mode-from: {folder}'s probe chose no mode ({probe['why']})")
         old = json.loads((folder / "plan.json").read_text(encoding="utf-8"))
         new = json.loads(json.dumps(plan.settings()))
         # A node sweep's counts differ in their nodes and their cases, nothing else.

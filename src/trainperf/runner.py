@@ -231,7 +231,9 @@ class Runner:
                 for run in range(1, self.plan.measure.runs + 1):
                     if run in done:
                         continue
-                    record = self._timed(case, TimedRun(run))
+                    why = self.modes.not_timed()
+                    record = (self._timed(case, TimedRun(run)) if why is None
+                              else self._not_timed(case, run, why))
                     earlier = [r for r in runs if r["run"] == run]
                     if earlier:
                         record["earlier_attempts"] = [
@@ -281,6 +283,13 @@ class Runner:
         record["after_mode_probe"] = bool(probe and probe.get("rounds"))
         self._append_event({"event": "run_end", "t": time.time(), "case": key[0],
                             "batch": key[1], "run": kind.run, "record": record})
+        return record
+
+    def _not_timed(self, case: Case, run: int, why: str) -> dict:
+        """A run the plan cannot time, recorded as failed with why, and never launched."""
+        record = results.run_record(run, [], "failed", why)
+        self._append_event({"event": "run_end", "t": time.time(), "case": case.key.name,
+                            "batch": case.batch_size, "run": run, "record": record})
         return record
 
     def _probe_round(self, case: Case, kind: ProbeRound) -> tuple[dict, list[Event]]:
