@@ -164,6 +164,50 @@ def test_a_side_of_several_frameworks_pairs_them_framework_by_framework(tmp_path
     assert rows[0].endswith("| slower |") and "slower" not in rows[1]
 
 
+def moded(folder: Path, rate: float, asked: str, ran: str, seed: int) -> str:
+    """A folder of one case timed in ``ran``, its plan having asked for ``asked``."""
+    rng = np.random.default_rng(seed)
+    doc = sr.doc_of([sr.case_of(sr.runs_of(rate, 8, rng))])
+    doc["tuning"] = {"mode": asked}
+    for case in doc["cases"]:
+        case["mode"] = ran
+        for run in case["runs"]:
+            run["mode"] = ran
+    return str(sr.write(folder, doc))
+
+
+def test_two_best_folders_that_chose_differently_get_no_verdict(tmp_path, capsys):
+    """Two `--mode best` folders whose probes chose eager and compile: the mode is the only
+    difference, and nobody asked for it. Both figures, no faster or slower, exit 0; where the
+    modes were asked for by name, the same figures are a fair question and get a verdict."""
+    base = moded(tmp_path / "a", 100, "best", "eager", 1)
+    new = moded(tmp_path / "b", 80, "best", "compile", 2)
+    out_json = tmp_path / "cmp.json"
+    assert main(["compare", base, new, "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "| modes differ (eager -> compile): no verdict |" in text
+    (pair,) = json.loads(out_json.read_text())["comparisons"][0]["pairs"]
+    assert pair["verdict"] == "modes differ"
+    assert pair["base_median_samples_per_s"] > pair["new_median_samples_per_s"]
+    assert main(["compare", moded(tmp_path / "c", 100, "eager", "eager", 1),
+                 moded(tmp_path / "d", 80, "compile", "compile", 2)]) == 1
+    assert "| slower |" in capsys.readouterr().out
+    # The report of both: both figures, and no ratio between two steps nobody chose.
+    report = write_report([base, new], tmp_path / "r").read_text()
+    assert "modes differ (eager -> compile)" in report
+    # History: the night whose probe flipped is not a regression.
+    nights = [moded(tmp_path / f"n{i}", rate, "best", mode, i) for i, (rate, mode) in
+              enumerate([(100, "eager"), (80, "compile"), (80.5, "compile")])]
+    path, flagged = history_report.write_history(nights, tmp_path / "h.html")
+    assert flagged == 0
+    page = path.read_text()
+    data = json.loads(page.split('id="trainperf-data">')[1].split("</script>")[0])
+    (case,) = data["cases"]
+    said = [(e.get("against_previous") or {}).get("verdict") for e in case["series"]]
+    assert said[:2] == [None, "modes differ"] and said[2] not in ("slower", "modes differ")
+    assert "modes differ (eager -&gt; compile): no verdict" in page
+
+
 # -- bad input: one line naming the folder ----------------------------------------------------
 
 def error_of(argv, capsys) -> str:

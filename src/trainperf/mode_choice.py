@@ -207,6 +207,23 @@ def describe(framework: str, probe: dict[str, Any]) -> str:
     return f"{framework}: {chosen}, {probe['why']}{cost}"
 
 
+MODES_DIFFER = "modes differ"
+"""The verdict of a pair of cases timed in two modes nobody asked for by name: no faster or
+slower, since each figure is of another step."""
+
+
+def modes_asked(docs: list[dict[str, Any]]) -> bool:
+    """Whether every document's mode was asked for by name (``--mode eager``), so that a
+    difference in mode between them is the user's question; a mode a probe chose
+    (``--mode best``), or none recorded (an ingested log), is not."""
+    return all((d.get("tuning") or {}).get("mode") not in (None, "best") for d in docs)
+
+
+def mode_pair_text(base: dict[str, Any], new: dict[str, Any]) -> str:
+    """``modes differ (eager -> compile)``: the verdict cell of such a pair."""
+    return f"{MODES_DIFFER} ({base.get('mode') or '-'} -> {new.get('mode') or '-'})"
+
+
 def trouble_in_runs(probe: dict[str, Any], case: dict[str, Any]) -> str | None:
     """One line where the chosen mode failed or recompiled in a case's timed runs, naming the
     probe's runner-up; None where every run ran cleanly (or none ran: the probe's own line

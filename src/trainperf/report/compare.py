@@ -6,15 +6,19 @@ plan's folder, a sweep's or a framework comparison's folders, a multi-node job's
 per node) and batch per device, and on the head, precision, framework, data and execution mode:
 each of those is left out of the pairing where it is the comparison's subject, one value on each
 side and not the same on all (``--fc dp`` against ``--fc pfc``, torch against Paddle, eager
-against compile); so cases timed in two modes of one framework never pair otherwise.
+against compile); so cases timed in two modes of one framework never pair otherwise. Where the
+mode is the subject but was not asked for by name on both sides (two ``--mode best`` folders
+whose probes chose differently), the pairs are shown with both figures and no verdict: each
+figure is of another step, and that is neither faster nor slower.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import results, significance
+from ..mode_choice import MODES_DIFFER, mode_pair_text, modes_asked
 from ..result_files import plan_documents
 from .markdown import device_text, fmt, framework_name, interval_text, table
 
@@ -189,9 +193,14 @@ class SideComparison:
 
 def compare_sides(base: Side, new: Side, threshold: float = significance.THRESHOLD,
                   confidence: float = significance.CONFIDENCE) -> SideComparison:
-    _, rows = match([base, new])
-    pairs = [PairResult(key, b, n, significance.compare_cases(b, n, threshold, confidence))
-             for key, (b, n) in rows.items() if b is not None and n is not None]
+    subject, rows = match([base, new])
+    judged = "mode" not in subject or modes_asked(base.docs + new.docs)
+    pairs = []
+    for key, (b, n) in rows.items():
+        if b is None or n is None:
+            continue
+        c = significance.compare_cases(b, n, threshold, confidence)
+        pairs.append(PairResult(key, b, n, c if judged else replace(c, verdict=MODES_DIFFER)))
     only_base = [case_label(k) for k, (b, n) in rows.items() if n is None]
     only_new = [case_label(k) for k, (b, n) in rows.items() if b is None]
     if not pairs:
@@ -201,7 +210,11 @@ def compare_sides(base: Side, new: Side, threshold: float = significance.THRESHO
     return SideComparison(base, new, differences(base, new), pairs, only_base, only_new)
 
 
-def verdict_text(c: significance.Comparison, threshold: float) -> str:
+def verdict_text(c: significance.Comparison, threshold: float, base: dict | None = None,
+                 new: dict | None = None) -> str:
+    if c.verdict == MODES_DIFFER:
+        return (mode_pair_text(base, new) if base is not None and new is not None
+                else MODES_DIFFER) + ": no verdict"
     if c.verdict == "not enough runs":
         if c.runs_needed is None:
             return (f"not enough runs (one run a side shows no spread; at least "
@@ -234,7 +247,7 @@ def render(comparisons: list[SideComparison], threshold: float, confidence: floa
                  fmt(p.new["median_samples_per_s"]), interval_text(p.comparison),
                  fmt(p.comparison.p_value, 3),
                  f"{p.comparison.base_runs} / {p.comparison.new_runs}",
-                 verdict_text(p.comparison, threshold)] for p in sc.pairs]
+                 verdict_text(p.comparison, threshold, p.base, p.new)] for p in sc.pairs]
         lines += [table(["case", "BASE samples/s", "NEW samples/s", f"ratio ({level} CI)", "p",
                          "runs", "verdict"], rows), ""]
         methods = sorted({p.comparison.interval_method for p in sc.pairs} - {"-"})

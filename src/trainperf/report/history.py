@@ -1,7 +1,9 @@
 """``trainperf history``: throughput per case over result folders taken over time, as one HTML
 file that needs no server and no network: its plots are inline SVG, its data an inline JSON
 block, and a plain table stands beside each plot. Each point is judged against the one before it
-as ``trainperf compare`` judges, and the ones it would call ``slower`` are marked."""
+as ``trainperf compare`` judges, and the ones it would call ``slower`` are marked; a point timed
+in another mode than the one before it is said to differ in mode and is never judged (a
+history is of one step over time)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import significance
+from ..mode_choice import MODES_DIFFER
 from ..stats import median
 from .compare import case_label, load_side, match, side_description, verdict_text
 from .markdown import interval_text
@@ -67,6 +70,9 @@ def case_series(cases: list[dict | None], threshold: float, confidence: float) -
         if previous is not None:
             c = significance.compare_cases(previous, case, threshold, confidence)
             point["against_previous"] = c.to_dict()
+            if previous.get("mode") != case.get("mode"):
+                point["against_previous"].update(
+                    verdict=MODES_DIFFER, modes=[previous.get("mode"), case.get("mode")])
         out.append(point)
         previous = case
     return out
@@ -129,8 +135,11 @@ def row_html(point: dict, entry: dict | None, threshold: float) -> str:
             cells += ["-", "first point"]
             cls = ""
         else:
-            c = significance.Comparison(**prev)
-            cells += [interval_text(c), html.escape(verdict_text(c, threshold))]
+            modes = prev.get("modes")
+            c = significance.Comparison(**{k: v for k, v in prev.items() if k != "modes"})
+            said = (verdict_text(c, threshold, {"mode": modes[0]}, {"mode": modes[1]})
+                    if modes else verdict_text(c, threshold))
+            cells += [interval_text(c), html.escape(said)]
             cls = c.verdict.replace(" ", "-")
     # The point's name and its verdict are words; the rest are figures.
     tds = "".join(f"<td>{c}</td>" if i in (0, len(cells) - 1) else f'<td class="num">{c}</td>'

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from .. import alignments, parities, significance
-from ..mode_choice import describe as describe_probe, trouble_in_runs
+from ..mode_choice import describe as describe_probe, mode_pair_text, modes_asked, \
+    trouble_in_runs
 from .limits import stall_line
 from .network import change_lines
 
@@ -302,11 +303,23 @@ def comparison_table(docs: list[dict], labels: list[str]) -> str:
                     fmt(c["median_samples_per_s"]) if c else "-",
                     fmt(c["speedup"]) if c else "-"]
         first = by_doc[0].get(key)
-        row += [ratio_cell(first, cases.get(key), with_ci)
-                if ratio_within_one_mode(docs[0], first, doc, cases.get(key)) else "-"
+        row += [cross_cell(docs[0], first, doc, cases.get(key), with_ci)
                 for doc, cases in zip(docs[1:], by_doc[1:])]
         rows.append(row)
     return table(header, rows)
+
+
+def cross_cell(base_doc: dict, base: dict | None, doc: dict, case: dict | None,
+               with_ci: bool) -> str:
+    """The ratio cell of a case against the first document's: ``-`` where no ratio may be
+    shown, ``modes differ (...)`` where one framework ran in two modes that a probe chose (two
+    ``--mode best`` folders): two steps, no ratio between them."""
+    if not ratio_within_one_mode(base_doc, base, doc, case):
+        return "-"
+    if base and case and base_doc.get("framework") == doc.get("framework") \
+            and base.get("mode") != case.get("mode") and not modes_asked([base_doc, doc]):
+        return mode_pair_text(base, case)
+    return ratio_cell(base, case, with_ci)
 
 
 def ratio_within_one_mode(base_doc: dict, base: dict | None, doc: dict,
