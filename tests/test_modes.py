@@ -271,6 +271,29 @@ def test_a_mode_list_sweeps_into_folders_of_their_own(monkeypatch):
         ("eager", "eager", "eager"), ("fast", "fast", "fast")]
 
 
+def test_real_data_with_a_mode_list_keeps_each_modes_plans_apart(monkeypatch, tmp_path):
+    """`--data` with `--mode eager,fast`: each mode's real-data plan and synthetic twin in
+    the mode's own folder, one probe group each (before, both modes wrote OUT/real and
+    OUT/synthetic, and the second plan refused the first's folder)."""
+    from trainperf.plans import open_data
+
+    _two_mode_torch(monkeypatch)
+    prefix = tmp_path / "faces"
+    assert main(["data", "synth", "--identities", "4", "--images-per-identity", "3",
+                 "--size", "32", "--val-pairs", "0", "--out", str(prefix)]) == 0
+    data = open_data(str(prefix), "auto", 1)
+    plans = throughput_plans("tiny-arcface", {"num_classes": 4}, None, [1],
+                             Measure(runs=1, iters=3, warmup=1), Tuning(), CPU, ["torch"],
+                             tmp_path / "out", data=data,
+                             modes=parse_modes("eager,fast", ["torch"]))
+    assert [(p.out_dir.relative_to(tmp_path / "out").as_posix(), p.tuning.mode, p.data_role)
+            for p in plans] == [("eager/synthetic", "eager", "synthetic baseline"),
+                                ("eager/real", "eager", "real"),
+                                ("fast/synthetic", "fast", "synthetic baseline"),
+                                ("fast/real", "fast", "real")]
+    assert len({p.mode_group for p in plans}) == 2
+
+
 def test_each_framework_runs_its_own_layout_unless_one_is_forced():
     # torch declares channels-last on a GPU (the H200 record: 1.5-2x NCHW), NCHW on a CPU.
     assert layout_for("torch", "auto", "cuda") is True

@@ -217,11 +217,12 @@ def throughput_plans(recipe_name: str, changes: dict, batch_sizes: list[int] | N
                              "and one head mode (--fc, --sample-ratio)")
         dataset, spec = data
         dataset.check_classes(workloads[0].num_classes)
-        # Each framework's real-data runs beside its own synthetic twin (``OUT/real``,
-        # ``OUT/synthetic``; ``OUT/<framework>/...`` for several).
+        # Each plan's real-data runs beside its own synthetic twin, in the folder the plan
+        # would have had (``OUT/real``, ``OUT/synthetic``; ``OUT/<framework>/...`` for several
+        # frameworks, ``OUT/<mode>/...`` for several modes).
         paired = []
         for plan in plans:
-            home = out / plan.framework if len(frameworks) > 1 else out
+            home = plan.out_dir
             # One probe for the pair: its ratio is the data's overhead, within one mode.
             real = replace(plan, out_dir=home / "real", data=spec, data_role="real",
                            mode_group=str(home))
@@ -231,7 +232,21 @@ def throughput_plans(recipe_name: str, changes: dict, batch_sizes: list[int] | N
         plans = paired
     for plan in plans:
         check_plan(plan)
+    check_own_folders(plans)
     return plans
+
+
+def check_own_folders(plans: list[Plan]) -> None:
+    """Every plan writes a folder of its own: two plans in one folder would take each other's
+    records for their own (the second refuses the first's, or resumes them)."""
+    seen: dict[Path, Plan] = {}
+    for plan in plans:
+        other = seen.setdefault(plan.out_dir, plan)
+        if other is not plan:
+            first = other.variant or other.framework
+            second = plan.variant or plan.framework
+            raise ValueError(f"two plans would write {plan.out_dir} ({first} and {second}); "
+                             "this is a bug in trainperf's plans, please report it")
 
 
 def run_plans(plans: list[Plan], resume: bool, take_turns: bool = False) -> list[dict]:
