@@ -433,6 +433,8 @@ class Nodes:
                 # Never met again: the folder keeps the role it had, so a follower's records
                 # are not rewritten as a leader's.
                 self.is_follower = self.holds == "follower"
+            else:
+                self.is_follower = group.rank_as_far_as_known() > 0
             raise
         self.group = group
         self.is_follower = group.node_rank > 0

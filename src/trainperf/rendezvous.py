@@ -336,6 +336,14 @@ class NodeGroup:
         self.addrs = tuple(nodes[r]["addr"] for r in order)
         self.probe_ports = tuple(nodes[r].get("probe") for r in order)
 
+    def rank_as_far_as_known(self) -> int:
+        """This node's rank where the first meeting failed: the one it was given or assigned;
+        before the rendezvous assigned one, 0 for the node hosting its store (at most one node
+        does) and 1 for any other, so that a failed meeting leaves at most one leader."""
+        if self.node_rank is not None:
+            return self.node_rank
+        return 0 if self.hosting else 1
+
     def _join_by_hand(self) -> None:
         """Node 0 hosts a TCP store at the endpoint (its own address); the others connect,
         retrying until the timeout."""
