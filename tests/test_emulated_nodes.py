@@ -114,6 +114,42 @@ def test_without_root_it_refuses_in_one_line(monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and "need root" in err
 
 
+def test_gpus_are_the_inherited_ones_and_too_few_are_refused(monkeypatch, capsys):
+    """A scheduler's CUDA_VISIBLE_DEVICES=4,5: node 0 gets GPU 4 and node 1 GPU 5, by those
+    names (before, nodes were given 0 and 1, GPUs outside the list). Too few GPUs for every
+    node's share is refused in one line, never a node left on the CPU without a word."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    gpus = cli_emulate.node_gpus(2, None)
+    assert gpus == ("4", "5") and cli_emulate.node_gpus(2, 1) == ("4", "5")
+    nodes = emu.EmulatedNodes(2, gpus=gpus, tag="000004")
+    assert [nodes.node_env(n, {})["CUDA_VISIBLE_DEVICES"] for n in (0, 1)] == ["4", "5"]
+    assert cli_emulate.node_gpus(2, 0) == ()
+    with pytest.raises(ValueError, match="2 visible GPU.s. cannot give each of 3 nodes one"):
+        cli_emulate.node_gpus(3, None)
+    with pytest.raises(ValueError, match="needs 4 GPUs; CUDA_VISIBLE_DEVICES=4,5 has 2"):
+        cli_emulate.node_gpus(2, 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    if cli_emulate.gpu_count() == 0:  # this machine's own count, as nvidia-smi gives it
+        assert main(["emulate", "--nodes", "2", "--gpus-per-node", "1", "--", *RUN,
+                     "--device", "cpu", "--out", "/nonexistent/never-written"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "needs 2 GPUs; this machine has 0" in err
+
+
+def test_a_state_file_is_trusted_only_for_the_names_of_its_own_set(tmp_path):
+    good = emu.set_names("k3x9q0", 2)
+    path = tmp_path / "tpek3x9q0.json"
+    state = {"owner": 1, "owner_started": 0.0, "tag": "k3x9q0", **good, "subnet": "10.1.2"}
+    assert emu.state_problem(path, state) is None
+    for change, said in (({"namespaces": ["tpek3x9q0n0", "../../tmp/x"]}, "namespaces"),
+                         ({"links": ["eth0", "tpek3x9q0h1"]}, "links"),
+                         ({"bridge": "docker0"}, "bridge"),
+                         ({"tag": "../x"}, "tag"), ({"owner": "1"}, "owner")):
+        assert said in emu.state_problem(path, {**state, **change})
+    assert "name" in emu.state_problem(tmp_path / "tpe000000.json", state)
+    assert len({emu.new_tag() for _ in range(50)}) == 50
+
+
 # ------------------------------------------------------------------------ real namespaces
 
 needs_root = pytest.mark.skipif(emu.missing_privilege() is not None,
@@ -288,3 +324,114 @@ def test_a_link_slowed_under_load_keeps_moving(emulated_nodes):
         # Blocks crossed after the slowing (a stuck link carries none).
         after = [t for t in acks if t > slowed_at]
         assert len(after) >= 2, (attempt, len(acks), after)
+
+
+FOREIGN_NS, FOREIGN_LINK = "tpforeign62", "tpdummy62"
+
+
+@needs_root
+def test_clean_refuses_a_state_file_naming_what_emulate_never_made(tmp_path):
+    """A stale state file (its owner gone) that names a namespace, a link and a path emulate
+    never made: `emulate --clean` refuses it in one line and touches none of them. Before, it
+    deleted the namespace, the link and the folder under /tmp, as root."""
+    state_dir, victim = tmp_path / "state", tmp_path / "victim"
+    state_dir.mkdir()
+    victim.mkdir()
+    (victim / "kept").write_text("x")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        subprocess.run(["ip", "netns", "add", FOREIGN_NS], check=True)
+        subprocess.run(["ip", "link", "add", FOREIGN_LINK, "type", "bridge"], check=True)
+        forged = {"owner": gone.pid, "owner_started": 0.0, "tag": "00000a",
+                  "bridge": FOREIGN_LINK, "links": [FOREIGN_LINK],
+                  "namespaces": [FOREIGN_NS, f"../../{victim.relative_to('/')}"]}
+        (state_dir / "tpe00000a.json").write_text(json.dumps(forged))
+        done = subprocess.run([sys.executable, "-m", "trainperf.cli", "emulate", "--clean"],
+                              capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, TRAINPERF_EMULATED_STATE=str(state_dir)))
+        assert done.returncode == 2, done.stdout + done.stderr
+        err = done.stderr.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("trainperf: error: refused ")
+        assert "tpe00000a.json" in err and "nothing it names was touched" in err
+        netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert FOREIGN_NS in netns.split()
+        assert subprocess.run(["ip", "link", "show", FOREIGN_LINK],
+                              capture_output=True).returncode == 0
+        assert (victim / "kept").exists() and (state_dir / "tpe00000a.json").exists()
+    finally:
+        subprocess.run(["ip", "netns", "del", FOREIGN_NS], capture_output=True)
+        subprocess.run(["ip", "link", "del", FOREIGN_LINK], capture_output=True)
+
+
+SECOND_SET = """
+import sys
+from trainperf import emulated_nodes as emu
+second = emu.EmulatedNodes(2, tag=sys.argv[1])
+second.make()
+print(second.tag, flush=True)
+second.remove()
+"""
+
+
+@needs_root
+def test_a_second_set_beside_a_live_one_leaves_it_alone(emulated_nodes):
+    """Set A lives, a process running in its node 0. A second set made in another process,
+    asking for A's very tag (two emulates that drew the same one), then `emulate --clean`:
+    the second takes a fresh tag, and A's namespaces, links, state file and process are as
+    they were. Before, the second overwrote A's state file, failed on A's bridge and, taking
+    itself down by that file, took A down with it."""
+    first = emulated_nodes(2)
+    before = left_of(first.tag)
+    state = first.state_file.read_text()
+    sleeper = first.start(0, ["sleep", "120"])
+    try:
+        done = subprocess.run([sys.executable, "-c", SECOND_SET, first.tag],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        second_tag = done.stdout.split()[-1]
+        assert second_tag != first.tag and left_of(second_tag) == NOTHING
+        cleaned = subprocess.run([sys.executable, "-m", "trainperf.cli", "emulate", "--clean"],
+                                 capture_output=True, text=True, timeout=120)
+        assert first.tag not in cleaned.stdout
+        assert sleeper.poll() is None  # still running in A's node 0
+        after = left_of(first.tag)
+        assert (after["namespaces"], after["links"], after["state"]) == \
+            (before["namespaces"], before["links"], True)
+        assert first.state_file.read_text() == state
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_cut_link_fires_in_a_run_of_two_frameworks_and_one_that_never_came_is_said(
+        tmp_path):
+    """Two frameworks: node 0 writes node-0/torch and node-0/jax, no node-0/events.jsonl.
+    The cut at node 0's step 8 (torch's 6 steps, then JAX's second) fires in JAX's run and is
+    put back a second later; a slowing at a step the run never reaches is recorded as not
+    fired, said in one line, and fails the call. Before, no step-triggered fault fired with
+    several plans, and emulation.json said nothing of it."""
+    proc = emulate("--nodes", "2", "--cut-link", "1@8", "--restore-after", "1",
+                   "--slow-link", "1@100000:100mbit", "--", "run", "tiny-arcface",
+                   "--framework", "torch,jax", "--mode", "default", "--device", "cpu",
+                   "--runs", "1", "--iters", "6",
+                   "--warmup", "2", "--out", str(tmp_path))
+    output = proc.communicate(timeout=600)[0]
+    record = json.loads((tmp_path / "emulation.json").read_text())
+    cut = [f for f in record["faults"] if f["action"] == "cut"]
+    assert len(cut) == 1 and cut[0]["node0_steps"] >= 8, (record["faults"], output[-3000:])
+    # torch's run had ended by then: its 6 steps are all in its folder.
+    torch_steps = (tmp_path / "node-0" / "torch" / "events.jsonl").read_text().count(
+        cli_emulate.STEP_MARK)
+    jax_started = min(json.loads(line)["t"] for line in
+                      (tmp_path / "node-0" / "jax" / "events.jsonl").read_text().splitlines())
+    assert torch_steps == 6 and cut[0]["t"] > jax_started
+    assert [f["action"] for f in record["faults"]] == ["cut", "restore"]
+    (never,) = record["faults_not_fired"]
+    assert never["action"] == "slow" and never["at_step"] == 100000
+    assert "node 0 made" in never["why"]
+    assert proc.returncode == 1
+    assert "--slow-link 1@100000 never fired (node 0 made " in output
+    assert left_of(record["tag"]) == NOTHING

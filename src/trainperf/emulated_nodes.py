@@ -5,11 +5,14 @@ host. The nodes then run exactly what they would run on a cluster, over links th
 or cut while they run.
 
 Everything made is written down before it is made, in a file of ``STATE_DIR`` named by the
-set's tag and holding the owner's process id and start time. ``remove`` takes it all down
-(the processes left in the namespaces first); ``clean_leftovers``, called before a new set is
-made, takes down every set whose owner is gone (a kill -9, a crash), so nothing outlives the
-next start. Standard library and psutil only; root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and
-iproute2 are needed, and their absence is said in one line.
+set's tag and holding the owner's process id and start time. The file is created whole and
+exclusively, so a tag is one set's only: two sets made at once never share one. ``remove``
+takes it all down (the processes left in the namespaces first); ``clean_leftovers``, called
+before a new set is made, takes down every set whose owner is gone (a kill -9, a crash), so
+nothing outlives the next start. This runs as root, so a state file is trusted only as far as
+it names what a set of that tag is made of (``state_problem``): any other file, or any other
+name in it, is left alone and said. Standard library and psutil only; root (CAP_NET_ADMIN,
+CAP_SYS_ADMIN) and iproute2 are needed, and their absence is said in one line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -57,6 +61,48 @@ NCCL_SEPARATE_HOSTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
 the node's link: another host id (``NCCL_HOSTID``, set per node), no peer-to-peer copies or
 shared memory between them, its socket transport rather than InfiniBand (NCCL's documented
 environment variables)."""
+
+
+TAG_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"
+TAG_LENGTH = 6
+"""A set's tag: 6 random letters and digits (36^6 of them), so that names stay within the
+kernel's 15 characters (``tpe`` + tag + ``n`` + up to 5 digits of node)."""
+TAG_PATTERN = re.compile(rf"[{TAG_CHARS}]{{{TAG_LENGTH}}}")
+
+
+def new_tag() -> str:
+    return "".join(secrets.choice(TAG_CHARS) for _ in range(TAG_LENGTH))
+
+
+def set_names(tag: str, nodes: int) -> dict:
+    """What a set of ``tag`` with ``nodes`` nodes is made of, by name."""
+    return {"bridge": f"{PREFIX}{tag}br",
+            "namespaces": [f"{PREFIX}{tag}n{n}" for n in range(nodes)],
+            "links": [f"{PREFIX}{tag}h{n}" for n in range(nodes)]}
+
+
+def state_problem(path: Path, state: object) -> str | None:
+    """Why a state file is not one a set wrote (None where it is): its name, its tag and every
+    name in it must be those of the set its tag names, so that nothing else on the machine (a
+    namespace, a link, a folder under /etc/netns) is ever killed or deleted on its word."""
+    if not isinstance(state, dict):
+        return "not a state file of emulated nodes"
+    tag = state.get("tag")
+    if not isinstance(tag, str) or not TAG_PATTERN.fullmatch(tag):
+        return f"its tag {tag!r} is not one emulate makes"
+    if path.name != f"{PREFIX}{tag}.json":
+        return f"its name does not carry its tag {tag}"
+    namespaces = state.get("namespaces")
+    if not isinstance(namespaces, list) or not 1 <= len(namespaces) <= 99999:
+        return "it lists no namespaces"
+    names = set_names(tag, len(namespaces))
+    for key in ("bridge", "namespaces", "links"):
+        if state.get(key) != names[key]:
+            return f"its {key} {state.get(key)!r} are not the set {tag}'s ({names[key]!r})"
+    if not isinstance(state.get("owner"), int) or \
+            not isinstance(state.get("owner_started"), (int, float)):
+        return "it names no owner"
+    return None
 
 
 class EmulationError(RuntimeError):
@@ -128,11 +174,13 @@ class EmulatedNodes:
 
     nodes: int
     rate_bps: int | None = None
-    gpus: tuple[int, ...] = ()
+    gpus: tuple[int | str, ...] = ()
     tag: str = ""
     subnet: str = ""
     cores: tuple[int, ...] = ()
     made: bool = field(default=False, repr=False)
+    left_alone: list[str] = field(default_factory=list, repr=False)
+    """Files in the state folder that no set wrote, found when this set was made."""
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -141,7 +189,7 @@ class EmulatedNodes:
         if self.gpus and len(self.gpus) < self.nodes:
             raise ValueError(f"{len(self.gpus)} GPU(s) cannot give each of {self.nodes} nodes "
                              f"its own")
-        self.tag = self.tag or f"{os.getpid() % 100000:05d}{random.randrange(10)}"
+        self.tag = self.tag or new_tag()
         self.cores = self.cores or tuple(sorted(os.sched_getaffinity(0)))
 
     # ------------------------------------------------------------------------- names
@@ -176,7 +224,7 @@ class EmulatedNodes:
             return list(self.cores)
         return list(self.cores[node * share:(node + 1) * share])
 
-    def node_gpus(self, node: int) -> list[int]:
+    def node_gpus(self, node: int) -> list[int | str]:
         share = len(self.gpus) // self.nodes
         return list(self.gpus[node * share:(node + 1) * share])
 
@@ -186,9 +234,9 @@ class EmulatedNodes:
         why = missing_privilege()
         if why:
             raise EmulationError(why)
-        clean_leftovers()
+        self.left_alone = clean_leftovers()[1]
         self.subnet = self.subnet or free_subnet()
-        self._write_state()
+        self._claim_state()
         try:
             _ip("ip", "link", "add", self.bridge, "type", "bridge")
             _ip("ip", "link", "set", self.bridge, "up")
@@ -237,13 +285,25 @@ class EmulatedNodes:
                 f"({done.stderr.strip() or 'no answer'}); a firewall on this host may filter "
                 "bridged traffic (net.bridge.bridge-nf-call-iptables)")
 
-    def _write_state(self) -> None:
+    def _claim_state(self) -> None:
+        """Write the set down under its tag, whole and exclusively: written aside, then linked
+        to its name, which fails where the name is taken (another set's, live or left over);
+        the set then takes a fresh tag. Nobody ever reads half a state file."""
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         me = psutil.Process()
-        self.state_file.write_text(json.dumps({
-            "owner": me.pid, "owner_started": me.create_time(), "tag": self.tag,
-            "bridge": self.bridge, "namespaces": [self.namespace(n) for n in range(self.nodes)],
-            "links": [self.host_link(n) for n in range(self.nodes)], "subnet": self.subnet}))
+        for _ in range(20):
+            aside = STATE_DIR / f".{self.tag}-{me.pid}.tmp"
+            aside.write_text(json.dumps({
+                "owner": me.pid, "owner_started": me.create_time(), "tag": self.tag,
+                **set_names(self.tag, self.nodes), "subnet": self.subnet}))
+            try:
+                os.link(aside, self.state_file)
+                return
+            except FileExistsError:
+                self.tag = new_tag()
+            finally:
+                aside.unlink(missing_ok=True)
+        raise EmulationError(f"no free tag for a set of emulated nodes in {STATE_DIR}")
 
     def remove(self) -> None:
         """Stop every process of the set and take down its namespaces, links and bridge."""
@@ -256,10 +316,8 @@ class EmulatedNodes:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        remove_set(json.loads(self.state_file.read_text()) if self.state_file.exists() else
-                   {"bridge": self.bridge, "namespaces": [self.namespace(n)
-                                                          for n in range(self.nodes)],
-                    "links": [self.host_link(n) for n in range(self.nodes)]})
+        # What this set made, by the names it made them under: never what a file says.
+        remove_set(set_names(self.tag, self.nodes))
         self.state_file.unlink(missing_ok=True)
         self.made = False
 
@@ -370,29 +428,51 @@ def _owner_alive(state: dict) -> bool:
         return False
 
 
-def clean_leftovers() -> list[str]:
-    """Take down every set whose owner is gone; returns their tags."""
-    removed = []
+def read_states() -> tuple[list[tuple[Path, dict]], list[tuple[Path, str]]]:
+    """(every state file that a set wrote, with its state; every other file there that looks
+    like one, with why it is not)."""
+    good, bad = [], []
     if not STATE_DIR.is_dir():
-        return removed
+        return good, bad
     for path in sorted(STATE_DIR.glob(f"{PREFIX}*.json")):
         try:
             state = json.loads(path.read_text())
-        except (OSError, ValueError):
-            state = {}
-        if state and _owner_alive(state):
+        except (OSError, ValueError) as exc:
+            bad.append((path, f"unreadable ({type(exc).__name__})"))
             continue
-        remove_set(state)
+        why = state_problem(path, state)
+        if why:
+            bad.append((path, why))
+        else:
+            good.append((path, state))
+    return good, bad
+
+
+def clean_leftovers() -> tuple[list[str], list[str]]:
+    """Take down every set whose owner is gone: (their tags, a line for each file left alone,
+    naming it and why)."""
+    good, bad = read_states()
+    removed = []
+    for path, state in good:
+        if _owner_alive(state):
+            continue
+        remove_set(set_names(state["tag"], len(state["namespaces"])))
         path.unlink(missing_ok=True)
-        removed.append(state.get("tag", path.stem))
-    return removed
+        removed.append(state["tag"])
+    return removed, [f"{path}: {why}; nothing it names was touched (remove it by hand)"
+                     for path, why in bad]
 
 
 def free_subnet() -> str:
-    """A 10.x.y.0/24 that no interface of this machine is on."""
+    """A 10.x.y.0/24 that no interface of this machine is on, nor any live set's nodes."""
     taken = [ipaddress.ip_network(f"{a.address}/{a.netmask}", strict=False)
              for addrs in psutil.net_if_addrs().values() for a in addrs
              if a.family.name == "AF_INET" and a.netmask]
+    for _, state in read_states()[0]:
+        try:
+            taken.append(ipaddress.ip_network(f"{state.get('subnet')}.0/24"))
+        except ValueError:
+            pass
     for _ in range(200):
         net = ipaddress.ip_network(f"10.{random.randrange(64, 250)}."
                                    f"{random.randrange(0, 256)}.0/24")

@@ -117,15 +117,27 @@ PROBE_HEADER = struct.Struct("!Q")
 """A probe is an 8-byte length, the block, and one byte back once all of it arrived."""
 
 
+PROBE_MAX_BYTES = 16 << 20
+"""The largest block a probe server takes (probes send 1 MiB): a larger length is no probe."""
+PROBE_MAX_CONNECTIONS = 16
+"""Probers a server answers at once (node 0 keeps one connection per other node); more are
+closed as they come."""
+PROBE_IDLE_S = 120.0
+"""A prober silent this long is let go (node 0 probes every PROBE_MAX_S, 60 s, at most)."""
+
+
 class ProbeServer:
     """Answers other nodes' link probes on ``addr`` (a port the kernel picks), one thread per
-    prober, until ``close``."""
+    prober, ``PROBE_MAX_CONNECTIONS`` at most, until ``close``. It listens on a node's address
+    for the length of a run: what it reads is bounded (a block of ``PROBE_MAX_BYTES`` at most,
+    a prober silent ``PROBE_IDLE_S`` let go)."""
 
     def __init__(self, addr: str) -> None:
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self.sock = socket.create_server((addr, 0), family=family)
         self.port = self.sock.getsockname()[1]
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(PROBE_MAX_CONNECTIONS)
         threading.Thread(target=self._accept, daemon=True, name="link-probe-server").start()
 
     def _accept(self) -> None:
@@ -134,13 +146,25 @@ class ProbeServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._slots.release()
+
+    def _serve(self, conn: socket.socket) -> None:
         with conn:
+            conn.settimeout(PROBE_IDLE_S)
             try:
                 while not self._closed.is_set():
                     left = PROBE_HEADER.unpack(_read_exactly(conn, PROBE_HEADER.size))[0]
+                    if left > PROBE_MAX_BYTES:
+                        return  # no probe of ours
                     while left:
                         chunk = conn.recv(min(left, 1 << 16))
                         if not chunk:

@@ -50,11 +50,13 @@ def register(sub) -> None:
     p.add_argument("--rate", help="each node's link rate, both ways, e.g. 100mbit, 1gbit "
                    "(default: unshaped)")
     p.add_argument("--gpus-per-node", type=int,
-                   help="GPUs each node gets (default: the visible GPUs shared out equally; "
-                        "0 on a machine without any)")
+                   help="GPUs each node gets, from the inherited CUDA_VISIBLE_DEVICES or "
+                        "every GPU (default: those shared out equally; 0 on a machine without "
+                        "any); too few for every node is refused")
     p.add_argument("--cut-link", action="append", default=[], metavar="NODE@WHEN",
                    help="pull node NODE's cable at WHEN: node 0's steps so far, every run "
-                        "of the plan counted (e.g. 1@30), or seconds (1@20s); repeatable")
+                        "of every plan counted (e.g. 1@30), or seconds (1@20s, the only kind "
+                        "commbench takes); repeatable; one that never fires fails the call")
     p.add_argument("--slow-link", action="append", default=[], metavar="NODE@WHEN:RATE",
                    help="change node NODE's link to RATE at WHEN (e.g. 1@30:100mbit)")
     p.add_argument("--restore-after", type=float, metavar="S",
@@ -174,29 +176,47 @@ def check_run(args: list[str], steps: list[Step], out: Path) -> bool:
     return best
 
 
-def steps_so_far(events: Path) -> int:
-    try:
-        return events.read_text(errors="replace").count(STEP_MARK)
-    except OSError:
-        return 0
+def steps_so_far(node0: Path) -> int:
+    """Node 0's steps so far, in every plan's folder under its own (one plan's, several
+    frameworks', a mode list's, ``--data``'s real and synthetic), every run counted."""
+    total = 0
+    # A plan's folder holds its plan.json; its runs' folders hold their workers' own events
+    # while they run, the same steps again.
+    for plan in node0.glob("**/plan.json"):
+        events = plan.parent / "events.jsonl"
+        try:
+            total += events.read_text(errors="replace").count(STEP_MARK)
+        except OSError:
+            pass
+    return total
 
 
 class FaultPlan(threading.Thread):
     """Applies the faults when due, and puts cut links back after ``restore_after_s``."""
 
-    def __init__(self, cluster: EmulatedNodes, faults: list[Fault], events: Path,
+    def __init__(self, cluster: EmulatedNodes, faults: list[Fault], node0: Path,
                  restore_after_s: float | None) -> None:
         super().__init__(daemon=True)
-        self.cluster, self.pending, self.events = cluster, list(faults), events
+        self.cluster, self.pending, self.node0 = cluster, list(faults), node0
         self.restore_after_s = restore_after_s
         self.done: list[dict] = []
         self.stop = threading.Event()
+        self.steps_seen = 0
+
+    def not_fired(self) -> list[dict]:
+        """The faults that never came due, each with why: the command ended first."""
+        return [{"action": f.action, "node": f.node, "at_step": f.at_step, "at_s": f.at_s,
+                 "rate": rate_text(f.rate_bps) if f.rate_bps else None,
+                 "why": (f"node 0 made {self.steps_seen} step(s) in all" if f.at_step
+                         is not None else "the command ended first")}
+                for f in self.pending]
 
     def run(self) -> None:
         start = time.monotonic()
         restores: list[tuple[float, Fault]] = []
         while not self.stop.wait(0.1) and (self.pending or restores):
-            elapsed, steps = time.monotonic() - start, steps_so_far(self.events)
+            elapsed, steps = time.monotonic() - start, steps_so_far(self.node0)
+            self.steps_seen = steps
             for fault in [f for f in self.pending if f.due(elapsed, steps)]:
                 self.pending.remove(fault)
                 if fault.action == "cut":
@@ -218,6 +238,32 @@ class FaultPlan(threading.Thread):
                                   "node0_steps": steps})
 
 
+def node_gpus(nodes: int, per_node: int | None) -> tuple[str, ...]:
+    """The GPUs handed out, ``per_node`` to each node (None: the visible ones shared out
+    equally), by the names this process was given: the entries of an inherited
+    ``CUDA_VISIBLE_DEVICES`` (a scheduler's ``4,5``), else every GPU's index. Refused in one
+    line where there are too few for every node to have its share, or a share of none where
+    GPUs are there (a node would run on the CPU without saying so)."""
+    import os
+
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = ([d.strip() for d in inherited.split(",") if d.strip()] if inherited is not None
+               else [str(i) for i in range(gpu_count())])
+    if per_node is None:
+        if visible and len(visible) < nodes:
+            raise ValueError(f"{len(visible)} visible GPU(s) cannot give each of {nodes} nodes "
+                             "one; pass --gpus-per-node 0 to run the nodes on the CPU")
+        per_node = len(visible) // nodes
+    if per_node < 0:
+        raise ValueError(f"--gpus-per-node must be >= 0, got {per_node}")
+    if per_node * nodes > len(visible):
+        where = (f"CUDA_VISIBLE_DEVICES={inherited}" if inherited is not None
+                 else "this machine")
+        raise ValueError(f"--gpus-per-node {per_node} on {nodes} nodes needs "
+                         f"{per_node * nodes} GPUs; {where} has {len(visible)}")
+    return tuple(visible[:per_node * nodes])
+
+
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -230,10 +276,12 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         if why:
             print(f"trainperf: error: {why}", file=sys.stderr)
             return EXIT_USAGE
-        removed = clean_leftovers()
+        removed, left_alone = clean_leftovers()
         print(f"removed {len(removed)} leftover set(s) of emulated nodes"
               + (f": {', '.join(removed)}" if removed else ""))
-        return EXIT_OK
+        for line in left_alone:
+            print(f"trainperf: error: refused {line}", file=sys.stderr)
+        return EXIT_USAGE if left_alone else EXIT_OK
     command, rest, out = split_command(args.argv)
     rest, devices = take_option(rest, "--devices")
     steps = steps_of(args.nodes or ("" if args.cases else "2"),
@@ -246,6 +294,10 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                          "give --nodes one count")
     if command == "commbench" and devices is not None:
         rest += ["--devices", devices]
+    if command == "commbench" and any("@" in t and not t.split("@", 1)[1].split(":")[0]
+                                      .endswith("s") for t in args.cut_link + args.slow_link):
+        raise ValueError("commbench takes no training steps: give a fault's WHEN in seconds "
+                         "(e.g. --cut-link 1@20s)")
     nodes = steps[-1].nodes
     rate = parse_rate(args.rate) if args.rate else None
     faults = ([Fault.parse("cut", t, nodes) for t in args.cut_link]
@@ -254,15 +306,15 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         raise ValueError(f"{out} already holds a job's folders; choose another --out")
     mode_from_first = check_run(rest, steps, out) and is_sweep(steps) if command == "run" \
         else False
-    gpus = gpu_count() if args.gpus_per_node is None else args.gpus_per_node * nodes
-    per_node = gpus // max(1, nodes)
-    cluster = EmulatedNodes(nodes, rate, tuple(range(per_node * nodes)))
+    cluster = EmulatedNodes(nodes, rate, node_gpus(nodes, args.gpus_per_node))
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         cluster.make()
     except EmulationError as exc:
         print(f"trainperf: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for line in cluster.left_alone:
+        print(f"trainperf: warning: left alone {line}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     if command == "run":
         write_json_atomic(out / JOB, {"schema": JOB_SCHEMA, "kind": "emulated",
@@ -279,7 +331,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
           f"{rate_text(rate)}; node k writes {step_dir(out, steps, steps[0])}/node-k"
           + (f" (each node count: {out}/nodes-N/node-k)" if is_sweep(steps) else ""),
           flush=True)
-    plan = FaultPlan(cluster, faults, out / "node-0" / "events.jsonl", args.restore_after)
+    plan = FaultPlan(cluster, faults, step_dir(out, steps, steps[0]) / "node-0",
+                     args.restore_after)
     codes: list[list[int | None]] = []
     try:
         for index, step in enumerate(steps):
@@ -310,11 +363,19 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         plan.stop.set()
+        plan.join(timeout=5)
         record["faults"] = plan.done
+        record["faults_not_fired"] = plan.not_fired()
         record["exit_codes"] = codes[0] if not is_sweep(steps) and codes else codes
         (out / "emulation.json").write_text(json.dumps(record, indent=2) + "\n")
         cluster.remove()
     worst = max((c for step_codes in codes for c in step_codes if c), default=0)
+    for fault in record["faults_not_fired"]:
+        when = (str(fault["at_step"]) if fault["at_step"] is not None
+                else f"{fault['at_s']:g}s")
+        print(f"trainperf: error: --{fault['action']}-link {fault['node']}@{when} never fired "
+              f"({fault['why']}); see emulation.json", file=sys.stderr)
+        worst = worst or EXIT_RUN_FAILED
     if worst:
         print(f"node exit codes {codes}; node 1's and later logs: node-k.log beside node 0's "
               "folder", file=sys.stderr)
