@@ -326,8 +326,12 @@ class Runner:
         train = self.plan.train
         if train is not None:
             train = train.replace(checkpoint_dir=str((run_dir / "checkpoints").resolve()))
+        # The device is decided here, once, as the plan was checked for it: the worker is told
+        # ``cuda`` or ``cpu``, never ``auto``, and fails in one line where its framework does not
+        # see what it was told (a CPU build, an empty CUDA_VISIBLE_DEVICES), rather than running
+        # a CUDA plan on the CPU.
         spec = RunSpec(self.plan.workload.replace(batch_size=case.batch_size), measure,
-                       replace(self.plan.tuning, mode=mode), case.topology.device,
+                       replace(self.plan.tuning, mode=mode), device_kind(case.topology.device),
                        measure.threads or cpu_threads_per_process(case.topology.devices_per_node),
                        self.plan.align, self.plan.data, train, kind.profile(run_dir))
         results.write_json_atomic(run_dir / "spec.json", spec.to_dict())

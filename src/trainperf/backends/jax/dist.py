@@ -188,6 +188,21 @@ def gloo_on_interface(interface: str) -> None:
     xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
 
 
+def check_sees_gpu() -> None:
+    """ValueError in one line where this process was told ``cuda`` and JAX starts no GPU (a
+    CPU build, whose CUDA platform then fails deep inside JAX; an empty
+    CUDA_VISIBLE_DEVICES): never a CUDA plan run on the CPU."""
+    try:
+        platforms = {d.platform for d in jax.local_devices()}
+        why = f"its devices: {', '.join(sorted(platforms)) or 'none'}"
+    except Exception as exc:  # noqa: BLE001 - JAX_PLATFORMS=cuda without a CUDA backend
+        platforms, why = set(), f"{type(exc).__name__} starting its CUDA backend"
+    if not platforms & {"gpu", "cuda"}:
+        raise ValueError(f"--device cuda was asked for but JAX sees no GPU ({why}; "
+                         f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}; is "
+                         "the environment's jax the CUDA build?)")
+
+
 def layout_from_env(distributed: bool) -> Layout:
     """The mesh of every process's devices in rank (process) order; one device per process.
     Across processes on a CPU, gloo's sockets are sized first (``widen_gloo_send_buffers``)."""

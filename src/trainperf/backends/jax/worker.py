@@ -242,11 +242,13 @@ class JaxRun(FrameworkRun):
 
     def connect(self) -> None:
         configure_process(self.spec)
-        from .dist import initialize_from_env, layout_from_env
+        from .dist import check_sees_gpu, initialize_from_env, layout_from_env
 
         # After a failure, a normal exit would wait for the other ranks at JAX's shutdown
         # barrier.
         self.distributed = initialize_from_env()
+        if self.spec.device == "cuda":
+            check_sees_gpu()
         self.layout = layout = layout_from_env(self.distributed)
         self.rank, self.world_size = layout.rank, layout.world_size
         self.device, self.device_kind = layout.device, layout.device_type

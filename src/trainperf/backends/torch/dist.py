@@ -43,8 +43,16 @@ def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for but no CUDA device is available")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+            raise ValueError("--device cuda was asked for but torch sees no GPU "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, "
+                             f"torch {torch.__version__}, CUDA build {torch.version.cuda})")
+        seen = torch.cuda.device_count()
+        if local_rank >= seen:
+            # Local rank r drives the r-th GPU of the list it was given; never another rank's.
+            raise ValueError(f"local rank {local_rank} has no GPU of its own: torch sees {seen} "
+                             f"(CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES')})")
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
