@@ -19,6 +19,21 @@ COLLECTIVE_TIMEOUT_ENV = "TRAINPERF_COLLECTIVE_TIMEOUT_S"
 """Seconds a rank waits in a collective before it gives its peer up (set for multi-node runs)."""
 
 
+AUTOTUNE_FLAG = "--xla_gpu_autotune_level"
+"""XLA's own autotuning of GEMMs and convolutions on a GPU (``xla/debug_options_flags.cc``:
+"0 = off"): what JAX and TensorFlow's ``--mode xla`` run instead of cuDNN's own search."""
+
+
+def xla_autotunes(xla_flags: str, level: int | None = None) -> bool:
+    """Whether XLA autotunes: a compile option's ``level`` where the step was compiled with one,
+    else the last level the ``XLA_FLAGS`` give (a user's shell may carry one), else XLA's own
+    default, which autotunes."""
+    if level is not None:
+        return level > 0
+    levels = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(AUTOTUNE_FLAG + "=")]
+    return not levels or levels[-1] != "0"
+
+
 def rank_gpu(local_rank: int, visible: str | None) -> str:
     """``CUDA_VISIBLE_DEVICES`` for a process that drives one GPU, local rank ``local_rank``:
     its entry of the list the launcher was given (``visible``, from the user's shell, a

@@ -107,6 +107,22 @@ def tf32_setting(conv: bool | None, matmul: bool | None) -> str | None:
     return "on" if conv else "off"
 
 
+NVIDIA_TF32_OVERRIDE = "NVIDIA_TF32_OVERRIDE"
+"""NVIDIA's variable: ``0`` turns TF32 off in cuBLAS and cuDNN for the whole process, whatever
+the framework's own switch says (a GPU user's shell may carry it)."""
+
+
+def tf32_ran(on: bool | None, switch: str | None) -> tuple[bool | None, str | None]:
+    """(whether fp32 work ran in TF32, the switches that said so) from the framework's switch
+    ``on`` and the process's ``NVIDIA_TF32_OVERRIDE``, which wins where it is 0; None (a CPU)
+    stays None."""
+    if on is None:
+        return None, switch
+    override = process_env(NVIDIA_TF32_OVERRIDE)
+    said = f"{switch}; {NVIDIA_TF32_OVERRIDE}={'unset' if override is None else override}"
+    return on and override != "0", said
+
+
 def process_env(name: str) -> str | None:
     """A variable as this process's C environment holds it now: what a framework's C++ side
     reads, which ``os.environ`` does not see change when the library sets it itself."""

@@ -26,10 +26,12 @@ before JAX starts (``worker.configure_process``).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ...config import Tuning
-from ..workerkit import tf32_wanted
+from ..base import xla_autotunes
+from ..workerkit import tf32_ran, tf32_wanted
 
 PRECISION_OPTION = "jax_default_matmul_precision"
 PRECISIONS = {True: "tensorfloat32", False: "float32"}
@@ -70,9 +72,9 @@ def tf32_fields(gpu: bool) -> dict[str, Any]:
     import jax
 
     value = jax.config.jax_default_matmul_precision
-    on = IN_TF32.get(value)
-    return {"tf32_cudnn": on, "tf32_matmul": on,
-            "tf32_switch": f"jax.config {PRECISION_OPTION}={value!r} (dots and convolutions)"}
+    on, switch = tf32_ran(IN_TF32.get(value),
+                          f"jax.config {PRECISION_OPTION}={value!r} (dots and convolutions)")
+    return {"tf32_cudnn": on, "tf32_matmul": on, "tf32_switch": switch}
 
 
 def applied(gpu: bool, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -81,6 +83,7 @@ def applied(gpu: bool, options: dict[str, Any] | None) -> dict[str, Any]:
     if not gpu:
         return {}
     on = tf32_fields(True)["tf32_matmul"]
-    level = (options or {}).get(AUTOTUNE_OPTION)
+    # The step's own option wins; without one, a level in the caller's XLA_FLAGS holds.
     return {"tf32": None if on is None else ("on" if on else "off"),
-            "cudnn_benchmark": level is None or level > 0}
+            "cudnn_benchmark": xla_autotunes(os.environ.get("XLA_FLAGS", ""),
+                                             (options or {}).get(AUTOTUNE_OPTION))}

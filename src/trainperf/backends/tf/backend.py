@@ -10,8 +10,10 @@ import json
 import os
 
 from ...config import Topology, Tuning, Workload
-from ..base import (Backend, Capabilities, Cluster, EnvSpec, Launch, LaunchRequest,
-                    rank_gpu)
+from ..base import (AUTOTUNE_FLAG, Backend, Capabilities, Cluster, EnvSpec, Launch,
+                    LaunchRequest, rank_gpu, xla_autotunes)
+
+__all__ = ["BACKEND", "xla_autotunes"]
 
 PACKAGES = ("tensorflow-cpu==2.21.0",)
 CUDA_PACKAGES = ("tensorflow[and-cuda]==2.21.0",)
@@ -35,9 +37,6 @@ def log_env(mode: str) -> dict[str, str]:
     return dict(XLA_COMPILE_LOG if mode == "xla" else QUIET_LOG)
 
 
-AUTOTUNE_FLAG = "--xla_gpu_autotune_level"
-"""XLA's own autotuning of GEMMs and convolutions (``xla/debug_options_flags.cc``: "0 = off"),
-which ``--mode xla`` runs instead of TensorFlow's cuDNN kernels and ``TF_CUDNN_USE_AUTOTUNE``."""
 
 
 def tuning_env(tuning: Tuning, caller_env: dict[str, str]) -> dict[str, str]:
@@ -53,13 +52,6 @@ def tuning_env(tuning: Tuning, caller_env: dict[str, str]) -> dict[str, str]:
                 if not f.startswith(AUTOTUNE_FLAG + "=")]
         env["XLA_FLAGS"] = " ".join([*kept, AUTOTUNE_FLAG + "=0"])
     return env
-
-
-def xla_autotunes(xla_flags: str) -> bool:
-    """Whether XLA autotunes under these ``XLA_FLAGS`` (the last level given wins; XLA's own
-    default autotunes)."""
-    levels = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(AUTOTUNE_FLAG + "=")]
-    return not levels or levels[-1] != "0"
 
 
 DEPARTURE_ENV = "TRAINPERF_DEPARTURE"

@@ -39,7 +39,8 @@ from ...config import Tuning
 from ..phases import PhaseClock, compiled_step_phase
 from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_margin,
                          device_used_bytes, dumps_state, environment, leave, load_init,
-                         memory_fields, rss_now_bytes, rss_peak_bytes, tf32_wanted, worker_entry)
+                         memory_fields, rss_now_bytes, rss_peak_bytes, tf32_ran, tf32_wanted,
+                         worker_entry)
 from . import models, profiling
 from .backend import BACKEND, xla_autotunes
 from .comm import Comm
@@ -116,6 +117,13 @@ def tf32_enabled(gpu: bool) -> bool | None:
     return bool(tf.config.experimental.tensor_float_32_execution_enabled()) if gpu else None
 
 
+def tf32_fields(gpu: bool) -> dict:
+    """``environment``'s TF32 fields: TensorFlow's switch, unless the process's
+    NVIDIA_TF32_OVERRIDE=0 turns TF32 off beneath it (None on a CPU)."""
+    on, switch = tf32_ran(tf32_enabled(gpu), TF32_SWITCH)
+    return {"tf32_cudnn": on, "tf32_matmul": on, "tf32_switch": switch if gpu else None}
+
+
 def env_flag(name: str, default: bool) -> bool:
     """A boolean variable as TensorFlow's ``ReadBoolFromEnvVar`` reads it."""
     value = os.environ.get(name, "").strip().lower()
@@ -125,11 +133,10 @@ def env_flag(name: str, default: bool) -> bool:
 def framework_env(comm: Comm, threads: int | None) -> dict:
     gpu = comm.device_type == "gpu"
     build = tf.sysconfig.get_build_info()
-    tf32 = tf32_enabled(gpu)
     return environment(
         "tensorflow", tf.__version__, gpu,
         "allocator peak (tf.config.experimental.get_memory_info()['peak'])",
-        memory_kind="allocator_peak", tf32_cudnn=tf32, tf32_matmul=tf32, tf32_switch=TF32_SWITCH,
+        memory_kind="allocator_peak", **tf32_fields(gpu),
         keras_version=_version_of("keras"),
         device_count=len(tf.config.list_physical_devices("GPU")) if gpu else 0,
         cuda_version=build.get("cuda_version") if gpu else None,
@@ -210,7 +217,7 @@ class TFRun(FrameworkRun):
             applied["cudnn_benchmark"] = (xla_autotunes(os.environ.get("XLA_FLAGS", ""))
                                           if self.mode == "xla"
                                           else env_flag("TF_CUDNN_USE_AUTOTUNE", True))
-            applied["tf32"] = "on" if tf32_enabled(True) else "off"
+            applied["tf32"] = "on" if tf32_fields(True)["tf32_matmul"] else "off"
         return applied
 
     def compile_count(self) -> int | None:

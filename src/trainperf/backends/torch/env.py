@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from ..workerkit import tf32_ran
+
+
+def tf32_fields() -> dict:
+    """Whether fp32 convolutions and matrix products run in TF32 on a GPU: torch's two switches,
+    unless the process's NVIDIA_TF32_OVERRIDE=0 turns TF32 off beneath them."""
+    conv, switch = tf32_ran(torch.backends.cudnn.allow_tf32, "torch.backends.cudnn.allow_tf32")
+    matmul, _ = tf32_ran(torch.backends.cuda.matmul.allow_tf32, "")
+    return {"tf32_cudnn": conv, "tf32_matmul": matmul,
+            "tf32_switch": switch.replace("allow_tf32;", "allow_tf32, "
+                                          "torch.backends.cuda.matmul.allow_tf32;", 1)}
+
 
 def framework_env(device: torch.device) -> dict:
     env: dict = {
@@ -33,10 +45,7 @@ def framework_env(device: torch.device) -> dict:
         count = torch.cuda.device_count()
         env["device_count"] = count
         env["device_names"] = [torch.cuda.get_device_name(i) for i in range(count)]
-        env["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
-        env["tf32_cudnn"] = torch.backends.cudnn.allow_tf32
-        env["tf32_switch"] = ("torch.backends.cudnn.allow_tf32, "
-                              "torch.backends.cuda.matmul.allow_tf32")
+        env.update(tf32_fields())
         env["memory_measure"] = "CUDA caching allocator's peak (torch.cuda.max_memory_allocated)"
         env["memory_kind"] = "allocator_peak"
         env["cudnn_benchmark"] = torch.backends.cudnn.benchmark

@@ -102,8 +102,10 @@ def applied_tuning(tuning: Tuning, device: torch.device, step: TrainStep) -> dic
     out: dict = {}
     if device.type == "cuda":
         out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
-        out["tf32"] = tf32_setting(torch.backends.cudnn.allow_tf32,
-                                   torch.backends.cuda.matmul.allow_tf32)
+        from .env import tf32_fields
+
+        ran = tf32_fields()
+        out["tf32"] = tf32_setting(ran["tf32_cudnn"], ran["tf32_matmul"])
     ddp = step.ddp_settings
     if ddp is not None:
         out.update(ddp_bucket_mb=ddp["bucket_cap_mb"], ddp_static_graph=ddp["static_graph"],
