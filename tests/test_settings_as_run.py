@@ -89,3 +89,31 @@ def test_tf32_is_recorded_as_the_override_leaves_it(framework, request):
         assert overridden["cudnn_benchmark"] is True
         off = read("jax", python, XLA_FLAGS="--xla_gpu_autotune_level=0")
         assert off["cudnn_benchmark"] is False
+
+
+@pytest.mark.parametrize("ran,said", [
+    ({"cudnn_benchmark": False, "tf32": "on"},
+     ["**not applied:** cuDNN autotuning asked on, ran off"]),
+    ({"cudnn_benchmark": True, "tf32": "off"},
+     ["**not applied:** TF32 asked on, ran off (NVIDIA_TF32_OVERRIDE=0 in the run's "
+      "environment)"]),
+    ({"cudnn_benchmark": True, "tf32": "on"}, []),
+    ({"cudnn_benchmark": None, "tf32": None}, []),  # a CPU run: neither applies
+])
+def test_the_settings_line_names_what_was_asked_and_did_not_run(ran, said):
+    """A GPU document whose plan asked for the defaults (autotuning on, TF32 on) and whose
+    runs recorded otherwise (OneFlow's eager mode, which never autotunes; an inherited
+    NVIDIA_TF32_OVERRIDE=0): the report's settings line says so, so that a comparison of six
+    frameworks shows which ran without what."""
+    import numpy as np
+
+    import synthetic_results as sr
+    from trainperf.report.markdown import not_applied, settings_text
+
+    doc = sr.doc_of([sr.case_of(sr.runs_of(100, 3, np.random.default_rng(0)))])
+    doc["tuning"] = {"cudnn_benchmark": True, "tf32": "on", "mode": "eager"}
+    doc["env"]["tf32_switch"] = "flow; NVIDIA_TF32_OVERRIDE=0"
+    doc["cases"][0]["settings"] = {"tuning": ran}
+    assert not_applied(doc) == said
+    for line in said:
+        assert line in settings_text(doc)

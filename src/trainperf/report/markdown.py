@@ -279,7 +279,39 @@ def settings_text(doc: dict) -> str:
     scaling = next((c["loss_scaling"] for c in cases if c.get("loss_scaling")), None)
     if scaling:
         parts.append(f"fp16 loss scaling {scaling}")
+    parts += not_applied(doc)
     return "; ".join(parts)
+
+
+SETTING_WORDS = {"cudnn_benchmark": "cuDNN autotuning", "tf32": "TF32"}
+
+
+def not_applied(doc: dict) -> list[str]:
+    """Each GPU setting the plan asked for (the framework's default included) that its runs did
+    not run as asked, as the workers recorded what ran: OneFlow's eager mode, which never
+    autotunes; TF32 turned off beneath the framework by NVIDIA_TF32_OVERRIDE=0; XLA's
+    autotuning turned off by the caller's XLA_FLAGS. A comparison then says which framework
+    ran without what."""
+    asked = doc.get("tuning") or {}
+    out = []
+    for name, words in SETTING_WORDS.items():
+        want = asked.get(name)
+        if want is None:
+            continue
+        want = ("on" if want else "off") if isinstance(want, bool) else str(want)
+        ran = set()
+        for c in doc["cases"]:
+            value = ((c.get("settings") or {}).get("tuning") or {}).get(name)
+            if value is not None:
+                ran.add(("on" if value else "off") if isinstance(value, bool) else str(value))
+        if ran and ran != {want}:
+            why = ""
+            switch = (doc.get("env") or {}).get("tf32_switch") or ""
+            if name == "tf32" and "NVIDIA_TF32_OVERRIDE=0" in switch:
+                why = " (NVIDIA_TF32_OVERRIDE=0 in the run's environment)"
+            out.append(f"**not applied:** {words} asked {want}, ran "
+                       f"{'/'.join(sorted(ran))}{why}")
+    return out
 
 
 def comparison_table(docs: list[dict], labels: list[str]) -> str:
