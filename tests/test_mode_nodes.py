@@ -18,7 +18,7 @@ from trainperf.runner import Case, Plan, Runner
 
 pytestmark = pytest.mark.slow
 
-MEASURE = Measure(runs=1, iters=4, warmup=2, timeout_s=600)
+MEASURE = Measure(runs=2, iters=4, warmup=2, timeout_s=600)
 
 
 def node_plan(tmp_path, node: int, port: int) -> Plan:
@@ -29,7 +29,8 @@ def node_plan(tmp_path, node: int, port: int) -> Plan:
                 tmp_path / f"n{node}", Tuning(mode="best"), framework="torch")
 
 
-def test_every_node_runs_node_zeros_choice(tmp_path):
+def run_nodes(tmp_path, resume: bool = False) -> dict[int, dict]:
+    """Both nodes' runners, each in a thread as on its own machine; their documents."""
     port = reserved_ports()[0]
     runners = [Runner(node_plan(tmp_path, n, port)) for n in (0, 1)]
     docs: dict[int, dict] = {}
@@ -37,7 +38,7 @@ def test_every_node_runs_node_zeros_choice(tmp_path):
 
     def node(n: int) -> None:
         try:
-            docs[n] = runners[n].run()
+            docs[n] = runners[n].run(resume=resume)
         except BaseException as exc:  # noqa: BLE001 - told to the test below
             failed.append(exc)
 
@@ -47,6 +48,15 @@ def test_every_node_runs_node_zeros_choice(tmp_path):
     for t in threads:
         t.join(timeout=900)
     assert not failed and len(docs) == 2, failed
+    return docs
+
+
+def events_of(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+
+
+def test_every_node_runs_node_zeros_choice(tmp_path):
+    docs = run_nodes(tmp_path)
     probe = docs[0]["mode_probe"]
     modes = list(get_backend("torch").modes_on("cpu"))
     assert {r["mode"] for r in probe["rounds"]} == set(modes) and len(modes) > 1
@@ -70,4 +80,29 @@ def test_every_node_runs_node_zeros_choice(tmp_path):
     assert run["status"] == "ok" and run["mode"] == chosen, run["error"]
     follower = docs[1]["cases"][0]["runs"][0]
     assert follower["status"] == "ok" and follower["mode"] == chosen
+
+    # Cut both folders as at run 2's start, node 1's record of the choice turned to the
+    # other mode (a folder that disagrees), and resume both: the nodes agree again on node 0's
+    # choice, and run 2 goes in it on both. Before, node 1 took its own record.
+    other = next(m for m in modes if m != chosen)
+    for n in (0, 1):
+        folder = tmp_path / f"n{n}"
+        events = events_of(folder)
+        cut = next(i for i, e in enumerate(events)
+                   if e["event"] == "run_start" and e.get("run") == 2 and "probe" not in e)
+        kept = events[:cut]
+        if n == 1:
+            for e in kept:
+                if e["event"] == "mode_probe":
+                    e["probe"]["chosen"] = other
+        (folder / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept))
+    again = run_nodes(tmp_path, resume=True)
+    assert again[0]["mode_probe"]["chosen"] == again[1]["mode_probe"]["chosen"] == chosen
+    assert any(e.get("agreed_on_resume") for e in events_of(tmp_path / "n1"))
+    for n in (0, 1):
+        spec = json.loads((tmp_path / f"n{n}" / "runs" / "2n1g_b4_run2" / "spec.json")
+                          .read_text())
+        assert spec["tuning"]["mode"] == chosen, n
+    assert [r["status"] for r in again[0]["cases"][0]["runs"]] == ["ok", "ok"]
+    assert again[0]["cases"][0]["runs"][1]["mode"] == chosen
     assert left_behind(tmp_path) == []

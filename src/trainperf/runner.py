@@ -93,6 +93,7 @@ class Runner:
     def _restore(self) -> None:
         """Take back finished runs from an earlier, interrupted ``run`` into the same folder."""
         results.uncompress_events(self.out)
+        probes: list[dict] = []
         for line in results.event_lines(self.out):
             try:
                 e = json.loads(line)
@@ -104,12 +105,16 @@ class Runner:
             elif e.get("event") == "profile_end":
                 self.breakdowns[key] = e["breakdown"]
             elif e.get("event") == "mode_probe":
-                self.modes.restore(e["probe"])
+                probes.append(e["probe"])
             elif (e.get("event") == "start" and key not in self.start_events
                   and "probe" not in e and "profile" not in e):
                 self.start_events[key] = protocol.decode(e)
             elif e.get("event") == "runner_start":
                 self.env = e.get("env", {})
+        if probes:
+            # The last decision the folder recorded: a resumed node's nodes may have agreed on
+            # node 0's since its own (``_agree_resumed_mode``).
+            self.modes.restore(probes[-1])
 
     def _check_same_plan(self) -> None:
         meta_path = self.out / "plan.json"
@@ -254,6 +259,9 @@ class Runner:
         its group's where another plan of the group probes (this plan passes its turns until
         that one has decided)."""
         shared = self.modes.shared
+        topo = self.plan.cases[0].topology
+        if self.resuming and self.modes.best and topo.nnodes > 1:
+            self._agree_resumed_mode(topo)
         while self.modes.pending() and shared.probed_in not in (None, str(self.out)):
             yield  # another plan of the group is probing
         if not self.modes.pending():
@@ -265,6 +273,25 @@ class Runner:
         yield from self.modes.run_probe(self._probe_round, self.nodes)
         self._append_event({"event": "mode_probe", "t": time.time(),
                             "probe": self.modes.record()})
+
+    def _agree_resumed_mode(self, topo) -> None:
+        """A resumed plan's nodes agree on their mode again: each restored its own folder's
+        record, which may differ from node 0's or be missing; node 0's is taken by every node
+        (kept as this folder's latest record), and where node 0 holds none, every node probes
+        afresh, together."""
+        mine = self.modes.shared.probe
+        try:
+            told = self.nodes.one_decision(topo, "mode_resume", lambda: {"probe": mine})
+        except RendezvousError:
+            return  # every launch then fails at its meeting, saying why
+        agreed = told.get("probe")
+        if agreed == mine:
+            return
+        self.modes.shared.probe = agreed
+        self.modes.shared.probed_in = str(self.out) if agreed is not None else None
+        if agreed is not None:
+            self._append_event({"event": "mode_probe", "t": time.time(), "probe": agreed,
+                                "agreed_on_resume": True})
 
     def _has_probe_event(self) -> bool:
         return any('"event": "mode_probe"' in line for line in results.event_lines(self.out))
