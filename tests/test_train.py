@@ -177,6 +177,29 @@ def test_a_finished_run_leaves_a_final_checkpoint_that_verify_reads(faces, tmp_p
             in printed)
 
 
+def test_best_probes_modes_by_timed_steps_then_trains_in_the_choice(faces, tmp_path, capsys):
+    """`train --mode best`: each probe round times the training's step on its data for a few
+    steps (no evaluation, no checkpoint, never to the target), and the one training run goes
+    in the mode the probe chose. Before, `train` refused best, since each round would have
+    been a whole training."""
+    out_dir = tmp_path / "out"
+    args = cli_args(faces, out_dir, "--target", "100%", "--max-steps", "6", "--eval-every", "5",
+                    "--checkpoint-every", "1000", "--mode", "best")
+    assert cli.main(args) == cli.EXIT_OK
+    capsys.readouterr()
+    doc = results.load(out_dir)
+    probe = doc["mode_probe"]
+    assert probe["rounds"] and all(r["status"] == "ok" for r in probe["rounds"]), probe
+    for folder in out_dir.glob("runs/*_probe-*"):
+        spec = json.loads((folder / "spec.json").read_text())
+        assert spec["train"] is None, folder.name
+        assert spec["data"] is not None  # the training's own input
+        assert not (folder / "checkpoints").exists()
+    (run,) = doc["cases"][0]["runs"]
+    assert run["mode"] == probe["chosen"] and run["train"]["steps"] == 6
+    assert [e["step"] for e in run["train"]["curve"]] == [0, 5, 6]
+
+
 def test_a_target_the_untrained_model_meets_is_refused(faces, tmp_path, capsys):
     out_dir = tmp_path / "out"
     assert cli.main(cli_args(faces, out_dir, "--target", "1%", "--max-steps", "50",

@@ -18,6 +18,8 @@ class TimedRun:
     """Run ``run`` of a case: its measure as the plan has it, in the plan's mode."""
 
     run: int
+    trains = True
+    """A training plan's timed run trains (to its target, with its evaluations)."""
 
     @property
     def name(self) -> str:
@@ -47,6 +49,9 @@ class ProbeRound:
 
     probe_mode: str
     round_: int
+    trains = False
+    """A round times steps only, a training plan's too: its step on its data, never a training
+    to the target with evaluations and checkpoints."""
 
     @property
     def run(self) -> int:
@@ -82,6 +87,8 @@ class ProfiledRun:
     steps: int
     trace: bool = False
     run: int = 0
+    trains = False
+    """Phases of the step, split over ``steps`` steps: no training to a target."""
 
     @property
     def name(self) -> str:

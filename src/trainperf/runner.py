@@ -350,7 +350,7 @@ class Runner:
         run_dir.mkdir(parents=True, exist_ok=True)
         measure = kind.measure(self.plan.measure)
         mode = kind.mode(self.modes.mode)
-        train = self.plan.train
+        train = self.plan.train if kind.trains else None
         if train is not None:
             train = train.replace(checkpoint_dir=str((run_dir / "checkpoints").resolve()))
         # The device is decided here, once, as the plan was checked for it: the worker is told

@@ -102,9 +102,6 @@ def training_plans(recipe_name: str, *, frameworks: list[str], fcs: list[str] | 
     base_plan = Plan(recipe.name, workload, measure, cases,
                      out or default_folder(f"train-{recipe.name}"), tuning,
                      recipe.reference_model, data=spec, data_role="real", train=train)
-    if tuning.mode == "best":
-        raise ValueError("train runs one mode through to its target: name it (--mode), or "
-                         "leave each framework's default")
     chosen_plans = plans(base_plan, chosen)
     for plan in chosen_plans:
         plan.workload = plan.workload.replace(
