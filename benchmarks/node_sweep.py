@@ -10,9 +10,9 @@ Needs root (emulated nodes are network namespaces). It runs
         --framework torch,jax --runs 3 --iters 30 --warmup 10 --out OUT
 
 and keeps what the runs wrote, less the runs' link to the source tree and each run's own
-copy of its events (the folders' streams hold them: ``compact_records.py``). On a 2-core machine each emulated node has one core: 1n2g
-puts two ranks on node 0's one core, so its speedup says what a second rank on a full node
-costs, not what a second device gives.
+copy of its events (the folders' streams hold them: ``compact_records.py``). On a 2-core
+machine each emulated node has one core: 1n2g puts two ranks on node 0's one core, so its
+speedup says what a second rank on a full node costs, not what a second device gives.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ convolution that its GPU plan had chosen."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import stat
@@ -77,8 +78,7 @@ def rank_gpus(framework: str, visible: str) -> list[str]:
             env = {"CUDA_VISIBLE_DEVICES": visible, **proc.env}
             ordinal = 0
         else:
-            backend = __import__(f"trainperf.backends.{framework}.backend",
-                                 fromlist=["rank_env"])
+            backend = importlib.import_module(f"trainperf.backends.{framework}.backend")
             env = {"CUDA_VISIBLE_DEVICES": visible, **backend.rank_env(local, cluster)}
             ordinal = {"torch": int(env.get("LOCAL_RANK", -1)),
                        "oneflow": int(env.get("LOCAL_RANK", -1)),

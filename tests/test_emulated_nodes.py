@@ -107,6 +107,14 @@ def test_faults_are_read_as_node_and_step_or_seconds():
             cli_emulate.Fault.parse(action, bad, 2)
 
 
+def test_commbench_takes_faults_in_seconds_only(capsys):
+    """commbench has no steps for a fault to count: one given at a step is refused in one line
+    before any node is made, never left to not fire."""
+    assert main(["emulate", "--nodes", "2", "--cut-link", "1@8", "--", "commbench"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "give a fault's WHEN in seconds" in err
+
+
 def test_without_root_it_refuses_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["emulate", "--", *RUN]) == 2

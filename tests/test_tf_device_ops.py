@@ -27,7 +27,8 @@ import subprocess
 
 import pytest
 
-from trainperf.backends.tf.backend import BACKEND, tuning_env, xla_autotunes
+from trainperf.backends.base import xla_autotunes
+from trainperf.backends.tf.backend import BACKEND, tuning_env
 from trainperf.config import Tuning
 
 from test_tf_models_heads import tf_env

@@ -74,11 +74,18 @@ def new_tag() -> str:
     return "".join(secrets.choice(TAG_CHARS) for _ in range(TAG_LENGTH))
 
 
+def set_name(tag: str, part: str, node: int | str = "") -> str:
+    """The one naming of what a set makes: ``tpe<tag>br`` (its bridge), ``tpe<tag>n<k>``
+    (node k's namespace), ``tpe<tag>h<k>`` (the bridge's end of its link), ``tpe<tag>e<k>``
+    (the node's own end)."""
+    return f"{PREFIX}{tag}{part}{node}"
+
+
 def set_names(tag: str, nodes: int) -> dict:
     """What a set of ``tag`` with ``nodes`` nodes is made of, by name."""
-    return {"bridge": f"{PREFIX}{tag}br",
-            "namespaces": [f"{PREFIX}{tag}n{n}" for n in range(nodes)],
-            "links": [f"{PREFIX}{tag}h{n}" for n in range(nodes)]}
+    return {"bridge": set_name(tag, "br"),
+            "namespaces": [set_name(tag, "n", n) for n in range(nodes)],
+            "links": [set_name(tag, "h", n) for n in range(nodes)]}
 
 
 def state_problem(path: Path, state: object) -> str | None:
@@ -196,18 +203,18 @@ class EmulatedNodes:
 
     @property
     def bridge(self) -> str:
-        return f"{PREFIX}{self.tag}br"
+        return set_name(self.tag, "br")
 
     def namespace(self, node: int) -> str:
-        return f"{PREFIX}{self.tag}n{node}"
+        return set_name(self.tag, "n", node)
 
     def host_link(self, node: int) -> str:
         """The bridge's end of node ``node``'s link."""
-        return f"{PREFIX}{self.tag}h{node}"
+        return set_name(self.tag, "h", node)
 
     def node_link(self, node: int) -> str:
         """The node's own interface, inside its namespace."""
-        return f"{PREFIX}{self.tag}e{node}"
+        return set_name(self.tag, "e", node)
 
     def addr(self, node: int) -> str:
         return f"{self.subnet}.{node + 1}"

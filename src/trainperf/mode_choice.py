@@ -37,6 +37,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .config import MODE_BEST
+
 PROBE_ROUNDS = 2
 """Rounds over the modes: two, in opposite orders."""
 SETTLE_MIN = 4
@@ -216,7 +218,7 @@ def modes_asked(docs: list[dict[str, Any]]) -> bool:
     """Whether every document's mode was asked for by name (``--mode eager``), so that a
     difference in mode between them is the user's question; a mode a probe chose
     (``--mode best``), or none recorded (an ingested log), is not."""
-    return all((d.get("tuning") or {}).get("mode") not in (None, "best") for d in docs)
+    return all((d.get("tuning") or {}).get("mode") not in (None, MODE_BEST) for d in docs)
 
 
 def mode_pair_text(base: dict[str, Any], new: dict[str, Any]) -> str:

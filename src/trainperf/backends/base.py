@@ -7,6 +7,7 @@ runner never imports a framework.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,18 @@ def xla_autotunes(xla_flags: str, level: int | None = None) -> bool:
         return level > 0
     levels = [f.split("=", 1)[1] for f in xla_flags.split() if f.startswith(AUTOTUNE_FLAG + "=")]
     return not levels or levels[-1] != "0"
+
+
+def own_gpu_ordinal(local_rank: int, seen: int, framework: str) -> int:
+    """The GPU ordinal local rank ``local_rank`` opens in a process that sees ``seen`` GPUs
+    (the list it was given): its own, the r-th, or ValueError in one line where there is none,
+    never another rank's (the frameworks that give a process its node's GPUs: torch,
+    OneFlow)."""
+    if local_rank >= seen:
+        raise ValueError(f"local rank {local_rank} has no GPU of its own: {framework} sees "
+                         f"{seen} (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES')})")
+    return local_rank
 
 
 def rank_gpu(local_rank: int, visible: str | None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -180,14 +181,17 @@ def steps_so_far(node0: Path) -> int:
     """Node 0's steps so far, in every plan's folder under its own (one plan's, several
     frameworks', a mode list's, ``--data``'s real and synthetic), every run counted."""
     total = 0
-    # A plan's folder holds its plan.json; its runs' folders hold their workers' own events
-    # while they run, the same steps again.
-    for plan in node0.glob("**/plan.json"):
-        events = plan.parent / "events.jsonl"
-        try:
-            total += events.read_text(errors="replace").count(STEP_MARK)
-        except OSError:
-            pass
+    for folder, subfolders, files in os.walk(node0):
+        # A plan's folder holds its plan.json. Its runs/ hold each run's own folder (the
+        # workers' events while they run, the same steps again; traces, checkpoints): never a
+        # plan, and not walked every tenth of a second.
+        subfolders[:] = [d for d in subfolders if d != "runs"]
+        if "plan.json" in files:
+            try:
+                total += (Path(folder) / "events.jsonl").read_text(
+                    errors="replace").count(STEP_MARK)
+            except OSError:
+                pass
     return total
 
 
@@ -244,8 +248,6 @@ def node_gpus(nodes: int, per_node: int | None) -> tuple[str, ...]:
     ``CUDA_VISIBLE_DEVICES`` (a scheduler's ``4,5``), else every GPU's index. Refused in one
     line where there are too few for every node to have its share, or a share of none where
     GPUs are there (a node would run on the CPU without saying so)."""
-    import os
-
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = ([d.strip() for d in inherited.split(",") if d.strip()] if inherited is not None
                else [str(i) for i in range(gpu_count())])
@@ -294,14 +296,13 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                          "give --nodes one count")
     if command == "commbench" and devices is not None:
         rest += ["--devices", devices]
-    if command == "commbench" and any("@" in t and not t.split("@", 1)[1].split(":")[0]
-                                      .endswith("s") for t in args.cut_link + args.slow_link):
-        raise ValueError("commbench takes no training steps: give a fault's WHEN in seconds "
-                         "(e.g. --cut-link 1@20s)")
     nodes = steps[-1].nodes
     rate = parse_rate(args.rate) if args.rate else None
     faults = ([Fault.parse("cut", t, nodes) for t in args.cut_link]
               + [Fault.parse("slow", t, nodes) for t in args.slow_link])
+    if command == "commbench" and any(f.at_step is not None for f in faults):
+        raise ValueError("commbench takes no training steps: give a fault's WHEN in seconds "
+                         "(e.g. --cut-link 1@20s)")
     if command == "run" and (out / JOB).exists():
         raise ValueError(f"{out} already holds a job's folders; choose another --out")
     mode_from_first = check_run(rest, steps, out) and is_sweep(steps) if command == "run" \

@@ -292,18 +292,17 @@ def not_applied(doc: dict) -> list[str]:
     autotunes; TF32 turned off beneath the framework by NVIDIA_TF32_OVERRIDE=0; XLA's
     autotuning turned off by the caller's XLA_FLAGS. A comparison then says which framework
     ran without what."""
+    def said(value) -> str:  # a switch recorded as a bool (autotuning) or a word (TF32)
+        return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
     asked = doc.get("tuning") or {}
     out = []
     for name, words in SETTING_WORDS.items():
-        want = asked.get(name)
-        if want is None:
+        if asked.get(name) is None:
             continue
-        want = ("on" if want else "off") if isinstance(want, bool) else str(want)
-        ran = set()
-        for c in doc["cases"]:
-            value = ((c.get("settings") or {}).get("tuning") or {}).get(name)
-            if value is not None:
-                ran.add(("on" if value else "off") if isinstance(value, bool) else str(value))
+        want = said(asked[name])
+        ran = {said(v) for c in doc["cases"]
+               if (v := ((c.get("settings") or {}).get("tuning") or {}).get(name)) is not None}
         if ran and ran != {want}:
             why = ""
             switch = (doc.get("env") or {}).get("tf32_switch") or ""

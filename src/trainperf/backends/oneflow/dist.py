@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import oneflow as flow
 
+from ..base import own_gpu_ordinal
 from ..workerkit import device_kind_for
 
 
@@ -55,13 +56,7 @@ class Dist:
     @property
     def gpu_index(self) -> int:
         """This rank's GPU as the process numbers them (it sees all of its node's)."""
-        seen = flow.cuda.device_count()
-        if self.local_rank >= seen:
-            # Local rank r drives its node's r-th GPU of the list it was given; never another's.
-            raise ValueError(f"local rank {self.local_rank} has no GPU of its own: OneFlow sees "
-                             f"{seen} (CUDA_VISIBLE_DEVICES="
-                             f"{os.environ.get('CUDA_VISIBLE_DEVICES')})")
-        return self.local_rank
+        return own_gpu_ordinal(self.local_rank, flow.cuda.device_count(), "OneFlow")
 
     @property
     def device_name(self) -> str:

@@ -11,9 +11,7 @@ import os
 
 from ...config import Topology, Tuning, Workload
 from ..base import (AUTOTUNE_FLAG, Backend, Capabilities, Cluster, EnvSpec, Launch,
-                    LaunchRequest, rank_gpu, xla_autotunes)
-
-__all__ = ["BACKEND", "xla_autotunes"]
+                    LaunchRequest, rank_gpu)
 
 PACKAGES = ("tensorflow-cpu==2.21.0",)
 CUDA_PACKAGES = ("tensorflow[and-cuda]==2.21.0",)
@@ -35,8 +33,6 @@ def log_env(mode: str) -> dict[str, str]:
     """TensorFlow's C++ logging for a run in ``mode``: warnings and errors only, except under
     ``xla`` (``XLA_COMPILE_LOG``; ``default`` is ``function``, which compiles no XLA)."""
     return dict(XLA_COMPILE_LOG if mode == "xla" else QUIET_LOG)
-
-
 
 
 def tuning_env(tuning: Tuning, caller_env: dict[str, str]) -> dict[str, str]:

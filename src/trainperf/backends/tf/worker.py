@@ -42,7 +42,8 @@ from ..workerkit import (FrameworkRun, RealData, StepState, align_dtype, breaks_
                          memory_fields, rss_now_bytes, rss_peak_bytes, tf32_ran, tf32_wanted,
                          worker_entry)
 from . import models, profiling
-from .backend import BACKEND, xla_autotunes
+from ..base import xla_autotunes
+from .backend import BACKEND
 from .comm import Comm
 from .compiling import CompileClock
 from .departure import Departure

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..base import COLLECTIVE_TIMEOUT_ENV
+from ..base import COLLECTIVE_TIMEOUT_ENV, own_gpu_ordinal
 from ..layouts import shard_of
 
 # Newer torch renames all_gather_into_tensor; keep working on both (the package asks torch>=2.4).
@@ -46,13 +46,8 @@ def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
             raise ValueError("--device cuda was asked for but torch sees no GPU "
                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, "
                              f"torch {torch.__version__}, CUDA build {torch.version.cuda})")
-        seen = torch.cuda.device_count()
-        if local_rank >= seen:
-            # Local rank r drives the r-th GPU of the list it was given; never another rank's.
-            raise ValueError(f"local rank {local_rank} has no GPU of its own: torch sees {seen} "
-                             f"(CUDA_VISIBLE_DEVICES="
-                             f"{os.environ.get('CUDA_VISIBLE_DEVICES')})")
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", own_gpu_ordinal(local_rank, torch.cuda.device_count(),
+                                                    "torch"))
     return torch.device("cpu")
 
 

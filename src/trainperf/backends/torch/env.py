@@ -7,14 +7,15 @@ import torch
 from ..workerkit import tf32_ran
 
 
+TF32_SWITCHES = "torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32"
+
+
 def tf32_fields() -> dict:
     """Whether fp32 convolutions and matrix products run in TF32 on a GPU: torch's two switches,
     unless the process's NVIDIA_TF32_OVERRIDE=0 turns TF32 off beneath them."""
-    conv, switch = tf32_ran(torch.backends.cudnn.allow_tf32, "torch.backends.cudnn.allow_tf32")
-    matmul, _ = tf32_ran(torch.backends.cuda.matmul.allow_tf32, "")
-    return {"tf32_cudnn": conv, "tf32_matmul": matmul,
-            "tf32_switch": switch.replace("allow_tf32;", "allow_tf32, "
-                                          "torch.backends.cuda.matmul.allow_tf32;", 1)}
+    conv, switch = tf32_ran(torch.backends.cudnn.allow_tf32, TF32_SWITCHES)
+    matmul, _ = tf32_ran(torch.backends.cuda.matmul.allow_tf32, TF32_SWITCHES)
+    return {"tf32_cudnn": conv, "tf32_matmul": matmul, "tf32_switch": switch}
 
 
 def framework_env(device: torch.device) -> dict:

@@ -12,7 +12,7 @@ from ...protocol import EventWriter, Start
 from ..workerkit import is_oom as reads_as_oom
 from ..workerkit import rss_now_bytes, rss_peak_bytes, tf32_setting, tf32_wanted
 from .dist import DistContext, all_gather
-from .env import framework_env
+from .env import framework_env, tf32_fields
 from .flops import backbone_profile, train_flops_per_sample
 from .memory_model import estimate
 from .step import TrainStep
@@ -102,8 +102,6 @@ def applied_tuning(tuning: Tuning, device: torch.device, step: TrainStep) -> dic
     out: dict = {}
     if device.type == "cuda":
         out["cudnn_benchmark"] = torch.backends.cudnn.benchmark
-        from .env import tf32_fields
-
         ran = tf32_fields()
         out["tf32"] = tf32_setting(ran["tf32_cudnn"], ran["tf32_matmul"])
     ddp = step.ddp_settings
